@@ -1,0 +1,130 @@
+"""`dsconv`: offline conversion of DeepSeek checkpoints. The function signatures are the CLI."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from convert.errors import InputError
+from convert.formats import FORMATS
+from convert.recipes import recipes_help
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards.")
+console = Console()
+err_console = Console(stderr=True)
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise InputError(f"--max-file-size {text!r} is not a size like 4GB, 512MiB or 1000000")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise InputError(f"--max-file-size {text!r} must be positive")
+    return size
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.callback()
+def main() -> None:
+    """Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards."""
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def _print_plan(plan) -> None:
+    from convert.quantize import side_files
+
+    table = Table(title=f"dsconv quantize plan: {plan.checkpoint.family.name}, recipe {plan.recipe.name}, "
+                        f"format {plan.fmt.name}")
+    for column in ("tensor", "source", "shape", "output", "file"):
+        table.add_column(column, overflow="fold")
+    for part in plan.parts:
+        for item in part.items:
+            w = item.weight
+            source = str(w.value.entry.dtype).removeprefix("torch.")
+            if w.scale is not None:
+                source += f" + {str(w.scale.entry.dtype).removeprefix('torch.')} scale ({w.encoding})"
+            output = " + ".join(f"{t.name.rsplit('.', 1)[-1]} {str(t.dtype).removeprefix('torch.')}"
+                                for t in item.outputs)
+            table.add_row(w.spec.name, source, "x".join(map(str, w.spec.shape)), output, part.name)
+    console.print(table)
+    int8 = sum(1 for item in plan.items if item.action == "int8")
+    console.print(f"{len(plan.items)} tensors -> {len(plan.parts)} file(s), {int8} INT8 linears, "
+                  f"{_gb(plan.checkpoint.nbytes)} in -> {_gb(sum(p.nbytes for p in plan.parts))} out; "
+                  f"side files copied: {', '.join(side_files(plan)) or 'none'}")
+
+
+@app.command()
+def quantize(
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json + *.safetensors).")],
+    out: Annotated[Path, typer.Argument(help="Output directory: new or empty, or an interrupted run to resume.")],
+    recipe: Annotated[Optional[str], typer.Option(help="Which linears become INT8. " + recipes_help())] = None,
+    format: Annotated[str, typer.Option("--format", help="Output layout: " + "; ".join(
+        f"{f.name}: {f.help}" for f in FORMATS.values()))] = "ascend",
+    max_file_size: Annotated[str, typer.Option(help="Cap on each output weight file.")] = "4GB",
+    workers: Annotated[Optional[int], typer.Option(help="Worker threads (default: all cores).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the per-tensor plan and write nothing.")] = False,
+) -> None:
+    """Quantize SRC (BF16, FP8 block-scaled, or V4 FP8 + FP4 experts) to W8A8 INT8 in OUT.
+
+    Weights listed by the recipe become symmetric per-output-channel INT8 (scale = amax/127); every
+    other FP8/FP4 tensor is decoded to BF16, and float tensors are kept as shipped. Streams tensor by
+    tensor; re-running the same command after an interruption resumes it.
+    """
+    from convert.quantize import build_plan, default_workers, prepare_out, run_quantize
+
+    try:
+        if workers is not None and workers < 1:
+            raise InputError(f"--workers {workers} must be at least 1")
+        plan = build_plan(src, recipe, format, parse_size(max_file_size))
+        if dry_run:
+            _print_plan(plan)
+            return
+        prepare_out(plan, out)
+        with tqdm(total=plan.checkpoint.nbytes, unit="B", unit_scale=True, desc="quantize", file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            result = run_quantize(plan, out, workers or default_workers(), bar.update)
+    except InputError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume", 130)
+    _print_summary(result)
+
+
+def _print_summary(result) -> None:
+    plan = result.plan
+    table = Table(title=f"dsconv quantize: {result.out}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    n_out = sum(len(item.outputs) for item in plan.items)
+    int8 = sum(1 for item in plan.items if item.action == "int8")
+    table.add_row("model", f"{plan.checkpoint.family.name}, recipe {plan.recipe.name}, format {plan.fmt.name}")
+    table.add_row("tensors", f"{len(plan.items)} in -> {n_out} out ({int8} INT8 linears)")
+    table.add_row("bytes", f"{_gb(result.bytes_in)} in -> {_gb(result.bytes_out)} out")
+    table.add_row("INT8 share of output", f"{result.int8_bytes / max(result.bytes_out, 1):.1%}")
+    table.add_row("files", f"{len(plan.parts)} weight files" + (f" ({result.resumed_parts} kept from an earlier run)"
+                                                               if result.resumed_parts else ""))
+    table.add_row("time", f"{result.seconds:.2f} s, {result.bytes_in / max(result.seconds, 1e-9) / 1e9:.2f} GB/s in")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,158 @@
+"""Carrying out a plan: row chunks decoded and quantized on worker threads, written straight to their offsets.
+
+Each part file is pre-sized behind its final header under a temporary name, filled by chunk tasks in any
+order, then fsynced and renamed. Memory is a few chunks per worker, whatever the checkpoint size. A part
+whose final file already exists with the planned header and size is complete (the rename is the commit).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from convert.decode import decode_rows, scale_rows
+from convert.errors import InputError
+from convert.plan import KEEP, PART_METADATA, TO_BF16, TO_INT8, Item, Part
+from convert.safetensors_io import fsync_dir, header_bytes, read_bytes, read_rows
+from kernels.int8 import quantize_rows_
+
+# Rows per task are sized so one float32 chunk stays cache-resident while ~6 elementwise passes run over it.
+CHUNK_ELEMENTS = 1 << 18
+COPY_CHUNK_BYTES = 16 << 20  # KEEP tensors are copied in slices of this size
+
+
+@dataclass(frozen=True)
+class Task:
+    item: Item
+    start: int  # rows for decode/quantize tasks, bytes for KEEP copies
+    stop: int
+
+
+def _tasks(item: Item) -> Iterator[Task]:
+    if item.action == KEEP:
+        step = max(item.weight.value.entry.dtype.itemsize, COPY_CHUNK_BYTES)
+        nbytes = item.weight.value.entry.nbytes
+        for start in range(0, nbytes, step):
+            yield Task(item, start, min(nbytes, start + step))
+        if nbytes == 0:
+            yield Task(item, 0, 0)
+        return
+    rows, cols = item.weight.spec.shape
+    step = max(1, CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        yield Task(item, start, min(rows, start + step))
+
+
+def _offsets(part: Part) -> dict[str, int]:
+    pos = len(header_bytes(part.tensors, PART_METADATA))
+    offsets = {}
+    for t in part.tensors:
+        offsets[t.name] = pos
+        pos += t.nbytes
+    return offsets
+
+
+def _check_finite(name: str, values: torch.Tensor, where: str) -> None:
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise InputError(f"{name}: NaN or Inf in the weight ({where}); refusing to convert it")
+
+
+def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    written = os.pwrite(fd, data, offset)
+    if written != len(data):
+        raise OSError(f"short write ({written} of {len(data)} bytes)")
+
+
+def _run_task(task: Task, fd: int, offsets: dict[str, int], block: tuple[int, int] | None) -> int:
+    item, weight = task.item, task.item.weight
+    name = weight.spec.name
+    if item.action == KEEP:
+        entry = weight.value.entry
+        raw = read_bytes(weight.value.path, entry.offset + task.start, task.stop - task.start, name)
+        if entry.dtype.is_floating_point:
+            _check_finite(name, raw.view(entry.dtype), f"bytes {task.start}-{task.stop}")
+        _pwrite(fd, raw, offsets[item.outputs[0].name] + task.start)
+        return task.stop - task.start
+
+    values = read_rows(weight.value.path, weight.value.entry, task.start, task.stop)
+    scales = None
+    if weight.scale is not None:
+        s0, s1 = scale_rows(weight.encoding, block, task.start, task.stop)
+        scales = read_rows(weight.scale.path, weight.scale.entry, s0, s1)
+    x = decode_rows(values, scales, weight.encoding, block, task.start)  # [rows, cols] float32
+    rows = task.stop - task.start
+    if item.action == TO_BF16:
+        _check_finite(name, x, f"rows {task.start}-{task.stop}")
+        out = item.outputs[0]
+        _pwrite(fd, x.to(torch.bfloat16), offsets[out.name] + task.start * out.nbytes // out.shape[0])
+    elif item.action == TO_INT8:
+        cols = x.shape[1]
+        q = torch.empty(rows, cols, dtype=torch.int8)
+        scale = torch.empty(rows, 1, dtype=torch.float32)
+        amax = quantize_rows_(x, q, scale)
+        _check_finite(name, amax, f"rows {task.start}-{task.stop}")
+        weight_out, *companions = item.outputs
+        _pwrite(fd, q, offsets[weight_out.name] + task.start * cols)
+        for out in companions:  # weight_scale, then weight_offset (zeros: symmetric)
+            data = scale if out.name.endswith("weight_scale") else torch.zeros_like(scale)
+            _pwrite(fd, data, offsets[out.name] + task.start * scale.element_size())
+    else:
+        raise AssertionError(item.action)
+    return weight.nbytes * rows // weight.spec.shape[0]
+
+
+@contextmanager
+def _torch_threads(n: int):
+    # Workers run one chunk each; torch's own intra-op pool would only contend with them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def part_is_complete(part: Part, path: Path) -> bool:
+    if not path.is_file() or path.stat().st_size != part.nbytes:
+        return False
+    header = header_bytes(part.tensors, PART_METADATA)
+    with open(path, "rb") as f:
+        return f.read(len(header)) == header
+
+
+def write_part(part: Part, path: Path, block: tuple[int, int] | None, workers: int,
+               on_progress: Callable[[int], None]) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    offsets = _offsets(part)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        header = header_bytes(part.tensors, PART_METADATA)
+        os.pwrite(fd, header, 0)
+        os.ftruncate(fd, part.nbytes)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="dsconv")
+        try:
+            with _torch_threads(1):
+                pending = {pool.submit(_run_task, task, fd, offsets, block)
+                           for item in part.items for task in _tasks(item)}
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for future in done:
+                        on_progress(future.result())  # re-raises a worker's error
+        finally:
+            # On an error or Ctrl-C, drop queued chunks instead of finishing them.
+            pool.shutdown(wait=True, cancel_futures=True)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -1,0 +1,90 @@
+"""The conversion plan: every output tensor, its dtype and shape, and the file it lands in, before any work.
+
+Because the plan fixes each file's exact header, workers can write results straight to their offsets,
+a resumed run can tell a finished file from a stale one, and `--dry-run` shows what would happen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from convert.formats import OutputFormat
+from convert.recipes import Recipe
+from convert.safetensors_io import OutTensor, file_size
+from convert.source import Checkpoint, SourceWeight
+
+KEEP, TO_BF16, TO_INT8 = "keep", "bf16", "int8"
+PART_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+
+
+@dataclass(frozen=True)
+class Item:
+    weight: SourceWeight
+    action: str  # KEEP: bytes as stored; TO_BF16: decode FP8/FP4; TO_INT8: decode then quantize per channel
+    outputs: tuple[OutTensor, ...]  # for TO_INT8 in the format's order: weight, scale[, offset]
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    items: tuple[Item, ...]
+
+    @property
+    def tensors(self) -> list[OutTensor]:
+        return [t for item in self.items for t in item.outputs]
+
+    @property
+    def nbytes(self) -> int:
+        return file_size(self.tensors, PART_METADATA)
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoint: Checkpoint
+    recipe: Recipe
+    fmt: OutputFormat
+    parts: tuple[Part, ...]
+
+    @property
+    def items(self) -> list[Item]:
+        return [item for part in self.parts for item in part.items]
+
+    def digest(self) -> str:
+        """Changes whenever any output byte could: source files, recipe, format, layout."""
+        sources = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.checkpoint.files]
+        layout = [(part.name, [(t.name, str(t.dtype), t.shape) for t in part.tensors]) for part in self.parts]
+        blob = json.dumps([sources, self.recipe.name, self.fmt.name, layout], default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _item(weight: SourceWeight, recipe: Recipe, fmt: OutputFormat) -> Item:
+    spec = weight.spec
+    if recipe.is_int8(spec):
+        base = spec.name.removesuffix("weight")
+        rows = spec.shape[0]
+        outputs = tuple(OutTensor(base + t.suffix, t.dtype, (rows, 1) if t.per_channel else spec.shape)
+                        for t in fmt.int8_tensors)
+        return Item(weight, TO_INT8, outputs)
+    if weight.encoding in ("fp8", "fp4"):
+        return Item(weight, TO_BF16, (OutTensor(spec.name, torch.bfloat16, spec.shape),))
+    entry = weight.value.entry
+    return Item(weight, KEEP, (OutTensor(spec.name, entry.dtype, entry.shape),))
+
+
+def make_plan(checkpoint: Checkpoint, recipe: Recipe, fmt: OutputFormat, max_file_bytes: int) -> Plan:
+    items = [_item(w, recipe, fmt) for w in checkpoint.weights]
+    groups: list[list[Item]] = [[]]
+    size = 0
+    for item in items:
+        item_bytes = sum(t.nbytes for t in item.outputs)
+        if groups[-1] and size + item_bytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item_bytes
+    parts = tuple(Part(fmt.part_name(i, len(groups)), tuple(g)) for i, g in enumerate(groups))
+    return Plan(checkpoint, recipe, fmt, parts)

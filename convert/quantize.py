@@ -1,0 +1,115 @@
+"""`dsconv quantize`: a checkpoint as downloaded -> W8A8 INT8 safetensors, resumable and crash-safe.
+
+OUT holds a job file naming the plan's digest from the first moment; a re-run with the same arguments
+finds it, keeps every part already renamed into place and redoes the rest. Side files (index, config,
+description) are written last, so an interrupted OUT never looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from convert.errors import InputError
+from convert.execute import part_is_complete, write_part
+from convert.formats import (ASCEND, ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME, ascend_description,
+                             format_for, is_side_file, output_config)
+from convert.plan import TO_INT8, Plan, make_plan
+from convert.recipes import recipe_for
+from convert.safetensors_io import write_bytes_atomic, write_json_atomic
+from convert.source import open_checkpoint
+
+JOB_FILE = ".dsconv-job.json"
+PARTIAL_SUFFIX = ".partial"
+
+
+def build_plan(src: Path, recipe: str | None, fmt: str, max_file_bytes: int) -> Plan:
+    checkpoint = open_checkpoint(src)
+    return make_plan(checkpoint, recipe_for(recipe, checkpoint.family.name), format_for(fmt), max_file_bytes)
+
+
+@dataclass(frozen=True)
+class Result:
+    plan: Plan
+    out: Path
+    bytes_in: int
+    bytes_out: int
+    int8_bytes: int
+    seconds: float
+    resumed_parts: int
+
+
+def _job(plan: Plan, src: Path) -> dict:
+    return {"command": "dsconv quantize", "source": str(src.resolve()), "recipe": plan.recipe.name,
+            "format": plan.fmt.name, "plan_digest": plan.digest()}
+
+
+def prepare_out(plan: Plan, out: Path) -> None:
+    """Create OUT, or accept it only when it holds an unfinished (or finished) run of this same job."""
+    src = plan.checkpoint.root
+    job = _job(plan, src)
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise InputError(f"OUT {out} must not be the source directory or inside it")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"OUT {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        try:
+            previous = json.loads((out / JOB_FILE).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            raise InputError(f"OUT {out} is not empty and holds no dsconv run; choose an empty or new directory") from None
+        if {k: previous.get(k) for k in job} != job:
+            raise InputError(f"OUT {out} holds a different dsconv run (other source, recipe, format or file size); "
+                             f"choose an empty or new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"*{PARTIAL_SUFFIX}"):
+        stale.unlink()
+    write_json_atomic(out / JOB_FILE, {**job, "complete": False})
+
+
+def _write_side_files(plan: Plan, out: Path) -> None:
+    checkpoint, fmt = plan.checkpoint, plan.fmt
+    weight_map = {t.name: part.name for part in plan.parts for t in part.tensors}
+    total = sum(t.nbytes for part in plan.parts for t in part.tensors)
+    write_json_atomic(out / fmt.index_name, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    # Float linears (kept out of INT8) are what compressed-tensors' `ignore` lists, by module name.
+    ignore = [item.weight.spec.name.removesuffix(".weight") for item in plan.items
+              if item.action != TO_INT8 and item.weight.spec.is_linear]
+    write_json_atomic(out / "config.json", output_config(checkpoint.config, fmt, ignore))
+    if fmt is ASCEND:
+        types = {t.name: (ASCEND_INT8 if item.action == TO_INT8 else ASCEND_FLOAT)
+                 for item in plan.items for t in item.outputs}
+        write_json_atomic(out / DESCRIPTION_NAME, ascend_description(types))
+    for path in sorted(checkpoint.root.iterdir()):
+        if path.is_file() and is_side_file(path.name):
+            write_bytes_atomic(out / path.name, path.read_bytes())
+
+
+def side_files(plan: Plan) -> list[str]:
+    return sorted(p.name for p in plan.checkpoint.root.iterdir() if p.is_file() and is_side_file(p.name))
+
+
+def run_quantize(plan: Plan, out: Path, workers: int, on_progress: Callable[[int], None]) -> Result:
+    started = time.perf_counter()
+    prepare_out(plan, out)
+    resumed = 0
+    for part in plan.parts:
+        path = out / part.name
+        if part_is_complete(part, path):
+            resumed += 1
+            on_progress(sum(item.weight.nbytes for item in part.items))
+            continue
+        write_part(part, path, plan.checkpoint.block, workers, on_progress)
+    _write_side_files(plan, out)
+    write_json_atomic(out / JOB_FILE, {**_job(plan, plan.checkpoint.root), "complete": True})
+    int8_bytes = sum(t.nbytes for item in plan.items if item.action == TO_INT8 for t in item.outputs[:1])
+    return Result(plan, out, plan.checkpoint.nbytes, sum(p.nbytes for p in plan.parts), int8_bytes,
+                  time.perf_counter() - started, resumed)
+
+
+def default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+

@@ -1,0 +1,40 @@
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `scripts` is a folder of the repo, not an installed package
+
+from scripts.make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+
+FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory):
+    """Session cache of tiny source checkpoints: tiny_source(family, encoding) -> read-only directory."""
+    cache: dict[tuple, Path] = {}
+
+    def build(family: str, encoding: str = "fp8", **kwargs) -> Path:
+        key = (family, encoding, json.dumps(kwargs, sort_keys=True))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{family}-{encoding}")
+            cache[key] = make_tiny_checkpoint(out / "src", family, encoding=encoding, **kwargs)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture
+def copy_source(tiny_source, tmp_path):
+    """A private, writable copy of a tiny checkpoint, for tests that break it."""
+
+    def build(family: str = "deepseek_v3", encoding: str = "fp8", **kwargs) -> Path:
+        dst = tmp_path / "broken-src"
+        shutil.copytree(tiny_source(family, encoding, **kwargs), dst)
+        return dst
+
+    return build

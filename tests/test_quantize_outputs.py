@@ -1,0 +1,120 @@
+"""`dsconv quantize` outputs, read back with other projects' loaders and checked against the source."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+from convert.formats import ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME
+from convert.quantize import build_plan, run_quantize
+from tests.conftest import FAMILIES
+
+COSINE_MIN = 0.9999
+SMALL_FILES = 2_000_000  # bytes; forces several output files on the tiny fixtures
+
+
+def read_all(directory, index_name):
+    """name -> tensor for every tensor of a checkpoint, through safetensors' own loader and the index."""
+    index = json.loads((directory / index_name).read_text())
+    tensors = {}
+    for file_name in sorted(set(index["weight_map"].values())):
+        with safe_open(directory / file_name, "pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    assert set(tensors) == set(index["weight_map"]), "index and files disagree"
+    return tensors, index
+
+
+def source_reference(src):
+    """Source tensors decoded to float32 by transformers' dequantization (independent of our decoders)."""
+    raw, _ = read_all(src, "model.safetensors.index.json")
+    scale_of = {}  # weight name -> its scale's name
+    for name in raw:
+        for suffix in (".weight_scale_inv", ".scale"):
+            weight = name.removesuffix(suffix) + ".weight"
+            if name.endswith(suffix) and weight in raw:
+                scale_of[weight] = name
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    return {name: dequantize(value, raw[scale_of[name]], output_dtype=torch.float32) if name in scale_of else value
+            for name, value in raw.items() if name not in scale_of.values()}
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def quantize(src, out, fmt="ascend", recipe=None):
+    plan = build_plan(src, recipe, fmt, SMALL_FILES)
+    return run_quantize(plan, out, workers=2, on_progress=lambda n: None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("encoding", ["fp8", "bf16"])
+def test_ascend_output_matches_source(tiny_source, tmp_path, family, encoding):
+    src = tiny_source(family, encoding)
+    result = quantize(src, tmp_path / "out")
+    out = tmp_path / "out"
+    tensors, index = read_all(out, "quant_model_weights.safetensors.index.json")
+    assert len(result.plan.parts) >= 2
+    assert all(name.startswith("quant_model_weights-") for name in set(index["weight_map"].values()))
+
+    description = json.loads((out / DESCRIPTION_NAME).read_text())
+    assert description.pop("model_quant_type") == ASCEND_INT8 and description.pop("version") == "1.0.0"
+    for key in ("metadata", "group_size", "optional"):
+        description.pop(key)
+    assert set(description) == set(tensors), "the description must list every saved tensor, nothing else"
+
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (out / "tokenizer.json").is_file()
+
+    reference = source_reference(src)
+    int8_weights = [n for n, t in tensors.items() if t.dtype == torch.int8]
+    assert int8_weights, "the default recipe must quantize something"
+    for name in int8_weights:
+        base = name.removesuffix("weight")
+        q, scale, offset = tensors[name], tensors[base + "weight_scale"], tensors[base + "weight_offset"]
+        assert scale.shape == (q.shape[0], 1) and scale.dtype == torch.float32
+        assert offset.shape == scale.shape and not offset.any()
+        assert description[name] == description[base + "weight_scale"] == ASCEND_INT8
+        assert cosine(q.float() * scale, reference[name]) >= COSINE_MIN, name
+    for name, value in tensors.items():
+        if value.dtype == torch.int8 or name.endswith(("weight_scale", "weight_offset")):
+            continue
+        assert description[name] == ASCEND_FLOAT
+        expected = reference[name]
+        if expected.dtype == torch.float32 and value.dtype == torch.bfloat16:
+            expected = expected.to(torch.bfloat16)  # an FP8/FP4 tensor the recipe keeps float
+        assert value.dtype == expected.dtype and torch.equal(value, expected), name
+    mtp = [n for n in tensors if ".layers." in n and result.plan.checkpoint.family.name != "deepseek_v4"
+           and int(n.split(".layers.")[1].split(".")[0]) >= result.plan.checkpoint.arch.num_hidden_layers]
+    mtp += [n for n in tensors if n.startswith("mtp.")]
+    assert mtp and all(description[n] == ASCEND_FLOAT for n in mtp), "MTP tensors are kept float and listed"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recipes_pick_the_documented_linears(tiny_source, family):
+    plan = build_plan(tiny_source(family), None, "ascend", SMALL_FILES)
+    int8 = {item.weight.spec.name for item in plan.items if item.action == "int8"}
+    if family == "deepseek_v4":
+        expect_int8 = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".ffn.experts.0.w1.weight",
+                       ".ffn.shared_experts.w2.weight")
+        expect_float = (".attn.wo_a.weight", ".attn.wo_b.weight", ".ffn.gate.weight")
+        expect_float_top = ("embed.weight", "head.weight")
+    else:
+        expect_int8 = (".self_attn.q_b_proj.weight", ".self_attn.o_proj.weight", ".mlp.experts.0.gate_proj.weight",
+                       ".mlp.shared_experts.down_proj.weight")
+        expect_float = (".self_attn.kv_b_proj.weight", ".self_attn.q_a_proj.weight",
+                        ".self_attn.kv_a_proj_with_mqa.weight", ".mlp.gate.weight")
+        expect_float_top = ("model.embed_tokens.weight", "lm_head.weight")
+    for suffix in expect_int8:
+        assert any(n.endswith(suffix) for n in int8), suffix
+    for suffix in expect_float:
+        assert not any(n.endswith(suffix) for n in int8), suffix
+    assert not int8 & set(expect_float_top)
+    assert not any(item.weight.spec.mtp for item in plan.items if item.action == "int8")
+    if family == "deepseek_v32":
+        assert any(n.endswith(".indexer.wq_b.weight") for n in int8)
+        assert not any(n.endswith((".indexer.wk.weight", ".indexer.weights_proj.weight")) for n in int8)
