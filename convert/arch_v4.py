@@ -45,11 +45,13 @@ class _Scope:
     layer: int  # decoder index; MTP layers continue after the last decoder layer
     mtp: bool
 
-    def spec(self, suffix: str, shape: tuple[int, ...], role: Role, encoding: Encoding, expert: int | None = None):
+    def spec(self, suffix: str, shape: tuple[int, ...], role: Role, encoding: Encoding,
+             expert: int | None = None) -> TensorSpec:
         return TensorSpec(f"{self.prefix}.{suffix}", shape, role, encoding, self.layer, expert, self.mtp)
 
 
-def _compressor(scope: _Scope, path: str, cfg: V4Config, ratio: int, head_dim: int, overlap: bool):
+def _compressor(scope: _Scope, path: str, cfg: V4Config, ratio: int, head_dim: int,
+                overlap: bool) -> Iterator[TensorSpec]:
     # CSA compressors emit two series (the current and the next window's share), HCA ones a single series.
     width = (2 if overlap else 1) * head_dim
     yield scope.spec(f"{path}.ape", (ratio, width), Role.COMPRESSOR_APE, Encoding.F32)

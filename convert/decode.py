@@ -71,9 +71,12 @@ def decode_fp8_rows(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     """q [rows, cols] float8_e4m3fn starting at weight row `first_row`; scale holds the block rows it spans."""
     rows, cols = q.shape
     skip = first_row % block[0]
-    s = scale_to_float32(scale)
-    s = s.repeat_interleave(block[0], dim=0)[skip:skip + rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return q.to(torch.float32).mul_(s)
+    s = scale_to_float32(scale).repeat_interleave(block[0], dim=0)[skip:skip + rows]  # [rows, col blocks]
+    x = q.to(torch.float32)
+    if cols % block[1] == 0:  # broadcast each block's scale over its columns without expanding it
+        x.view(rows, -1, block[1]).mul_(s[:, :, None])
+        return x
+    return x.mul_(s.repeat_interleave(block[1], dim=1)[:, :cols])
 
 
 _FP4_TABLE = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)

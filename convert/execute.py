@@ -8,7 +8,7 @@ whose final file already exists with the planned header and size is complete (th
 from __future__ import annotations
 
 import os
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,12 +139,10 @@ def write_part(part: Part, path: Path, block: tuple[int, int] | None, workers: i
         pool = ThreadPoolExecutor(workers, thread_name_prefix="dsconv")
         try:
             with _torch_threads(1):
-                pending = {pool.submit(_run_task, task, fd, offsets, block)
-                           for item in part.items for task in _tasks(item)}
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                    for future in done:
-                        on_progress(future.result())  # re-raises a worker's error
+                futures = [pool.submit(_run_task, task, fd, offsets, block)
+                           for item in part.items for task in _tasks(item)]
+                for future in as_completed(futures):
+                    on_progress(future.result())  # re-raises a worker's error
         finally:
             # On an error or Ctrl-C, drop queued chunks instead of finishing them.
             pool.shutdown(wait=True, cancel_futures=True)

@@ -35,7 +35,8 @@ class Part:
 
     @property
     def tensors(self) -> list[OutTensor]:
-        return [t for item in self.items for t in item.outputs]
+        # Widest dtypes first (stable), so every tensor's data is aligned to its element size for mmap readers.
+        return sorted((t for item in self.items for t in item.outputs), key=lambda t: -t.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:

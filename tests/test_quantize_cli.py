@@ -177,7 +177,7 @@ def test_bad_flags(tiny_source, tmp_path):
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_source, tmp_path):
     src = tiny_source("deepseek_v4")
-    result = CliRunner().invoke(app, ["quantize", str(src), str(tmp_path / "out"), "--dry-run"], terminal_width=250)
+    result = CliRunner().invoke(app, ["quantize", str(src), str(tmp_path / "out"), "--dry-run"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert "layers.0.attn.wq_a.weight" in result.output and "int8" in result.output
     assert "float8_e4m3fn + float8_e8m0fnu scale (fp8)" in result.output
