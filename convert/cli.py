@@ -74,8 +74,11 @@ def _print_plan(plan) -> None:
 
 @app.command()
 def quantize(
-    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json + *.safetensors).")],
-    out: Annotated[Path, typer.Argument(help="Output directory: new or empty, or an interrupted run to resume.")],
+    src: Annotated[Optional[Path], typer.Argument(
+        help="Hugging Face checkpoint directory (config.json + *.safetensors). Omit both SRC and OUT to run "
+             "the built-in demo: a tiny DeepSeek-V4 checkpoint with random weights.")] = None,
+    out: Annotated[Optional[Path], typer.Argument(
+        help="Output directory: new or empty, or an interrupted run to resume.")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="Which linears become INT8. " + recipes_help())] = None,
     format: Annotated[str, typer.Option("--format", help="Output layout: " + "; ".join(
         f"{f.name}: {f.help}" for f in FORMATS.values()))] = "ascend",
@@ -92,6 +95,14 @@ def quantize(
     from convert.quantize import build_plan, default_workers, prepare_out, run_quantize
 
     try:
+        if src is None:
+            from convert.demo import demo_output, demo_source
+
+            err_console.print("[yellow]No SRC given: running the built-in demo, a tiny DeepSeek-V4 checkpoint in "
+                              "the real hub format (FP8 + FP4 experts) with RANDOM weights.[/]")
+            src, out = demo_source(), demo_output(format)
+        elif out is None:
+            raise InputError("OUT is required when SRC is given")
         if workers is not None and workers < 1:
             raise InputError(f"--workers {workers} must be at least 1")
         plan = build_plan(src, recipe, format, parse_size(max_file_size))

@@ -67,12 +67,33 @@ def check_scale_shape(value_shape: tuple[int, ...], scale_shape: tuple[int, ...]
             raise InputError(f"FP4 scale shape {tuple(scale_shape)} does not tile a {rows}x{cols} weight by rows")
 
 
+# e4m3 (bias 7) shares fp16's layout shifted right by 7 bits: the magnitude bits moved into fp16's exponent
+# and mantissa fields read as value * 2^(7 - 15), normals and subnormals alike. This is exact and several
+# times faster on CPU than torch's own float8 cast.
+E4M3_TO_F16_SHIFT = 7
+E4M3_TO_F16_RESCALE = 2.0 ** (15 - 7)
+E4M3_NAN_MAGNITUDE = 0x7F  # e4m3fn has no infinities; S.1111.111 is NaN
+
+
+def fp8_e4m3_to_float32(q: torch.Tensor) -> torch.Tensor:
+    u = q.view(torch.uint8)
+    bits = u.to(torch.int16)
+    sign = (bits & 0x80).bitwise_left_shift_(8)
+    magnitude = bits.bitwise_and_(E4M3_NAN_MAGNITUDE)
+    has_nan = bool(magnitude.amax() == E4M3_NAN_MAGNITUDE) if magnitude.numel() else False
+    magnitude.bitwise_left_shift_(E4M3_TO_F16_SHIFT).bitwise_or_(sign)
+    x = magnitude.view(torch.float16).to(torch.float32).mul_(E4M3_TO_F16_RESCALE)
+    if has_nan:  # the bit trick reads NaN codes as +-480; restore them so finiteness checks see them
+        x[(u & E4M3_NAN_MAGNITUDE) == E4M3_NAN_MAGNITUDE] = float("nan")
+    return x
+
+
 def decode_fp8_rows(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], first_row: int = 0) -> torch.Tensor:
     """q [rows, cols] float8_e4m3fn starting at weight row `first_row`; scale holds the block rows it spans."""
     rows, cols = q.shape
     skip = first_row % block[0]
     s = scale_to_float32(scale).repeat_interleave(block[0], dim=0)[skip:skip + rows]  # [rows, col blocks]
-    x = q.to(torch.float32)
+    x = fp8_e4m3_to_float32(q)
     if cols % block[1] == 0:  # broadcast each block's scale over its columns without expanding it
         x.view(rows, -1, block[1]).mul_(s[:, :, None])
         return x

@@ -102,28 +102,28 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 
 def read_tensor(path: Path, entry: TensorEntry) -> torch.Tensor:
-    rows = entry.shape[0] if entry.shape else 1
-    return read_rows(path, entry, 0, rows)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_rows(fd, path, entry, 0, entry.shape[0] if entry.shape else 1)
+    finally:
+        os.close(fd)
 
 
-def read_rows(path: Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) along dim 0, read with one positioned read into a fresh buffer."""
+def read_rows(fd: int, path: Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) along dim 0 of a tensor in the open file `fd`, by one positioned read."""
     if not entry.shape:
-        return read_bytes(path, entry.offset, entry.nbytes, entry.name).view(entry.dtype).reshape(())
+        return pread(fd, path, entry.offset, entry.nbytes, entry.name).view(entry.dtype).reshape(())
     row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
-    buf = read_bytes(path, entry.offset + start * row_bytes, (stop - start) * row_bytes, entry.name)
+    buf = pread(fd, path, entry.offset + start * row_bytes, (stop - start) * row_bytes, entry.name)
     return buf.view(entry.dtype).reshape(stop - start, *entry.shape[1:])
 
 
-def read_bytes(path: Path, offset: int, nbytes: int, what: str) -> torch.Tensor:
+def pread(fd: int, path: Path, offset: int, nbytes: int, what: str) -> torch.Tensor:
+    """nbytes at offset into a fresh uint8 tensor; a short read means the file changed or is truncated."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = os.preadv(fd, [memoryview(buf.numpy())], offset) if nbytes else 0
-    finally:
-        os.close(fd)
+    got = os.preadv(fd, [memoryview(buf.numpy())], offset) if nbytes else 0
     if got != nbytes:
-        raise InputError(f"{path.name}: short read of tensor {what} ({got} of {nbytes} bytes); file truncated?")
+        raise InputError(f"{path.name}: short read of {what} ({got} of {nbytes} bytes); file truncated?")
     return buf
 
 

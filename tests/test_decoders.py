@@ -70,3 +70,14 @@ def test_partial_blocks_match_float64_formula():
     exact = q.double() * scale.double()[i, j]  # e4m3 x float32 is exact in float64
     for chunk in (rows, 128, 33):
         assert torch.equal(decode_in_chunks(q, scale, "fp8", chunk), exact.float())
+
+
+def test_fast_e4m3_cast_equals_torch_on_every_code():
+    from convert.decode import fp8_e4m3_to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ours, theirs = fp8_e4m3_to_float32(codes), codes.to(torch.float32)
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and int(torch.isnan(ours).sum()) == 2
+    finite = ~torch.isnan(theirs)
+    assert torch.equal(ours[finite], theirs[finite])
+    assert torch.equal(torch.signbit(ours[finite]), torch.signbit(theirs[finite]))  # -0 stays -0

@@ -1,0 +1,43 @@
+"""Memory is bounded by design: converting a >= 2 GB checkpoint keeps the converter's peak RSS under 1 GB."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from scripts.bench_quantize import BENCH_CONFIG, BENCH_FILE_BYTES
+from scripts.make_tiny_checkpoint import make_tiny_checkpoint
+
+MIN_CHECKPOINT_BYTES = 2 * 10**9
+RSS_LIMIT_BYTES = 10**9
+
+
+def peak_rss_of(cmd: list[str]) -> int:
+    """Peak RSS of `cmd`, measured by the kernel, from inside a fresh wrapper process with no other children."""
+    wrapper = ("import resource, subprocess, sys; "
+               "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+               "print(r.stderr[-2000:], file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
+    code, maxrss_kib = map(int, proc.stdout.split())
+    assert code == 0, proc.stderr
+    return maxrss_kib * 1024
+
+
+@pytest.fixture(scope="session")
+def big_checkpoint(tmp_path_factory):
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("big") / "src", "deepseek_v3",
+                               config_overrides=BENCH_CONFIG, max_file_bytes=BENCH_FILE_BYTES)
+    size = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert size >= MIN_CHECKPOINT_BYTES
+    return src
+
+
+def test_quantize_peak_rss_under_1gb(big_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    rss = peak_rss_of([sys.executable, "-m", "convert.cli", "quantize", str(big_checkpoint), str(out)])
+    print(f"dsconv quantize peak RSS on a {sum(p.stat().st_size for p in big_checkpoint.glob('*.safetensors')) / 1e9:.2f} GB "
+          f"checkpoint: {rss / 2**20:.0f} MiB")
+    assert rss < RSS_LIMIT_BYTES, f"peak RSS {rss / 2**20:.0f} MiB"
+    assert (out / "quant_model_weights.safetensors.index.json").exists()
