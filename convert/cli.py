@@ -137,5 +137,19 @@ def _print_summary(result) -> None:
     console.print(table)
 
 
+# Registered last: shard.plan_cli imports `console` and `fail` from this module when it runs.
+from shard.plan_cli import plan as _plan  # noqa: E402
+
+app.command("plan")(_plan)
+
+def _register_stage_commands() -> None:
+    from shard.cli import shard, verify
+
+    app.command()(shard)
+    app.command()(verify)
+
+
+_register_stage_commands()
+
 if __name__ == "__main__":
     app()

@@ -76,18 +76,21 @@ class Task:
 
 
 def _tasks(item: Item) -> Iterator[Task]:
-    if item.action == KEEP:
-        step = max(item.weight.value.entry.dtype.itemsize, COPY_CHUNK_BYTES)
-        nbytes = item.weight.value.entry.nbytes
-        for start in range(0, nbytes, step):
-            yield Task(item, start, min(nbytes, start + step))
-        if nbytes == 0:
-            yield Task(item, 0, 0)
+    start, stop = item.rows
+    if item.action == KEEP and item.cols is None:  # a contiguous byte range: copy it in slices
+        entry = item.weight.value.entry
+        row_bytes = entry.nbytes // (entry.shape[0] if entry.shape else 1) if entry.nbytes else 0
+        first, last = start * row_bytes, stop * row_bytes
+        step = max(entry.dtype.itemsize, COPY_CHUNK_BYTES - COPY_CHUNK_BYTES % entry.dtype.itemsize)
+        for begin in range(first, last, step):
+            yield Task(item, begin, min(last, begin + step))
+        if first == last:
+            yield Task(item, first, last)
         return
-    rows, cols = item.weight.spec.shape
+    cols = item.weight.spec.shape[1]
     step = max(1, CHUNK_ELEMENTS // cols)
-    for start in range(0, rows, step):
-        yield Task(item, start, min(rows, start + step))
+    for begin in range(start, stop, step):
+        yield Task(item, begin, min(stop, begin + step))
 
 
 def _offsets(part: Part) -> dict[str, int]:
@@ -115,40 +118,48 @@ def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> None:
 def _run_task(task: Task, files: SourceFiles, fd: int, offsets: dict[str, int], block: tuple[int, int] | None) -> int:
     item, weight = task.item, task.item.weight
     name = weight.spec.name
-    if item.action == KEEP:
-        entry = weight.value.entry
-        path = weight.value.path
+    out = item.outputs[0]
+    if item.action == KEEP and item.cols is None:
+        entry, path = weight.value.entry, weight.value.path
         raw = pread(files.fd(path), path, entry.offset + task.start, task.stop - task.start, name)
         if entry.dtype.is_floating_point:
             _check_finite(name, raw.view(entry.dtype), f"bytes {task.start}-{task.stop}")
-        _pwrite(fd, raw, offsets[item.outputs[0].name] + task.start)
+        first_byte = item.rows[0] * (entry.nbytes // (entry.shape[0] if entry.shape else 1) if entry.nbytes else 0)
+        _pwrite(fd, raw, offsets[out.name] + task.start - first_byte)
         return task.stop - task.start
 
     values = read_rows(files.fd(weight.value.path), weight.value.path, weight.value.entry, task.start, task.stop)
+    rows = task.stop - task.start
+    out_row = task.start - item.rows[0]  # the first output row this task writes
+    if item.action == KEEP:  # a column slice of stored rows
+        x = values[:, item.cols[0]:item.cols[1]]
+        if x.dtype.is_floating_point:
+            _check_finite(name, x, f"rows {task.start}-{task.stop}")
+        _pwrite(fd, x, offsets[out.name] + out_row * out.nbytes // out.shape[0])
+        return item.source_bytes * rows // (item.rows[1] - item.rows[0])
     scales = None
     if weight.scale is not None:
         s0, s1 = scale_rows(weight.encoding, block, task.start, task.stop)
         scales = read_rows(files.fd(weight.scale.path), weight.scale.path, weight.scale.entry, s0, s1)
     x = decode_rows(values, scales, weight.encoding, block, task.start)  # [rows, cols] float32
-    rows = task.stop - task.start
+    if item.cols is not None:
+        x = x[:, item.cols[0]:item.cols[1]].contiguous()
     if item.action == TO_BF16:
         _check_finite(name, x, f"rows {task.start}-{task.stop}")
-        out = item.outputs[0]
-        _pwrite(fd, x.to(torch.bfloat16), offsets[out.name] + task.start * out.nbytes // out.shape[0])
+        _pwrite(fd, x.to(torch.bfloat16), offsets[out.name] + out_row * out.nbytes // out.shape[0])
     elif item.action == TO_INT8:
         cols = x.shape[1]
         q = torch.empty(rows, cols, dtype=torch.int8)
         scale = torch.empty(rows, 1, dtype=torch.float32)
         amax = quantize_rows_(x, q, scale)
         _check_finite(name, amax, f"rows {task.start}-{task.stop}")
-        weight_out, *companions = item.outputs
-        _pwrite(fd, q, offsets[weight_out.name] + task.start * cols)
-        for out in companions:  # weight_scale, then weight_offset (zeros: symmetric)
-            data = scale if out.name.endswith("weight_scale") else torch.zeros_like(scale)
-            _pwrite(fd, data, offsets[out.name] + task.start * scale.element_size())
+        _pwrite(fd, q, offsets[out.name] + out_row * cols)
+        for companion in item.outputs[1:]:  # weight_scale, then weight_offset (zeros: symmetric)
+            data = scale if companion.name.endswith("weight_scale") else torch.zeros_like(scale)
+            _pwrite(fd, data, offsets[companion.name] + out_row * scale.element_size())
     else:
         raise AssertionError(item.action)
-    return weight.nbytes * rows // weight.spec.shape[0]
+    return item.source_bytes * rows // (item.rows[1] - item.rows[0])
 
 
 @contextmanager

@@ -26,6 +26,29 @@ class Item:
     weight: SourceWeight
     action: str  # KEEP: bytes as stored; TO_BF16: decode FP8/FP4; TO_INT8: decode then quantize per channel
     outputs: tuple[OutTensor, ...]  # for TO_INT8 in the format's order: weight, scale[, offset]
+    split: tuple[int, int, int] | None = None  # (dim, start, stop): only this slice of the source tensor
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The source rows (dim 0) this item reads."""
+        if self.split is not None and self.split[0] == 0:
+            return self.split[1], self.split[2]
+        return 0, self.weight.spec.shape[0] if self.weight.spec.shape else 1
+
+    @property
+    def cols(self) -> tuple[int, int] | None:
+        """The source columns (dim 1) kept from every row read, when the split is on dim 1."""
+        return (self.split[1], self.split[2]) if self.split is not None and self.split[0] == 1 else None
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of the source this item consumes (its share of the tensor and its scale)."""
+        start, stop = self.rows
+        full = self.weight.spec.shape[0] if self.weight.spec.shape else 1
+        share = self.weight.nbytes * (stop - start) // max(full, 1)
+        if self.cols is not None:
+            share = share * (self.cols[1] - self.cols[0]) // self.weight.spec.shape[1]
+        return share
 
 
 @dataclass(frozen=True)

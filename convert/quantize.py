@@ -1,19 +1,18 @@
 """`dsconv quantize`: a checkpoint as downloaded -> W8A8 INT8 safetensors, resumable and crash-safe.
 
-OUT holds a job file naming the plan's digest from the first moment; a re-run with the same arguments
-finds it, keeps every part already renamed into place and redoes the rest. Side files (index, config,
-description) are written last, so an interrupted OUT never looks complete.
+OUT is a resumable job directory (convert.outdir). Side files (index, config, description) are written
+last, so an interrupted OUT never looks complete.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from convert import outdir
 from convert.errors import InputError
 from convert.execute import part_is_complete, write_part
 from convert.formats import (ASCEND, ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME, ascend_description,
@@ -23,12 +22,12 @@ from convert.recipes import recipe_for
 from convert.safetensors_io import write_bytes_atomic, write_json_atomic
 from convert.source import open_checkpoint
 
-JOB_FILE = ".dsconv-job.json"
-PARTIAL_SUFFIX = ".partial"
 
 
 def build_plan(src: Path, recipe: str | None, fmt: str, max_file_bytes: int) -> Plan:
     checkpoint = open_checkpoint(src)
+    if any(w.encoding == "w8a8" for w in checkpoint.weights):
+        raise InputError(f"{src} is already W8A8 (INT8 weights with weight_scale); shard it with `dsconv shard`")
     return make_plan(checkpoint, recipe_for(recipe, checkpoint.family.name), format_for(fmt), max_file_bytes)
 
 
@@ -50,24 +49,7 @@ def _job(plan: Plan, src: Path) -> dict:
 
 def prepare_out(plan: Plan, out: Path) -> None:
     """Create OUT, or accept it only when it holds an unfinished (or finished) run of this same job."""
-    src = plan.checkpoint.root
-    job = _job(plan, src)
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise InputError(f"OUT {out} must not be the source directory or inside it")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"OUT {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
-        try:
-            previous = json.loads((out / JOB_FILE).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            raise InputError(f"OUT {out} is not empty and holds no dsconv run; choose an empty or new directory") from None
-        if {k: previous.get(k) for k in job} != job:
-            raise InputError(f"OUT {out} holds a different dsconv run (other source, recipe, format or file size); "
-                             f"choose an empty or new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f"*{PARTIAL_SUFFIX}"):
-        stale.unlink()
-    write_json_atomic(out / JOB_FILE, {**job, "complete": False})
+    outdir.prepare_out(out, plan.checkpoint.root, _job(plan, plan.checkpoint.root))
 
 
 def _write_side_files(plan: Plan, out: Path) -> None:
@@ -100,11 +82,11 @@ def run_quantize(plan: Plan, out: Path, workers: int, on_progress: Callable[[int
         path = out / part.name
         if part_is_complete(part, path):
             resumed += 1
-            on_progress(sum(item.weight.nbytes for item in part.items))
+            on_progress(sum(item.source_bytes for item in part.items))
             continue
         write_part(part, path, plan.checkpoint.block, workers, on_progress)
     _write_side_files(plan, out)
-    write_json_atomic(out / JOB_FILE, {**_job(plan, plan.checkpoint.root), "complete": True})
+    outdir.mark_complete(out, _job(plan, plan.checkpoint.root))
     int8_bytes = sum(t.nbytes for item in plan.items if item.action == TO_INT8 for t in item.outputs[:1])
     return Result(plan, out, plan.checkpoint.nbytes, sum(p.nbytes for p in plan.parts), int8_bytes,
                   time.perf_counter() - started, resumed)

@@ -19,7 +19,10 @@ from convert.errors import InputError
 from convert.safetensors_io import TensorEntry, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
+ASCEND_INDEX_NAME = "quant_model_weights.safetensors.index.json"  # our (and msModelSlim's) W8A8 output
+INDEX_NAMES = (INDEX_NAME, ASCEND_INDEX_NAME)
 SINGLE_FILE_NAME = "model.safetensors"
+W8A8_SCALE, W8A8_OFFSET = "weight_scale", "weight_offset"  # per-channel companions of an INT8 weight
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -34,16 +37,18 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class SourceWeight:
-    """One logical tensor of the model: its stored value and, for FP8/FP4, its block scale."""
+    """One logical tensor of the model: its stored value and, for FP8/FP4, its block scale; for an INT8
+    (W8A8) weight, its per-channel `weight_scale` [out, 1] and optional all-zero `weight_offset`."""
 
     spec: TensorSpec
     value: StoredTensor
     scale: StoredTensor | None
-    encoding: str  # "float", "int", "fp8" or "fp4" (see convert.decode)
+    encoding: str  # "float", "int", "fp8", "fp4" (see convert.decode) or "w8a8"
+    offset: StoredTensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.value.entry.nbytes + (self.scale.entry.nbytes if self.scale else 0)
+        return sum(t.entry.nbytes for t in (self.value, self.scale, self.offset) if t is not None)
 
 
 @dataclass
@@ -72,12 +77,12 @@ def _load_json(path: Path, what: str) -> dict:
 
 def _weight_map(root: Path) -> dict[str, str]:
     """tensor name -> file name, from the index, or from the single file's header."""
-    index = root / INDEX_NAME
-    if index.exists():
-        weight_map = _load_json(index, "checkpoint index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise InputError(f"{index}: no weight_map")
-        return weight_map
+    for index in (root / name for name in INDEX_NAMES):
+        if index.exists():
+            weight_map = _load_json(index, "checkpoint index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise InputError(f"{index}: no weight_map")
+            return weight_map
     single = root / SINGLE_FILE_NAME
     if single.exists():
         return {name: SINGLE_FILE_NAME for name in read_header(single)}
@@ -135,13 +140,17 @@ def open_checkpoint(root: Path) -> Checkpoint:
         if spec.name not in stored:
             raise InputError(f"checkpoint lacks tensor {spec.name} (expected by {family.name} with this config.json)")
         value = stored.pop(spec.name)
+        base = spec.name.removesuffix("weight")
+        if value.entry.dtype == torch.int8 and base + W8A8_SCALE in stored:
+            weights.append(_w8a8(spec, value, stored.pop(base + W8A8_SCALE), stored.pop(base + W8A8_OFFSET, None)))
+            continue
         scale = stored.pop(_scale_name(family, spec.name), None) if spec.name.endswith(".weight") else None
         weights.append(_pair(spec, value, scale, block))
     if stored:
         extra = sorted(stored)
         raise InputError(f"unexpected tensor {extra[0]} ({len(extra)} in all) not in the {family.name} inventory "
                          f"for this config.json")
-    files = sorted({w.value.path for w in weights} | {w.scale.path for w in weights if w.scale})
+    files = sorted({t.path for w in weights for t in (w.value, w.scale, w.offset) if t is not None})
     return Checkpoint(root, config, family, arch, block, weights, files)
 
 
@@ -157,3 +166,15 @@ def _pair(spec: TensorSpec, value: StoredTensor, scale: StoredTensor | None,
     if shape != spec.shape:
         raise InputError(f"{spec.name}: stored shape {shape} but config.json implies {spec.shape}")
     return SourceWeight(spec, value, scale, encoding)
+
+
+def _w8a8(spec: TensorSpec, value: StoredTensor, scale: StoredTensor, offset: StoredTensor | None) -> SourceWeight:
+    rows = value.entry.shape[0]
+    if value.entry.shape != spec.shape:
+        raise InputError(f"{spec.name}: stored INT8 shape {value.entry.shape} but config.json implies {spec.shape}")
+    for companion in (scale, offset):
+        if companion is not None and (companion.entry.shape != (rows, 1) or companion.entry.dtype not in
+                                      (torch.float32, torch.bfloat16, torch.float16)):
+            raise InputError(f"{companion.entry.name}: expected a float [{rows}, 1] per-channel tensor, found "
+                             f"{companion.entry.dtype} {list(companion.entry.shape)}")
+    return SourceWeight(spec, value, scale, "w8a8", offset)

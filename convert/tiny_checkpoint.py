@@ -16,7 +16,6 @@ then exactly amax/448. Scales jitter by up to an octave per block so a decoder t
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import shutil
 from dataclasses import dataclass

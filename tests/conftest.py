@@ -38,3 +38,23 @@ def copy_source(tiny_source, tmp_path):
         return dst
 
     return build
+
+
+SMALL_FILES = 1_000_000  # bytes; several output files even on tiny fixtures
+
+
+@pytest.fixture(scope="session")
+def w8a8_source(tiny_source, tmp_path_factory):
+    """w8a8_source(family): the family's FP8 fixture quantized by dsconv (ascend layout), built once."""
+    from convert.quantize import build_plan, run_quantize
+
+    cache: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in cache:
+            out = tmp_path_factory.mktemp(f"{family}-w8a8") / "w8a8"
+            run_quantize(build_plan(tiny_source(family), None, "ascend", SMALL_FILES), out, 2, lambda n: None)
+            cache[family] = out
+        return cache[family]
+
+    return build

@@ -1,0 +1,218 @@
+"""`dsconv verify OUT`: the manifest against the files and against itself, one line per problem.
+
+Checks, in order: schema; every path stays inside OUT; every file present with its size (sha256 with
+--full); every tensor present in its file with the declared dtype and shape; coverage against the
+architecture's inventory and the placement table (each expert on exactly one EP rank per EP group, vocab and
+head slices tiling their dimension exactly within each group, every replicated tensor reachable by every
+rank, every INT8 weight's scale reachable wherever the weight is).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from convert.arch import family_for
+from convert.errors import InputError
+from convert.safetensors_io import DTYPE_NAMES, read_header
+from manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, SCHEMA, TENSOR_KEYS, TOP_LEVEL_KEYS, VERSION,
+                             sha256_of)
+from shard.layout import Layout
+from shard.placement import Mode, check_layout, place
+
+MAX_PROBLEMS_PER_CHECK = 20  # beyond this a broken shard set just repeats itself
+
+
+def _typed(record: dict, keys: dict, where: str, problems: list[str]) -> bool:
+    ok = True
+    for key, kind in keys.items():
+        if key not in record:
+            problems.append(f"{where}: missing key {key!r}")
+            ok = False
+        elif not isinstance(record[key], kind) or (kind is int and isinstance(record[key], bool)):
+            problems.append(f"{where}: {key!r} has the wrong type ({type(record[key]).__name__})")
+            ok = False
+    return ok
+
+
+def _inside(out: Path, rel: str) -> bool:
+    path = Path(rel)
+    return not path.is_absolute() and ".." not in path.parts and (out / path).resolve().is_relative_to(out.resolve())
+
+
+def check_schema(manifest: object) -> list[str]:
+    problems: list[str] = []
+    if not isinstance(manifest, dict):
+        return ["manifest: not a JSON object"]
+    if manifest.get("schema") != SCHEMA or manifest.get("version") != VERSION:
+        return [f"manifest: schema {manifest.get('schema')!r} version {manifest.get('version')!r} is not "
+                f"{SCHEMA!r} version {VERSION}"]
+    if not _typed(manifest, TOP_LEVEL_KEYS, "manifest", problems):
+        return problems
+    _typed(manifest["layout"], LAYOUT_KEYS, "layout", problems)
+    for i, record in enumerate(manifest["files"] + manifest["side_files"]):
+        if not isinstance(record, dict):
+            problems.append(f"files[{i}]: not an object")
+        else:
+            _typed(record, FILE_KEYS, f"files[{i}]", problems)
+    for i, record in enumerate(manifest["tensors"]):
+        if not isinstance(record, dict):
+            problems.append(f"tensors[{i}]: not an object")
+        else:
+            _typed(record, TENSOR_KEYS, f"tensors[{i}] ({record.get('name')})", problems)
+    return problems
+
+
+def check_files(out: Path, manifest: dict, full: bool) -> tuple[list[str], set[str]]:
+    """Paths, presence, sizes, hashes; returns the problems and the weight files that can be read."""
+    problems, readable = [], set()
+    listed = {r["path"] for r in manifest["files"]}
+    for t in manifest["tensors"]:
+        if t["file"] not in listed:
+            problems.append(f"{t['name']}: its file {t['file']} is not listed in files")
+    for record in manifest["files"] + manifest["side_files"]:
+        rel = record["path"]
+        if not _inside(out, rel):
+            problems.append(f"{rel}: path escapes {out}")
+            continue
+        path = out / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            problems.append(f"{rel}: {size} bytes, manifest says {record['bytes']}"
+                            + (" (truncated)" if size < record["bytes"] else ""))
+            continue
+        if full and sha256_of(path) != record["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (corrupted)")
+            continue
+        if rel in listed:
+            readable.add(rel)
+    return problems, readable
+
+
+def check_headers(out: Path, manifest: dict, readable: set[str]) -> list[str]:
+    problems = []
+    by_file: dict[str, list[dict]] = defaultdict(list)
+    for t in manifest["tensors"]:
+        by_file[t["file"]].append(t)
+    for rel in sorted(readable):
+        try:
+            header = read_header(out / rel)
+        except InputError as exc:
+            problems.append(str(exc))
+            continue
+        declared = {t["name"] for t in by_file[rel]}
+        for t in by_file[rel]:
+            entry = header.get(t["name"])
+            if entry is None:
+                problems.append(f"{t['name']}: not in {rel}")
+            elif DTYPE_NAMES[entry.dtype] != t["dtype"] or list(entry.shape) != t["shape"]:
+                problems.append(f"{t['name']} in {rel}: file has {DTYPE_NAMES[entry.dtype]} {list(entry.shape)}, "
+                                f"manifest says {t['dtype']} {t['shape']}")
+        for name in sorted(set(header) - declared):
+            problems.append(f"{rel}: holds {name}, which the manifest does not list")
+    return problems
+
+
+def _slices_tile(name: str, size: int, slices: list[tuple[int, int]], group: list[int]) -> list[str]:
+    spans = sorted(slices)
+    position = 0
+    for start, stop in spans:
+        if start < position:
+            return [f"{name}: slices overlap at [{start}, {min(stop, position)}) within ranks {group}"]
+        if start > position:
+            return [f"{name}: rows [{position}, {start}) are on no rank of {group}"]
+        position = stop
+    return [] if position == size else [f"{name}: rows [{position}, {size}) are on no rank of {group}"]
+
+
+def check_coverage(manifest: dict) -> list[str]:
+    problems: list[str] = []
+    config = manifest["model"]["config"]
+    family = family_for(config)
+    arch = family.parse_config(config)
+    lay = manifest["layout"]
+    layout = Layout(lay["world_size"], lay["ep"], lay["tp"], lay["attn_tp"])
+    check_layout(family.name, arch, layout)
+    if layout.to_json() != lay:
+        problems.append("layout: dp or groups do not follow from world_size, ep, tp, attn_tp")
+    world = set(range(layout.world_size))
+
+    entries: dict[str, list[dict]] = defaultdict(list)
+    for t in manifest["tensors"]:
+        if t["scale_of"] is None:
+            entries[t["source"]["name"]].append(t)
+    for spec in family.inventory(arch):
+        found = entries.pop(spec.name, [])
+        before = len(problems)
+        if not found:
+            problems.append(f"{spec.name}: on no rank (missing from the manifest)")
+            continue
+        expected = {(tuple(p.ranks), p.split) for p in place(spec, family.name, arch, layout)}
+        actual = {(tuple(t["ranks"]), None if t["split"] is None else
+                   (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])) for t in found}
+        mode = found[0]["mode"]
+        if mode in (Mode.VOCAB.value, Mode.HEAD_SPLIT.value) and all(t["split"] for t in found):
+            dim = found[0]["split"]["dim"]
+            for group in (layout.groups()["tp"] if mode == Mode.VOCAB.value else layout.groups()["attn_tp"]):
+                spans = [(t["split"]["start"], t["split"]["stop"]) for t in found if set(t["ranks"]) & set(group)]
+                problems += _slices_tile(spec.name, spec.shape[dim], spans, group)
+        if mode == Mode.EXPERT.value:
+            for group in layout.groups()["ep"]:
+                holders = sorted({r for t in found for r in t["ranks"] if r in group})
+                if len(holders) != 1:
+                    problems.append(f"{spec.name}: expert held by {len(holders)} ranks of EP group {group}: {holders}")
+        if mode == Mode.REPLICATED.value and {r for t in found for r in t["ranks"]} != world:
+            problems.append(f"{spec.name}: replicated but not reachable by ranks "
+                            f"{sorted(world - {r for t in found for r in t['ranks']})}")
+        if actual != expected and len(problems) == before:
+            problems.append(f"{spec.name}: placement differs from the placement table")
+        if len(problems) >= MAX_PROBLEMS_PER_CHECK:
+            return problems + ["... (further coverage problems not listed)"]
+    for name in sorted(entries):
+        problems.append(f"{name}: not a tensor of {family.name} with this config")
+    return problems + _check_scales(manifest)
+
+
+def _check_scales(manifest: dict) -> list[str]:
+    problems = []
+    scales: dict[str, list[dict]] = defaultdict(list)
+    for t in manifest["tensors"]:
+        if t["scale_of"] is not None:
+            scales[t["name"]].append(t)
+    for t in manifest["tensors"]:
+        if t["dtype"] != "I8" or t["scale_of"] is not None or t["role"] == "router.tid2eid":
+            continue
+        if t["scale"] is None:
+            problems.append(f"{t['name']} ({t['file']}): INT8 weight without a scale")
+            continue
+        rows = t["split"] if t["split"] and t["split"]["dim"] == 0 else None
+        covering = [s for s in scales.get(t["scale"], []) if (s["split"] is None and rows is None) or s["split"] == rows]
+        reach = {r for s in covering for r in s["ranks"]}
+        if not set(t["ranks"]) <= reach:
+            problems.append(f"{t['name']} ({t['file']}): scale {t['scale']} not reachable by ranks "
+                            f"{sorted(set(t['ranks']) - reach)}")
+    return problems
+
+
+def verify(out: Path, full: bool = False) -> list[str]:
+    out = Path(out)
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return [f"{out}: no {MANIFEST_NAME}"]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [f"{MANIFEST_NAME}: not valid JSON ({exc})"]
+    problems = check_schema(manifest)
+    if problems:
+        return problems
+    file_problems, readable = check_files(out, manifest, full)
+    problems += file_problems + check_headers(out, manifest, readable)
+    try:
+        problems += check_coverage(manifest)
+    except InputError as exc:
+        problems.append(f"model/layout: {exc}")
+    return problems

@@ -1,0 +1,102 @@
+"""`dsconv shard` and `dsconv verify`; registered on the `dsconv` app by convert/cli.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from tqdm import tqdm
+
+from convert.cli import console, err_console, fail, parse_size
+from convert.errors import InputError
+from shard.layout import DEFAULT_WORLD_SIZE, Layout
+from shard.placement import CATEGORIES, category
+
+
+def rank_table(plan) -> Table:
+    """Per rank, the bytes it maps by category; ranks with identical figures share a row."""
+    per_rank = {r: dict.fromkeys(CATEGORIES, 0) for r in range(plan.layout.world_size)}
+    for shard_file in plan.files:
+        for shard in shard_file.tensors:
+            for rank in shard.placement.ranks:
+                per_rank[rank][category(shard.source)] += shard.item.outputs[0].nbytes
+    rows: dict[tuple, list[int]] = {}
+    for rank, figures in per_rank.items():
+        rows.setdefault(tuple(figures.values()), []).append(rank)
+    table = Table(title=f"per-rank weights ({plan.precision}), GB")
+    for column in ("ranks", *CATEGORIES, "total"):
+        table.add_column(column, justify="right")
+    for figures, ranks in rows.items():
+        label = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 \
+            else ",".join(map(str, ranks))
+        table.add_row(label, *(f"{v / 1e9:.3f}" for v in figures), f"{sum(figures) / 1e9:.3f}")
+    return table
+
+
+def shard(
+    src: Annotated[Path, typer.Argument(help="A dsconv W8A8 output (ascend or compressed-tensors), or a BF16/FP8 "
+                                             "Hugging Face checkpoint (decoded to BF16 for a BF16 baseline).")],
+    out: Annotated[Path, typer.Argument(help="Shard directory: new or empty, or an interrupted run to resume.")],
+    ep: Annotated[int, typer.Option(help="MoE expert-parallel size: rank r owns experts [r*E/ep, (r+1)*E/ep).")]
+        = DEFAULT_WORLD_SIZE,
+    tp: Annotated[int, typer.Option(help="lm_head vocabulary-parallel size (contiguous vocab rows per rank).")]
+        = DEFAULT_WORLD_SIZE,
+    attn_tp: Annotated[int, typer.Option(help="Attention tensor-parallel size: 1 replicates attention "
+                                              "(attention DP = world); 8 gives V3.2's DP2 x TP8.")] = 1,
+    world_size: Annotated[int, typer.Option(help="Number of ranks; every size must divide it.")]
+        = DEFAULT_WORLD_SIZE,
+    max_file_size: Annotated[str, typer.Option(help="Cap on each shard file.")] = "4GB",
+    workers: Annotated[Optional[int], typer.Option(help="Worker threads (default: all cores).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print per-rank bytes and write nothing.")] = False,
+) -> None:
+    """Write per-rank shards of SRC to OUT plus OUT/manifest.json (check it with `dsconv verify`).
+
+    Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
+    OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/.
+    """
+    from convert.quantize import default_workers
+    from shard.shard import make_shard_plan, prepare_out, run_shard
+
+    try:
+        if workers is not None and workers < 1:
+            raise InputError(f"--workers {workers} must be at least 1")
+        layout = Layout(world_size, ep, tp, attn_tp)
+        plan = make_shard_plan(src, layout, parse_size(max_file_size))
+        if dry_run:
+            console.print(rank_table(plan))
+            console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
+                          f"directories; layout {layout.to_json()['groups']}")
+            return
+        prepare_out(plan, out)
+        with tqdm(total=plan.checkpoint.nbytes, unit="B", unit_scale=True, desc="shard", file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            result = run_shard(plan, out, workers or default_workers(), bar.update)
+    except InputError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume", 130)
+    console.print(rank_table(plan))
+    kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
+    console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
+                  f"{out} in {result.seconds:.2f} s ({plan.checkpoint.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
+                  f"GB/s in)")
+
+
+def verify(
+    out: Annotated[Path, typer.Argument(help="A shard directory written by `dsconv shard`.")],
+    full: Annotated[bool, typer.Option("--full", help="Also check every file's sha256 (reads everything).")] = False,
+) -> None:
+    """Check OUT/manifest.json against the files and against itself; exit 0 only when all is well."""
+    from manifest.verify import verify as run_verify
+
+    problems = run_verify(out, full)
+    if problems:
+        for problem in problems:
+            err_console.print(f"[red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]{len(problems)} problem(s)[/] in {out}", highlight=False)
+        raise typer.Exit(1)
+    console.print(f"[bold green]ok[/]: {out} matches its manifest" + (" (sha256 checked)" if full else ""),
+                  highlight=False)

@@ -1,0 +1,61 @@
+"""The parallel layout over one set of ranks: module-level modes, not a grid.
+
+Attention runs attention-TP inside consecutive blocks of `attn_tp` ranks (attention DP = world / attn_tp
+across those blocks), MoE experts run EP inside consecutive blocks of `ep` ranks, and lm_head runs
+vocabulary TP inside consecutive blocks of `tp` ranks. V4-Flash: attn_tp 1, ep 16, tp 16 on 16 ranks.
+V3.2: attn_tp 8 (tp groups {0..7}, {8..15}; dp groups {0,8}, {1,9}, ...), ep 16, tp 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from convert.errors import InputError
+
+DEFAULT_WORLD_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int = DEFAULT_WORLD_SIZE
+    ep: int = DEFAULT_WORLD_SIZE  # MoE expert-parallel size
+    tp: int = DEFAULT_WORLD_SIZE  # lm_head vocabulary-parallel size
+    attn_tp: int = 1  # attention tensor-parallel size; 1 = attention replicated (DP = world)
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise InputError(f"world_size={self.world_size} must be at least 1")
+        for name in ("ep", "tp", "attn_tp"):
+            size = getattr(self, name)
+            if size < 1 or self.world_size % size:
+                raise InputError(f"{name.replace('_', '-')}={size} must divide world size {self.world_size}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.attn_tp
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def attn_tp_rank(self, rank: int) -> int:
+        return rank % self.attn_tp
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Rank membership of every process group, as torch.distributed.new_group takes it."""
+        ranks = range(self.world_size)
+
+        def blocks(size: int) -> list[list[int]]:
+            return [list(ranks[i:i + size]) for i in range(0, self.world_size, size)]
+
+        return {
+            "attn_tp": blocks(self.attn_tp),
+            "attn_dp": [list(ranks[i::self.attn_tp]) for i in range(self.attn_tp)],
+            "ep": blocks(self.ep),
+            "tp": blocks(self.tp),
+        }
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "dp": self.dp, "groups": self.groups()}

@@ -1,0 +1,174 @@
+"""`dsconv shard`: a checkpoint -> what each rank maps at start-up, by the placement table.
+
+The input is our W8A8 output (INT8 weights with per-channel scales, sliced as they are) or a BF16/FP8/FP4
+source (decoded to BF16, so the runner can run a BF16 baseline). Shards are grouped in directories by the
+group index that reads them (`common/`, `ep-XXXXX/`, `tp-XXXXX/`, `attn-tp-XXXXX/`), written with the same
+crash-safe, resumable machinery as `quantize`, and described by `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from convert import outdir
+from convert.arch import Encoding, TensorSpec
+from convert.errors import InputError
+from convert.execute import part_is_complete, write_part
+from convert.formats import DESCRIPTION_NAME, is_side_file
+from convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part
+from convert.safetensors_io import OutTensor, file_size, write_bytes_atomic
+from convert.source import Checkpoint, SourceWeight, open_checkpoint
+from shard.layout import Layout
+from shard.placement import Placement, check_layout, place, place_companion
+
+W8A8, BF16 = "w8a8", "bf16"
+
+
+@dataclass(frozen=True)
+class ShardTensor:
+    item: Item  # one output tensor: item.outputs[0]
+    placement: Placement
+    source: TensorSpec  # the whole tensor this is (a slice of)
+    scale: str | None = None  # the per-channel scale of an INT8 weight, in the same shard set
+    companion_of: str | None = None  # for a scale: its weight
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    part: Part  # part.name is the path relative to OUT
+    tensors: tuple[ShardTensor, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    checkpoint: Checkpoint
+    layout: Layout
+    precision: str  # W8A8 when the input holds INT8 weights, else BF16
+    files: tuple[ShardFile, ...]
+
+    def job(self) -> dict:
+        """Identifies the run for resume: changes whenever any output byte or the manifest could."""
+        sources = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.checkpoint.files]
+        files = [(f.part.name, [(t.name, str(t.dtype), t.shape) for t in f.part.tensors]) for f in self.files]
+        blob = json.dumps([sources, self.layout.to_json(), files], default=str)
+        return {"command": "dsconv shard", "source": str(self.checkpoint.root.resolve()),
+                "plan_digest": hashlib.sha256(blob.encode()).hexdigest()}
+
+
+def _sliced(shape: tuple[int, ...], split: tuple[int, int, int] | None) -> tuple[int, ...]:
+    if split is None:
+        return shape
+    dim, start, stop = split
+    return (*shape[:dim], stop - start, *shape[dim + 1:])
+
+
+def _companion(weight: SourceWeight) -> SourceWeight:
+    spec = weight.spec
+    name = weight.scale.entry.name
+    companion = TensorSpec(name, tuple(weight.scale.entry.shape), spec.role, Encoding.F32, spec.layer, spec.expert,
+                           spec.mtp)
+    return SourceWeight(companion, weight.scale, None, "float")
+
+
+def _check_symmetric(weight: SourceWeight) -> None:
+    if weight.offset is not None and bool(weight.offset.read().any()):
+        raise InputError(f"{weight.offset.entry.name} is not all zeros: asymmetric INT8 is not supported")
+
+
+def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
+    family, arch = checkpoint.family.name, checkpoint.arch
+    shards: list[ShardTensor] = []
+    seen: set[tuple[str, str]] = set()  # (directory, name): a replicated companion is listed once
+    for weight in checkpoint.weights:
+        if weight.encoding == "w8a8":
+            _check_symmetric(weight)
+        main = dataclasses.replace(weight, scale=None, offset=None) if weight.encoding == "w8a8" else weight
+        action = TO_BF16 if weight.encoding in ("fp8", "fp4") else KEEP
+        dtype = torch.bfloat16 if action == TO_BF16 else weight.value.entry.dtype
+        for placement in place(weight.spec, family, arch, layout):
+            out = OutTensor(weight.spec.name, dtype, _sliced(weight.spec.shape, placement.split))
+            scale = _companion(weight) if weight.encoding == "w8a8" else None
+            shards.append(ShardTensor(Item(main, action, (out,), placement.split), placement, weight.spec,
+                                      scale=scale.spec.name if scale else None))
+            if scale is None:
+                continue
+            at = place_companion(placement, layout)
+            if (at.directory, scale.spec.name) in seen:
+                continue
+            seen.add((at.directory, scale.spec.name))
+            scale_out = OutTensor(scale.spec.name, scale.value.entry.dtype, _sliced(scale.spec.shape, at.split))
+            shards.append(ShardTensor(Item(scale, KEEP, (scale_out,), at.split), at, scale.spec,
+                                      companion_of=weight.spec.name))
+    return shards
+
+
+def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int) -> list[ShardFile]:
+    groups: list[list[ShardTensor]] = [[]]
+    size = 0
+    for shard in shards:
+        nbytes = shard.item.outputs[0].nbytes
+        if groups[-1] and size + nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(shard)
+        size += nbytes
+    n = len(groups)
+    return [ShardFile(Part(f"{directory}/part-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s.item for s in g)), tuple(g))
+            for i, g in enumerate(groups)]
+
+
+def make_shard_plan(src: Path, layout: Layout, max_file_bytes: int) -> ShardPlan:
+    checkpoint = open_checkpoint(src)
+    check_layout(checkpoint.family.name, checkpoint.arch, layout)
+    by_directory: dict[str, list[ShardTensor]] = {}
+    for shard in _shard_tensors(checkpoint, layout):
+        by_directory.setdefault(shard.placement.directory, []).append(shard)
+    files = [f for directory in sorted(by_directory) for f in _pack(directory, by_directory[directory], max_file_bytes)]
+    precision = W8A8 if any(w.encoding == "w8a8" for w in checkpoint.weights) else BF16
+    return ShardPlan(checkpoint, layout, precision, tuple(files))
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    plan: ShardPlan
+    out: Path
+    bytes_out: int
+    seconds: float
+    resumed_files: int
+
+
+def prepare_out(plan: ShardPlan, out: Path) -> None:
+    outdir.prepare_out(out, plan.checkpoint.root, plan.job())
+
+
+def run_shard(plan: ShardPlan, out: Path, workers: int, on_progress: Callable[[int], None]) -> ShardResult:
+    from manifest.schema import MANIFEST_NAME, build_manifest, write_manifest
+
+    started = time.perf_counter()
+    prepare_out(plan, out)
+    resumed = 0
+    for shard_file in plan.files:
+        path = out / shard_file.part.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if part_is_complete(shard_file.part, path):
+            resumed += 1
+            on_progress(sum(item.source_bytes for item in shard_file.part.items))
+            continue
+        write_part(shard_file.part, path, plan.checkpoint.block, workers, on_progress)
+    for source in sorted(plan.checkpoint.root.iterdir()):
+        # config and tokenizer once at the top; the quantized checkpoint's own description does not apply
+        if source.is_file() and source.name != DESCRIPTION_NAME and (
+                is_side_file(source.name) or source.name == "config.json"):
+            write_bytes_atomic(out / source.name, source.read_bytes())
+    write_manifest(out / MANIFEST_NAME, build_manifest(plan, out))
+    outdir.mark_complete(out, plan.job())
+    return ShardResult(plan, out, sum(file_size(f.part.tensors, PART_METADATA) for f in plan.files),
+                       time.perf_counter() - started, resumed)

@@ -1,0 +1,196 @@
+"""`dsconv plan` on the real DeepSeek-V4-Flash and V3.2-Exp configs: figures against a brute-force sum over the
+placement table, sanity against the published sizes, and the CLI as a user meets it."""
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from convert.arch import Encoding, family_for
+from convert.cli import app
+from convert.recipes import recipe_for
+from shard.layout import Layout
+from shard.placement import CATEGORIES, category, check_layout, place
+from shard.sizes import (entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token,
+                         rank_bytes)
+
+DATA = Path(__file__).parent / "data"
+V4_FLASH = DATA / "deepseek_v4_flash.config.json"
+V32_EXP = DATA / "deepseek_v32_exp.config.json"
+GB = 1e9
+
+# Bytes per element of each output, written out independently of shard.sizes
+FLOAT_OUT_BYTES = {Encoding.FP8: 2, Encoding.FP4: 2, Encoding.BF16: 2, Encoding.F32: 4, Encoding.I32: 4,
+                   Encoding.I64: 8}
+INT8_BYTES, SCALE_BYTES = 1, 4
+
+LAYOUTS = [(V4_FLASH, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16, attn_tp=8))]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """config path -> (family, arch, inventory list), built once."""
+    out = {}
+    for path in (V4_FLASH, V32_EXP):
+        raw = json.loads(path.read_text())
+        family = family_for(raw)
+        arch = family.parse_config(raw)
+        out[path] = (family, arch, list(family.inventory(arch)))
+    return out
+
+
+def spec_bytes(spec, recipe):
+    """(weight, scale) bytes of the whole tensor as the converter writes it."""
+    if recipe is not None and recipe.is_int8(spec):
+        return math.prod(spec.shape) * INT8_BYTES, spec.shape[0] * SCALE_BYTES
+    return math.prod(spec.shape) * FLOAT_OUT_BYTES[spec.encoding], 0
+
+
+def brute_force(specs, family, arch, layout, recipes):
+    """Per recipe: rank -> Counter(category -> bytes), deciding for every spec and every rank from place()."""
+    totals = {key: {rank: Counter() for rank in range(layout.world_size)} for key in recipes}
+    for spec in specs:
+        sizes = {key: spec_bytes(spec, recipe) for key, recipe in recipes.items()}
+        placements = place(spec, family, arch, layout)
+        readers = [rank for p in placements for rank in p.ranks]
+        assert len(readers) == len(set(readers)), (spec.name, placements)  # one piece per rank at most
+        for placement in placements:
+            dim, start, stop = placement.split or (0, 0, spec.shape[0])
+            for key, (weight, scale) in sizes.items():
+                # Even splits: whole bytes. A per-channel scale follows the output rows: split with a dim-0
+                # split, whole on every rank with a dim-1 split.
+                weight_share, rest = divmod(weight * (stop - start), spec.shape[dim])
+                scale_share = scale * (stop - start) // spec.shape[0] if dim == 0 else scale
+                assert rest == 0, spec.name
+                for rank in placement.ranks:
+                    totals[key][rank][category(spec)] += weight_share + scale_share
+    return totals
+
+
+@pytest.fixture(scope="module")
+def plan_entries(models):
+    """(config path, "bf16" | "w8a8") -> shard.sizes.entries as a list, MTP included, built once."""
+    cache = {}
+
+    def get(path, key):
+        if (path, key) not in cache:
+            family, arch, _ = models[path]
+            recipe = recipe_for(None, family.name) if key == "w8a8" else None
+            cache[path, key] = list(entries(family, arch, recipe))
+        return cache[path, key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """(config path, attn_tp) -> brute-force per-rank bytes for BF16 and the family's default W8A8 recipe."""
+    cache = {}
+
+    def get(path, layout):
+        if (path, layout) not in cache:
+            family, arch, specs = models[path]
+            recipes = {"bf16": None, "w8a8": recipe_for(None, family.name)}
+            cache[path, layout] = brute_force(specs, family.name, arch, layout, recipes)
+        return cache[path, layout]
+
+    return get
+
+
+@pytest.mark.parametrize("path,layout", LAYOUTS, ids=["v4-flash-ep16", "v32-ep16", "v32-attn-tp8"])
+def test_rank_bytes_equal_brute_force(models, plan_entries, expected, path, layout):
+    family, arch, specs = models[path]
+    check_layout(family.name, arch, layout)
+    for key, recipe in {"bf16": None, "w8a8": recipe_for(None, family.name)}.items():
+        per_rank, per_dir = footprint(plan_entries(path, key), family.name, arch, layout)
+        for rank in range(layout.world_size):
+            assert per_rank[rank] == {c: expected(path, layout)[key][rank][c] for c in CATEGORIES}, (key, rank)
+        # On disk every tensor is written once: split pieces add up to it, a whole scale is shared
+        disk = sum(sum(spec_bytes(spec, recipe)) for spec in specs)
+        assert sum(sum(d.values()) for d in per_dir.values()) == disk
+        print(f"{family.name} attn_tp={layout.attn_tp} {key}: rank 0 "
+              f"{ {c: round(b / GB, 2) for c, b in per_rank[0].items()} }, disk {disk / GB:.1f} GB")
+
+
+def test_params_match_published_sizes(models):
+    for path, published in ((V4_FLASH, 284.3e9), (V32_EXP, 671.9e9)):
+        _, _, specs = models[path]
+        params = sum(math.prod(s.shape) for s in specs if not s.mtp)
+        print(f"{path.name}: {params / 1e9:.2f}B params without MTP")
+        assert abs(params - published) < 0.1e9
+
+
+@pytest.mark.parametrize("path,experts_gb,replicated_gb", [(V4_FLASH, 17, 6), (V32_EXP, 41, 16)])
+def test_w8a8_footprint_near_reference_estimate(models, plan_entries, path, experts_gb, replicated_gb):
+    # REFERENCE.md's rough estimate at EP16 (attention replicated). The expert figure is close; the
+    # replicated one is an estimate only (V4 keeps wo_a/wo_b in BF16: ~5.8 GB of its real ~10.7 GB).
+    family, arch, _ = models[path]
+    main_layers = [e for e in plan_entries(path, "w8a8") if not e.spec.mtp]
+    per_rank = rank_bytes(main_layers, family.name, arch, Layout(ep=16, tp=16))
+    experts = per_rank[0]["experts"] / GB
+    replicated = sum(per_rank[0][c] for c in ("attention", "embed", "other")) / GB
+    print(f"{family.name} W8A8 EP16 without MTP: {experts:.2f} GB experts, {replicated:.2f} GB replicated "
+          f"(REFERENCE ~{experts_gb} + ~{replicated_gb})")
+    assert abs(experts - experts_gb) / experts_gb < 0.05
+    assert 0.5 < replicated / replicated_gb < 2
+
+
+def test_kv_cache_from_config_numbers(models):
+    family, arch, _ = models[V32_EXP]
+    # MLA latent 512 + rope key 64, indexer key 128, BF16, 61 layers
+    assert sum(kv_cache_bytes_per_token(family.name, arch).values()) == 61 * (512 + 64 + 128) * 2
+    assert kv_cache_bytes_per_sequence(family.name, arch) == {}
+    assert kv_cache_bytes(family.name, arch, batch=3, seq=1000) == 3 * 1000 * 61 * 704 * 2
+
+    family, arch, _ = models[V4_FLASH]
+    # 43 main layers: 2 sliding, 21 CSA (ratio 4), 20 HCA (ratio 128); head_dim 512, index_head_dim 128
+    per_token = kv_cache_bytes_per_token(family.name, arch)
+    assert sum(per_token.values()) == 21 * (512 + 128) * 2 / 4 + 20 * 512 * 2 / 128
+    per_sequence = kv_cache_bytes_per_sequence(family.name, arch)
+    assert per_sequence["sliding window"] == 43 * 128 * 512 * 2
+    per_seq_total = sum(per_sequence.values())
+    assert kv_cache_bytes(family.name, arch, batch=2, seq=4096) == 2 * (4096 * 6880 + per_seq_total)
+
+
+def run_plan(*args):
+    return CliRunner().invoke(app, ["plan", *map(str, args)], env={"COLUMNS": "160"})
+
+
+@pytest.mark.parametrize("path,extra,recipe", [(V4_FLASH, [], "v4"), (V32_EXP, ["--attn-tp", 8], "v3")],
+                         ids=["v4-flash", "v32-attn-tp8"])
+def test_cli_prints_tables(expected, path, extra, recipe):
+    result = run_plan("--config", path, "--ep", 16, "--tp", 16, *extra)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for needle in ("BF16 weights", f"W8A8 (recipe {recipe}) weights", "KV cache per rank", "on disk:",
+                   "per attention-DP rank", "headroom on 64 GB"):
+        assert needle in text, (needle, text)
+    per_rank = expected(path, Layout(ep=16, tp=16, attn_tp=extra[1] if extra else 1))
+    for key in ("bf16", "w8a8"):
+        assert f"{sum(per_rank[key][0].values()) / GB:.2f}" in text, key
+
+
+def assert_one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_cli_errors(tmp_path):
+    assert_one_line_error(run_plan("--config", V4_FLASH, "--ep", 10), "ep=10", "world size 16")
+    assert_one_line_error(run_plan("--config", V4_FLASH, "--ep", 24, "--world-size", 24, "--tp", 8),
+                          "n_routed_experts=256", "ep=24")
+    assert_one_line_error(run_plan("--config", V4_FLASH, "--attn-tp", 16), "o_groups=8", "attn-tp=16")
+    assert_one_line_error(run_plan("--config", tmp_path / "nope.json"), "nope.json", "does not exist")
+    assert_one_line_error(run_plan("--config", V32_EXP, "--seq", 0), "--seq 0")
+    assert_one_line_error(run_plan("--config", V32_EXP, "--recipe", "v4"), "recipe 'v4'")
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    assert_one_line_error(run_plan("--config", tmp_path), "model_type='llama'")
+    llama.write_text("{not json")
+    assert_one_line_error(run_plan("--config", llama), "not valid JSON")
