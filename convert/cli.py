@@ -2,44 +2,23 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from convert.cliutil import console, err_console, fail, parse_size
 from convert.errors import InputError
 from convert.formats import FORMATS
 from convert.recipes import recipes_help
+from shard.cli import shard, verify
+from shard.plan_cli import plan
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards.")
-console = Console()
-err_console = Console(stderr=True)
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _SIZE_UNITS:
-        raise InputError(f"--max-file-size {text!r} is not a size like 4GB, 512MiB or 1000000")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise InputError(f"--max-file-size {text!r} must be positive")
-    return size
-
-
-def fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
 @app.callback()
 def main() -> None:
     """Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards."""
@@ -137,19 +116,9 @@ def _print_summary(result) -> None:
     console.print(table)
 
 
-# Registered last: shard.plan_cli imports `console` and `fail` from this module when it runs.
-from shard.plan_cli import plan as _plan  # noqa: E402
-
-app.command("plan")(_plan)
-
-def _register_stage_commands() -> None:
-    from shard.cli import shard, verify
-
-    app.command()(shard)
-    app.command()(verify)
-
-
-_register_stage_commands()
+app.command()(shard)
+app.command()(verify)
+app.command()(plan)
 
 if __name__ == "__main__":
     app()

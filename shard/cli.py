@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from tqdm import tqdm
 
-from convert.cli import console, err_console, fail, parse_size
+from convert.cliutil import console, err_console, fail, parse_size
 from convert.errors import InputError
 from shard.layout import DEFAULT_WORLD_SIZE, Layout
 from shard.placement import CATEGORIES, category

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from convert.arch import Family, family_for
+from convert.cliutil import console, fail
 from convert.errors import InputError
 from convert.recipes import Recipe, recipe_for, recipes_help
 from shard.layout import DEFAULT_WORLD_SIZE, Layout
@@ -119,8 +121,6 @@ def plan(
 
     Tables for BF16 and W8A8: each rank's weights by category, KV cache for --batch x --seq, headroom per card.
     """
-    from convert.cli import console, fail  # late: convert.cli imports this module to register the command
-
     try:
         raw = load_config(config)
         family = family_for(raw)
@@ -135,18 +135,19 @@ def plan(
         fail(str(exc))
 
     kv_bytes = kv_cache_bytes(family.name, arch, batch, seq)
-    console.print(f"[bold]dsconv plan[/]: {family.name} from {config}; {layout.world_size} ranks: attention "
-                  f"DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}")
+    console.print(f"[bold]dsconv plan[/]: {family.name} from {escape(str(config))}; {layout.world_size} ranks: "
+                  f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}")
     mtp_note = "MTP layer included" if mtp else "MTP layer not counted"
     for label, chosen in precisions:
         per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family.name, arch, layout)
-        console.print(_weights_table(f"{label} weights, GB (10^9 B) per rank ({mtp_note}); KV cache for {batch} x {seq} "
-                                     f"tokens", per_rank, kv_bytes, card_gb))
+        title = f"{label} weights, GB (10^9 B) per rank ({mtp_note}); KV cache for {batch} x {seq} tokens"
+        console.print(_weights_table(title, per_rank, kv_bytes, card_gb))
         disk = sum(sum(by_category.values()) for by_category in on_disk.values())
         console.print(f"  on disk: {_gb(disk)} GB in {len(on_disk)} shard directories (replicated tensors counted "
                       f"once; file headers and Ascend weight_offset zeros excluded)")
     console.print(_kv_table(family.name, arch, batch, seq))
     console.print(f"  --batch {batch} is per attention-DP rank: {layout.dp} DP ranks hold up to {batch * layout.dp} "
                   f"sequences in all.")
-    console.print(f"  Attention TP does not split this cache (one latent or one KV head serves all heads): each of "
-                  f"a DP group's {layout.attn_tp} rank(s) holds it whole.")
+    if layout.attn_tp > 1:
+        console.print(f"  Attention TP does not split this cache (one latent or one KV head serves all heads): "
+                      f"each of a DP group's {layout.attn_tp} ranks holds it whole.")

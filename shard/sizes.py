@@ -15,6 +15,7 @@ import torch
 
 from convert.arch import Encoding, Family, TensorSpec
 from convert.arch_v4_config import AttnType
+from convert.errors import InputError
 from convert.formats import SCALE_DTYPE
 from convert.recipes import Recipe
 from convert.safetensors_io import OutTensor
@@ -25,7 +26,7 @@ from shard.placement import CATEGORIES, Placement, category, place, place_compan
 _FLOAT_OUTPUT = {Encoding.FP8: torch.bfloat16, Encoding.FP4: torch.bfloat16, Encoding.BF16: torch.bfloat16,
                  Encoding.F32: torch.float32, Encoding.I32: torch.int32, Encoding.I64: torch.int64}
 INT8_SCALE_SUFFIX = "weight_scale"
-CACHE_DTYPE = torch.bfloat16  # KV-cache entries; compressor running state as transformers keeps it
+CACHE_DTYPE = torch.bfloat16  # KV-cache entries, and V4 compressor state (transformers keeps it in the model dtype)
 
 
 def output_tensors(spec: TensorSpec, int8: bool) -> list[OutTensor]:
@@ -69,12 +70,12 @@ def _pieces(items: Iterable[Entry], family: str, arch: object,
     """(placement, category, bytes) for every shard piece; a column-split weight's whole scale once."""
     for spec, weight_bytes, companion_bytes in items:
         bucket = category(spec)
-        companions: set[Placement] = set()
-        for placement in place(spec, family, arch, layout):
+        placements = place(spec, family, arch, layout)
+        for placement in placements:
             yield placement, bucket, _share(weight_bytes, spec, placement.split)
-            if companion_bytes:
-                companions.add(place_companion(placement, layout))
-        for placement in companions:
+        if not companion_bytes:
+            continue
+        for placement in {place_companion(p, layout) for p in placements}:
             # place_companion gives a row split (the scale's rows follow the weight's) or the whole scale
             yield placement, bucket, _share(companion_bytes, spec, placement.split)
 
@@ -113,12 +114,21 @@ def directory_bytes(items: Iterable[Entry], family: str, arch: object,
 # Attention TP never splits these caches: MLA keeps one latent per token shared by all heads, and V4 has one
 # KV head; so every attention-TP rank holds the whole cache of its DP group's sequences.
 
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
+V4_FAMILY = "deepseek_v4"
+
+
+def _cache_kind(family: str) -> str:
+    if family not in (*MLA_FAMILIES, V4_FAMILY):
+        raise InputError(f"no KV-cache model for family {family!r}")
+    return "mla" if family in MLA_FAMILIES else "v4"
+
 
 def kv_cache_bytes_per_token(family: str, arch: object) -> dict[str, float]:
     """Bytes that grow with each token of a sequence, by component (fractions where 1 entry covers n tokens)."""
     item = CACHE_DTYPE.itemsize
     layers = arch.num_hidden_layers
-    if family in ("deepseek_v3", "deepseek_v32"):
+    if _cache_kind(family) == "mla":
         # MLA caches the compressed latent (kv_lora_rank) plus the shared rope key per token per layer
         parts = {"MLA latent + rope key": layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * item}
         if arch.has_indexer:
@@ -135,12 +145,13 @@ def kv_cache_bytes_per_token(family: str, arch: object) -> dict[str, float]:
 
 def kv_cache_bytes_per_sequence(family: str, arch: object) -> dict[str, int]:
     """Bytes each sequence holds whatever its length (V4's windows and compressor state; none for MLA)."""
-    if family in ("deepseek_v3", "deepseek_v32"):
+    if _cache_kind(family) == "mla":
         return {}
     item = CACHE_DTYPE.itemsize
     csa, hca = _v4_layers(arch, AttnType.CSA), _v4_layers(arch, AttnType.HCA)
     return {
-        # Every layer keeps the last `sliding_window` K=V entries of its single KV head
+        # Every layer keeps the last `sliding_window` K=V entries of its single KV head: a fixed buffer, counted
+        # whole even for a sequence shorter than the window
         "sliding window": arch.num_hidden_layers * arch.sliding_window * arch.head_dim * item,
         "compressor state": (csa * (_compressor_state(arch.csa_compress_rate, arch.head_dim, overlap=True)
                                     + _compressor_state(arch.csa_compress_rate, arch.index_head_dim, overlap=True))

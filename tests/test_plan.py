@@ -27,7 +27,8 @@ FLOAT_OUT_BYTES = {Encoding.FP8: 2, Encoding.FP4: 2, Encoding.BF16: 2, Encoding.
                    Encoding.I64: 8}
 INT8_BYTES, SCALE_BYTES = 1, 4
 
-LAYOUTS = [(V4_FLASH, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16, attn_tp=8))]
+LAYOUTS = [(V4_FLASH, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16)),
+           (V32_EXP, Layout(ep=16, tp=16, attn_tp=8))]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,32 @@
+"""Console and error conventions shared by every dsconv command: rank-0-style console on stdout, one-line
+errors on stderr with exit code 2 for user mistakes."""
+
+from __future__ import annotations
+
+import re
+
+import typer
+from rich.console import Console
+
+from convert.errors import InputError
+
+console = Console()
+err_console = Console(stderr=True)
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise InputError(f"--max-file-size {text!r} is not a size like 4GB, 512MiB or 1000000")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise InputError(f"--max-file-size {text!r} must be positive")
+    return size
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
