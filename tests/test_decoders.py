@@ -81,3 +81,20 @@ def test_fast_e4m3_cast_equals_torch_on_every_code():
     finite = ~torch.isnan(theirs)
     assert torch.equal(ours[finite], theirs[finite])
     assert torch.equal(torch.signbit(ours[finite]), torch.signbit(theirs[finite]))  # -0 stays -0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "deepseek_v4"])
+def test_decoders_equal_transformers_on_every_fixture_tensor(tiny_source, family):
+    from convert.source import open_checkpoint
+
+    checkpoint = open_checkpoint(tiny_source(family, "fp8"))
+    seen = set()
+    for weight in checkpoint.weights:
+        if weight.encoding not in ("fp8", "fp4"):
+            continue
+        q, scale = weight.value.read(), weight.scale.read()
+        rows = q.shape[0]
+        ours = decode_rows(q, scale, weight.encoding, checkpoint.block, 0) if rows else q.float()
+        assert torch.equal(ours, transformers_dequant(q, scale)), weight.spec.name
+        seen.add(weight.encoding)
+    assert seen == ({"fp8", "fp4"} if family == "deepseek_v4" else {"fp8"})
