@@ -1,0 +1,93 @@
+"""Paged per-layer caches (vLLM vocabulary: block tables, slot mapping) and one step's token metadata.
+
+A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence owns whole blocks listed in its
+block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
+p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe`; V3.2 adds the
+indexer's keys `index_k`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from convert.errors import InputError
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    start: int  # this sequence's rows in the flattened step
+    stop: int
+    context_len: int  # tokens cached for the sequence once this step's tokens are written
+
+    @property
+    def query_len(self) -> int:
+        return self.stop - self.start
+
+    def causal_mask(self) -> torch.Tensor:
+        """[query_len, context_len] True where query i (at position context_len - query_len + i) may look."""
+        q_pos = torch.arange(self.context_len - self.query_len, self.context_len)[:, None]
+        return torch.arange(self.context_len)[None, :] <= q_pos
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    seqs: list[SeqStep]
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: where each token's cache entries go
+
+    @property
+    def last_rows(self) -> torch.Tensor:
+        """The row of each sequence's last token: where its next-token logits come from."""
+        return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long)
+
+
+class LatentCache:
+    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype) for name, dim in fields.items()}
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
+        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
+        positions = torch.arange(start, stop)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
+        """Reserve slots for (seq_id, n_new) pairs, in order; returns the step's flattened metadata."""
+        seqs, positions, slots, row = [], [], [], 0
+        for seq_id, n_new in new_tokens:
+            start = self.lengths.get(seq_id, 0)
+            table = self.block_tables.setdefault(seq_id, [])
+            need = -(-(start + n_new) // self.block_size) - len(table)
+            if need > len(self.free_blocks):
+                raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
+                                 f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
+            table.extend(self.free_blocks.pop() for _ in range(need))
+            self.lengths[seq_id] = start + n_new
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
+            positions.append(torch.arange(start, start + n_new))
+            slots.append(self._slots(seq_id, start, start + n_new))
+            row += n_new
+        empty = torch.empty(0, dtype=torch.long)
+        return StepMeta(seqs, torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty)
+
+    def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
+        for name, value in values.items():
+            self.data[name][layer].index_copy_(0, slots, value.to(self.data[name].dtype))
+
+    def read(self, layer: int, seq_id: int, length: int, *names: str) -> list[torch.Tensor]:
+        slots = self._slots(seq_id, 0, length)
+        return [self.data[name][layer][slots] for name in names]
+
+    def release(self, seq_id: int) -> None:
+        self.free_blocks.extend(reversed(self.block_tables.pop(seq_id, [])))
+        self.lengths.pop(seq_id, None)

@@ -1,0 +1,56 @@
+"""The collectives the model's forward calls, over this rank's process groups.
+
+`Dist.single()` is the one-process case (every collective is the identity). The distributed case wraps
+torch.distributed groups built from the manifest's layout; each call is one explicit collective so every
+rank enters them in the same order (a rank without tokens still calls them, with zero rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    attn_tp: int = 1
+    ep: int = 1
+    ep_rank: int = 0
+    tp: int = 1
+    groups: object | None = None  # comm.groups.Groups when distributed
+
+    @classmethod
+    def single(cls) -> "Dist":
+        return cls()
+
+    def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.attn_tp == 1:
+            return x
+        from comm.collectives import all_reduce_sum
+        return all_reduce_sum(x, self.groups.attn_tp)
+
+    def ep_dispatch(self, rows: torch.Tensor, local: torch.Tensor, send_counts: torch.Tensor):
+        """rows [N, H] grouped by destination EP rank (send_counts[d] rows for rank d), with each row's local
+        expert index -> (received rows, their local expert indices, received counts per source rank)."""
+        if self.ep == 1:
+            return rows, local, send_counts
+        from comm.collectives import all_to_all_variable
+        recv, recv_counts = all_to_all_variable(rows, send_counts.tolist(), self.groups.ep)
+        recv_local, _ = all_to_all_variable(local, send_counts.tolist(), self.groups.ep)
+        return recv, recv_local, torch.as_tensor(recv_counts)
+
+    def ep_combine(self, out: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
+        """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order."""
+        if self.ep == 1:
+            return out
+        from comm.collectives import all_to_all_variable
+        back, _ = all_to_all_variable(out, torch.as_tensor(recv_counts).tolist(), self.groups.ep)
+        return back
+
+    def tp_gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return local_logits
+        from comm.collectives import all_gather_cat
+        return all_gather_cat(local_logits, self.groups.tp, dim=-1)

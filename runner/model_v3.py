@@ -1,0 +1,261 @@
+"""DeepSeek-V3 / V3.2-Exp forward over one rank's shards, top to bottom like DeepSeek's own model.py.
+
+Tokens arrive flattened ([T] over this rank's sequences, vLLM style) with their positions and cache slots.
+Attention is MLA over a paged latent cache: prefill expands the latent through kv_b_proj, decode absorbs
+kv_b_proj into the query and attends over the latent directly. V3.2 adds the Lightning indexer, whose keys
+are cached next to the latent, and attends only over its top-k positions. MoE experts are EP-sharded: the
+exchange is written out in `moe()`; lm_head is vocabulary-sharded and its logits gathered in `logits()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from convert.arch_v3 import V3Config
+from kernels.attention import attention
+from kernels.linear import linear, w8a8_linear
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin
+from runner.cache import LatentCache, StepMeta
+from runner.dist import Dist
+from runner.weights import RankWeights
+
+INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
+ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)
+ROUTER_NORM_EPS = 1e-20
+
+
+class Proj:
+    """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8).
+
+    Float weights are used in the compute dtype: a float32 run (used to compare against a float32 reference)
+    converts them once at load, a BF16 run keeps the mapped shard as is.
+    """
+
+    def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
+        self.weight = weights.take(f"{name}.weight")
+        self.scale = weights.take_optional(f"{name}.weight_scale")
+        if self.scale is None and self.weight.dtype != dtype:
+            self.weight = self.weight.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return linear(x, self.weight)
+        return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
+
+    def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.scale is None:
+            return self.weight.to(dtype)
+        return (self.weight.to(torch.float32) * self.scale).to(dtype)
+
+
+@dataclass
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention:
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
+        self.cfg = cfg
+        self.heads = cfg.num_attention_heads // dist.attn_tp  # this rank's heads
+        self.wq_a, self.wq_b = Proj(w, f"{prefix}.q_a_proj", dtype), Proj(w, f"{prefix}.q_b_proj", dtype)
+        self.q_norm = Norm(w.take(f"{prefix}.q_a_layernorm.weight"), cfg.rms_norm_eps)
+        self.wkv_a = Proj(w, f"{prefix}.kv_a_proj_with_mqa", dtype)
+        self.wkv_b = Proj(w, f"{prefix}.kv_b_proj", dtype)
+        self.kv_norm = Norm(w.take(f"{prefix}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
+        self.wo = Proj(w, f"{prefix}.o_proj", dtype)
+        self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
+        self.dist = dist
+
+    def __call__(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
+        cfg, heads = self.cfg, self.heads
+        nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        q_resid = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        c_kv, k_pe = self.wkv_a(x).split([lora, rope], dim=-1)
+        c_kv = self.kv_norm(c_kv)  # [T, lora]
+        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], interleaved=True)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # [T, rope]: one rope key shared by all heads
+        cache.write(layer, meta.slots, c_kv=c_kv, k_pe=k_pe)
+        if self.indexer is not None:
+            self.indexer.write_keys(x, cos, sin, cache, layer, meta)
+
+        kv_b = self.wkv_b.float_weight(x.dtype).view(heads, nope + cfg.v_head_dim, lora)
+        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [heads, nope, lora], [heads, v, lora]
+        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
+        for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
+            rows = slice(seq.start, seq.stop)
+            ctx_c, ctx_pe = cache.read(layer, seq.seq_id, seq.context_len, "c_kv", "k_pe")  # [C, lora], [C, rope]
+            allowed = seq.causal_mask()  # [S, C] True where a query may look
+            if self.indexer is not None:
+                allowed &= self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
+            if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
+                k_nope = torch.einsum("cl,hnl->hcn", ctx_c, w_uk)
+                values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
+                keys = torch.cat([k_nope, ctx_pe[None].expand(heads, -1, -1)], dim=-1)
+                query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
+                out[rows] = attention(query, keys, values, scale, allowed).transpose(0, 1)
+            else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
+                q_lat = torch.einsum("shn,hnl->hsl", q_nope[rows], w_uk)  # [heads, 1, lora]
+                query = torch.cat([q_lat, q_pe[rows].transpose(0, 1)], dim=-1)
+                keys = torch.cat([ctx_c, ctx_pe], dim=-1)[None].expand(heads, -1, -1)
+                o_lat = attention(query, keys, ctx_c[None].expand(heads, -1, -1), scale, allowed)
+                out[rows] = torch.einsum("hsl,hvl->shv", o_lat, w_uv)
+        o = self.wo(out.reshape(x.shape[0], -1))
+        return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
+
+
+class Indexer:
+    """V3.2's Lightning indexer: scores every cached position per query, keeps the top `index_topk`."""
+
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
+        self.cfg = cfg
+        self.wq_b, self.wk = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.wk", dtype)
+        self.k_norm_weight, self.k_norm_bias = w.take(f"{prefix}.k_norm.weight"), w.take(f"{prefix}.k_norm.bias")
+        self.weights_proj = Proj(w, f"{prefix}.weights_proj", dtype)
+
+    def write_keys(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta) -> None:
+        cfg = self.cfg
+        k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight.to(x.dtype),
+                         self.k_norm_bias.to(x.dtype), INDEXER_K_NORM_EPS)
+        k_rot, k_pass = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
+        k = torch.cat([apply_rope(k_rot, cos, sin, interleaved=False), k_pass], dim=-1)  # half-split rope here
+        cache.write(layer, meta.slots, index_k=k)
+
+    def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
+        cfg = self.cfg
+        heads, dim, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(-1, heads, dim)
+        q_rot, q_pass = q.split([rope, dim - rope], dim=-1)
+        q = torch.cat([apply_rope(q_rot, cos[:, None], sin[:, None], interleaved=False), q_pass], dim=-1)
+        (keys,) = cache.read(layer, seq.seq_id, seq.context_len, "index_k")  # [C, dim]
+        scores = F.relu(torch.einsum("shd,cd->shc", q.float(), keys.float()) * dim ** -0.5)
+        head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
+        index = torch.einsum("sh,shc->sc", head_weights, scores).masked_fill(~allowed, float("-inf"))
+        top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
+        return torch.zeros_like(allowed).scatter_(-1, top, True)
+
+
+class DenseMLP:
+    def __init__(self, w: RankWeights, prefix: str, dtype: torch.dtype):
+        self.w1, self.w2, self.w3 = (Proj(w, f"{prefix}.{n}", dtype) for n in ("gate_proj", "down_proj", "up_proj"))
+
+    def __call__(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE:
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
+        self.cfg, self.dist = cfg, dist
+        self.router = w.take(f"{prefix}.gate.weight")
+        self.bias = w.take(f"{prefix}.gate.e_score_correction_bias")
+        self.per_rank = cfg.n_routed_experts // dist.ep
+        first = dist.ep_rank * self.per_rank
+        self.experts = [DenseMLP(w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
+        self.shared = DenseMLP(w, f"{prefix}.shared_experts", dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.router.float()).sigmoid()  # [T, E]
+        choice = scores + self.bias.float()
+        groups = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_score = groups.topk(ROUTER_GROUP_TOPK, dim=-1).values.sum(-1)  # [T, n_group]
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, 1)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_NORM_EPS)
+        return experts, weights * cfg.routed_scaling_factor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        k = experts.shape[1]
+        flat = experts.flatten()  # [T*k] one row per (token, expert) pair
+        order = torch.argsort(flat // self.per_rank, stable=True)  # grouped by owning EP rank
+        send_counts = torch.bincount(flat // self.per_rank, minlength=self.dist.ep)
+        rows, local = x[order // k], flat[order] % self.per_rank
+        # EP dispatch: every rank sends each row to its expert's owner, with the expert's local index
+        recv, recv_local, recv_counts = self.dist.ep_dispatch(rows, local, send_counts)
+        out = torch.empty_like(recv)
+        for e, expert in enumerate(self.experts):  # grouped GEMM over this rank's experts; zero rows is fine
+            mine = (recv_local == e).nonzero().squeeze(1)
+            if mine.numel():
+                out[mine] = expert(recv[mine])
+        back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
+        combined = torch.empty_like(back)
+        combined[order] = back
+        routed = (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
+        return routed + self.shared(x)
+
+
+class DeepseekV3:
+    def __init__(self, cfg: V3Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+        self.cfg, self.dist, self.dtype = cfg, dist, dtype
+        self.embed = w.take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else DenseMLP(w, f"{p}.mlp", dtype)
+            self.layers.append((Norm(w.take(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps),
+                                Attention(cfg, w, f"{p}.self_attn", dist, dtype),
+                                Norm(w.take(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
+        self.norm = Norm(w.take("model.norm.weight"), cfg.rms_norm_eps)
+        self.head = w.take("lm_head.weight").to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
+        for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
+            w.take(name)  # the MTP layer serves speculative decoding, which this runner does not do
+        w.finish()
+        self.cos_sin = lambda positions: rope_cos_sin(cfg, positions)
+        self.scale = _softmax_scale(cfg)
+
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
+                hidden_out: list | None = None) -> torch.Tensor:
+        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
+        x = F.embedding(tokens, self.embed).to(self.dtype)
+        cos, sin = self.cos_sin(meta.positions)
+        for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
+            x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
+            x = x + mlp(mlp_norm(x))
+            if hidden_out is not None:
+                hidden_out.append(x)
+        h = self.norm(x)
+        return self.logits(h if rows is None else h[rows])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        local = linear(h, self.head)  # [T, vocab / tp]
+        return self.dist.tp_gather(local)  # [T, vocab]: every rank sees the full vocabulary
+
+
+def _is_mtp(name: str, cfg: V3Config) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers
+
+
+def _softmax_scale(cfg: V3Config) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek's configs ask."""
+    import math
+
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    yarn = cfg.rope_scaling or {}
+    factor, mscale_all_dim = yarn.get("factor", 1.0), yarn.get("mscale_all_dim", 0)
+    if mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def cache_fields(cfg: V3Config) -> dict[str, int]:
+    """What MLA caches per token and layer: the normalized latent, the rotated shared key, V3.2's index keys."""
+    fields = {"c_kv": cfg.kv_lora_rank, "k_pe": cfg.qk_rope_head_dim}
+    if cfg.has_indexer:
+        fields["index_k"] = cfg.index_head_dim
+    return fields

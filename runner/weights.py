@@ -1,0 +1,81 @@
+"""One rank's weights, memory-mapped from the shard set the manifest describes.
+
+Each file is mapped once, read-only, and every tensor is a zero-copy view into it (the sharder aligns each
+tensor to its element size), so start-up costs page-table entries, not copies. The model pops what it
+uses; `finish()` proves that nothing it needed was missing and nothing mapped for this rank was left over.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from convert.errors import InputError
+from convert.safetensors_io import read_header
+from manifest.schema import MANIFEST_NAME
+from manifest.verify import verify
+
+
+@dataclass
+class RankWeights:
+    rank: int
+    manifest: dict
+    tensors: dict[str, torch.Tensor]  # name -> this rank's tensor (its slice, when split)
+    splits: dict[str, dict | None]  # name -> {dim, start, stop} of the source tensor, or None
+    _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise InputError(f"rank {self.rank}: shard set has no tensor {name} for this rank")
+        return self.tensors.pop(name)
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self.tensors.pop(name, None)
+
+    def finish(self) -> None:
+        if self.tensors:
+            left = sorted(self.tensors)
+            raise InputError(f"rank {self.rank}: {len(left)} mapped tensors were never used, e.g. {left[0]}")
+
+
+def load_manifest(shards: Path, check: bool = True) -> dict:
+    shards = Path(shards)
+    if not (shards / MANIFEST_NAME).is_file():
+        raise InputError(f"{shards}: no {MANIFEST_NAME}; point --shards at a `dsconv shard` output")
+    if check:
+        problems = verify(shards)
+        if problems:
+            raise InputError(f"{shards} fails `dsconv verify` ({len(problems)} problems), first: {problems[0]}")
+    return json.loads((shards / MANIFEST_NAME).read_text())
+
+
+def load_rank(shards: Path, manifest: dict, rank: int) -> RankWeights:
+    world = manifest["layout"]["world_size"]
+    if not 0 <= rank < world:
+        raise InputError(f"rank {rank} is outside the manifest's world size {world}")
+    mine = [t for t in manifest["tensors"] if rank in t["ranks"]]
+    weights = RankWeights(rank, manifest, {}, {})
+    by_file: dict[str, list[dict]] = {}
+    for t in mine:
+        by_file.setdefault(t["file"], []).append(t)
+    for rel, entries in sorted(by_file.items()):
+        path = Path(shards) / rel
+        header = read_header(path)
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        weights._maps.append(mapped)
+        for t in entries:
+            entry = header[t["name"]]
+            count = entry.nbytes // entry.dtype.itemsize
+            with warnings.catch_warnings():  # the map is read-only on purpose: weights are never written
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                view = torch.frombuffer(mapped, dtype=entry.dtype, count=count, offset=entry.offset) \
+                    if count else torch.empty(0, dtype=entry.dtype)
+            weights.tensors[t["name"]] = view.reshape(entry.shape)
+            weights.splits[t["name"]] = t["split"]
+    return weights
