@@ -85,3 +85,36 @@ def test_batch_of_different_lengths_equals_each_alone(pair):
         alone.append(greedy(model, cache, [p], 8, eos_id=None)[0])
     model, cache, _ = ours()
     assert greedy(model, cache, prompts, 8, eos_id=None) == alone
+
+
+W8A8_COSINE_MIN = 0.99
+
+
+def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path, request):
+    if family == "deepseek_v32":
+        # Measured 0.82 (0.98 when index_topk >= the prompt): INT8 error upstream flips the indexer's discrete
+        # top-8-of-40 choice on these random weights. Strict, so a fix shows up as a failure to update.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="V3.2 W8A8 top-k selection drift on random weights"))
+    ours, _ = pair
+    bf16_model, bf16_cache, cfg = ours()
+    shards = tmp_path / "w8a8-shards"
+    shard(w8a8_source(family), shards, Layout(1, 1, 1, 1))
+    manifest = load_manifest(shards)
+    assert manifest["precision"] == "w8a8"
+    model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
+    cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
+    ids = prompt(cfg.vocab_size, seed=2)
+    with torch.no_grad():
+        logits = model.forward(torch.tensor(ids), cache.step([(0, len(ids))]), cache)
+        reference = bf16_model.forward(torch.tensor(ids), bf16_cache.step([(0, len(ids))]), bf16_cache)
+    similarity = cosine(logits, reference)
+    print(f"{family} W8A8 vs BF16 logits cosine over {len(ids)} positions: {similarity:.5f}")
+    assert similarity >= W8A8_COSINE_MIN
+
+    bf16_model, bf16_cache, _ = ours()
+    with torch.no_grad():
+        cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
+        got = greedy(model, cache, [ids], NEW_TOKENS, eos_id=None)[0]
+        want = greedy(bf16_model, bf16_cache, [ids], NEW_TOKENS, eos_id=None)[0]
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
+    print(f"{family} W8A8 greedy tokens equal to BF16 for the first {agree} of {NEW_TOKENS}")

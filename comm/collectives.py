@@ -1,0 +1,77 @@
+"""The collectives the runner's forward calls, one small function each, on a `comm.groups.Group`.
+
+Every member of a group must call the same collectives on it in the same order; a rank with no tokens still
+calls them with zero rows. A group of one returns its input without communicating.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from comm.groups import Group
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sums `x` over the group in place and returns it (e.g. after a row-split `o_proj`)."""
+    if not x.is_contiguous():
+        raise ValueError(f"all_reduce_sum needs a contiguous tensor; got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if group.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.handle)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Concatenates every member's `x` along `dim` in group-rank order; all members pass the same shape.
+
+    lm_head TP: each rank's [tokens, vocab / tp] logits slice -> [tokens, vocab].
+    """
+    if group.size == 1:
+        return x
+    x = x.contiguous()  # gloo sends raw memory
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.handle)
+    return torch.cat(parts, dim=dim)
+
+
+def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tensor,
+                        group: Group) -> tuple[torch.Tensor, list[int]]:
+    """EP exchange: rows `send[offset_j : offset_j + send_counts[j]]` go to group rank j.
+
+    send: [N, ...] rows grouped by destination, in group-rank order; send_counts: [group.size], sum N.
+    Returns recv: [M, ...] (same trailing shape and dtype), the rows from rank 0 first, then rank 1, ...;
+    and recv_counts: rows received from each rank, sum M. Zero rows to or from any rank are fine, including
+    N = 0 (a rank with no tokens still takes part).
+    """
+    send_counts = [int(c) for c in (send_counts.tolist() if torch.is_tensor(send_counts) else send_counts)]
+    if len(send_counts) != group.size or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
+        raise ValueError(f"send_counts={send_counts} must give a non-negative row count for each of the "
+                         f"{group.size} ranks of group {group.name}, summing to the {send.shape[0]} rows sent")
+    if group.size == 1:
+        return send, send_counts
+
+    # 1. Counts first: every rank learns how many rows each peer will send it, to size its receive buffer.
+    counts_out = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+    counts_in = torch.empty_like(counts_out)
+    dist.all_to_all_single(counts_in, counts_out, group=group.handle)
+    recv_counts = counts_in.tolist()
+
+    # 2. The rows. An all-to-all only moves data, so it moves bytes: each row becomes `row_bytes` uint8
+    # values. One code path for every dtype, including float8 and the e8m0 scales that gloo cannot send
+    # (gloo does carry int8 since torch 2.x, but not float8: "Invalid scalar type").
+    row_shape = send.shape[1:]
+    row_bytes = math.prod(row_shape) * send.element_size()
+    send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
+    recv_bytes = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_counts,
+                           input_split_sizes=send_counts, group=group.handle)
+    recv = recv_bytes.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape)
+    return recv, recv_counts
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.handle)

@@ -1,0 +1,73 @@
+"""The process groups of one layout: attention TP, attention DP, MoE EP, lm_head TP, and the world.
+
+Membership comes from `shard.layout.Layout.groups()`, the same table the shard writer used, so a rank reads
+exactly the shard its groups expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from shard.layout import Layout
+
+GROUP_NAMES = ("attn_tp", "attn_dp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    ranks: tuple[int, ...]  # global ranks in group-rank order (torch sorts them; so does Layout)
+    rank: int  # this process's index in `ranks`
+    handle: dist.ProcessGroup | None  # None for a group of one: it never communicates
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Groups:
+    world: Group
+    attn_tp: Group
+    attn_dp: Group
+    ep: Group
+    tp: Group
+
+
+def make_groups(layout: Layout | dict) -> Groups:
+    """Call on every rank, after init_process_group, with the same layout (the manifest's)."""
+    layout = _as_layout(layout)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size != layout.world_size:
+        raise ValueError(f"the process group has {world_size} ranks but the layout has "
+                         f"world_size={layout.world_size}")
+    world_ranks = tuple(range(world_size))
+    # new_group is itself collective: every rank must call it for every group, members or not, in the same
+    # order, because torch names groups by a per-process counter and meets peers under that name in the
+    # store. The loop below depends only on the layout, which is identical on every rank, so the sequence of
+    # calls is too; that also holds for the groups it skips (size 1) or reuses (the world, repeated members).
+    handles: dict[tuple[int, ...], dist.ProcessGroup | None] = {
+        world_ranks: dist.group.WORLD if world_size > 1 else None}
+    mine: dict[str, Group] = {}
+    for name, member_lists in layout.groups().items():
+        for members in map(tuple, member_lists):
+            if list(members) != sorted(members):
+                raise ValueError(f"{name} group {members} is not sorted; torch would renumber its ranks")
+            if members not in handles:
+                handles[members] = dist.new_group(list(members)) if len(members) > 1 else None
+            if rank in members:
+                mine[name] = Group(name, members, members.index(rank), handles[members])
+    return Groups(world=Group("world", world_ranks, rank, handles[world_ranks]),
+                  **{name: mine[name] for name in GROUP_NAMES})
+
+
+def _as_layout(layout: Layout | dict) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    built = Layout(world_size=layout["world_size"], ep=layout["ep"], tp=layout["tp"], attn_tp=layout["attn_tp"])
+    if "groups" in layout and layout["groups"] != built.groups():
+        raise ValueError(f"the manifest's layout groups {layout['groups']} disagree with the groups its sizes "
+                         f"give: {built.groups()}")
+    return built

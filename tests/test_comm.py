@@ -1,0 +1,311 @@
+"""comm/: launch, process groups and collectives on real gloo process groups (CPU).
+
+One 16-rank launch runs every group and collective check in sequence (each rank asserts; a failed assert
+fails its rank, which fails the launch with the rank and the assertion named). Small 4-rank launches check
+that failures end the job quickly and loudly. Rank bodies are module-level functions so the ranks can
+import them.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable, barrier
+from comm.groups import make_groups
+from comm.launch import backend_for, launch
+from convert.errors import InputError
+from shard.layout import Layout
+
+REPO = Path(__file__).resolve().parents[1]
+V32_LAYOUT = Layout(16, ep=16, tp=16, attn_tp=8)  # attention DP2 x TP8, EP16, lm_head TP16
+SEED = 1234  # shared by all ranks, so each can rebuild what every other rank sends
+TIMEOUT_S = 120.0  # collective timeout; failure tests must end far sooner, by the supervisor's kill
+FAILURE_BOUND_S = 60.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 16 ranks: groups and collectives
+
+def _check_sixteen_ranks() -> None:
+    rank = dist.get_rank()
+    print(f"hello from rank {rank}")
+    manifest_layout = json.loads(json.dumps(V32_LAYOUT.to_json()))  # as the manifest stores it
+    groups = make_groups(manifest_layout)
+    _check_membership(groups, rank)
+    _check_all_reduce(groups, rank)
+    _check_all_gather(groups, rank)
+    for dtype in (torch.int8, torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        for row_shape in ((), (3, 2)):
+            _check_all_to_all(groups.ep, rank, dtype, row_shape, zero_senders={5}, zero_receivers={7})
+    _check_all_to_all(groups.attn_dp, rank, torch.int8, (4,), zero_senders=set(), zero_receivers=set())
+    _check_all_to_all(groups.ep, rank, torch.float32, (4,), zero_senders=set(range(16)), zero_receivers=set())
+    barrier(groups.attn_tp)
+    barrier(groups.attn_dp)
+    _check_reused_and_trivial_groups(rank)
+
+
+def _check_reused_and_trivial_groups(rank: int) -> None:
+    # V4-Flash: attention replicated, so attn_tp groups have one rank and attn_dp is the world; no new groups.
+    v4 = make_groups(Layout(16, ep=16, tp=16, attn_tp=1))
+    assert v4.attn_tp.ranks == (rank,) and v4.attn_tp.handle is None
+    assert v4.attn_dp.handle is dist.group.WORLD
+    x = torch.tensor([float(rank)])
+    assert all_reduce_sum(x, v4.attn_tp).item() == rank
+    assert torch.equal(all_gather_cat(x, v4.attn_tp, dim=0), x)
+    recv, recv_counts = all_to_all_variable(torch.arange(3), [3], v4.attn_tp)
+    assert recv.tolist() == [0, 1, 2] and recv_counts == [3]
+    barrier(v4.attn_tp)
+    # Identical member lists share one process group.
+    shared = make_groups(Layout(16, ep=8, tp=8, attn_tp=8))
+    assert shared.ep.handle is shared.attn_tp.handle is shared.tp.handle
+    # Gather within a subgroup, in group-rank order: [0..7] on ranks 0..7, [8..15] on ranks 8..15.
+    gathered = all_gather_cat(torch.tensor([rank]), shared.attn_tp, dim=0)
+    assert gathered.tolist() == list(shared.attn_tp.ranks)
+
+
+def _check_membership(groups, rank: int) -> None:
+    expected = V32_LAYOUT.groups()
+    for name in ("attn_tp", "attn_dp", "ep", "tp"):
+        group = getattr(groups, name)
+        [members] = [m for m in expected[name] if rank in m]
+        assert list(group.ranks) == members, (name, group.ranks, members)
+        assert group.ranks[group.rank] == rank
+        assert dist.get_process_group_ranks(group.handle) == members, name
+    assert groups.world.ranks == tuple(range(16)) and groups.world.rank == rank
+    assert groups.ep.handle is dist.group.WORLD and groups.tp.handle is dist.group.WORLD  # reused, not rebuilt
+
+
+def _check_all_reduce(groups, rank: int) -> None:
+    x = torch.tensor([float(rank), 1.0])
+    assert all_reduce_sum(x, groups.attn_tp) is x  # in place
+    block = range(0, 8) if rank < 8 else range(8, 16)
+    assert x.tolist() == [float(sum(block)), 8.0]
+    y = torch.tensor([rank], dtype=torch.int64)
+    all_reduce_sum(y, groups.attn_dp)
+    assert y.item() == 2 * (rank % 8) + 8  # {r, r + 8}
+
+
+def _check_all_gather(groups, rank: int) -> None:
+    full = torch.randn(5, 16 * 3, generator=torch.Generator().manual_seed(SEED))  # [tokens, vocab]
+    mine = full[:, 3 * rank:3 * rank + 3]  # this rank's vocab slice, not contiguous
+    assert torch.equal(all_gather_cat(mine, groups.tp, dim=1), full)
+
+
+def _sent_by(src: int, size: int, dtype, row_shape, zero_senders, zero_receivers):
+    """What group rank `src` sends: (rows [N, *row_shape] grouped by destination, counts [size])."""
+    gen = torch.Generator().manual_seed(SEED + src)
+    counts = torch.randint(0, 4, (size,), generator=gen)  # 0..3 rows per destination: zeros do occur
+    counts[list(zero_receivers)] = 0
+    if src in zero_senders:
+        counts[:] = 0
+    shape = (int(counts.sum()), *row_shape)
+    if dtype.is_floating_point:
+        rows = torch.randn(shape, generator=gen).to(dtype)
+    else:
+        rows = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int64).to(dtype)
+    return rows, counts
+
+
+def _check_all_to_all(group, rank, dtype, row_shape, zero_senders, zero_receivers) -> None:
+    send, counts = _sent_by(group.rank, group.size, dtype, row_shape, zero_senders, zero_receivers)
+    recv, recv_counts = all_to_all_variable(send, counts, group)
+    # Brute force: slice every sender's buffer for the rows addressed to us.
+    expected_rows, expected_counts = [], []
+    for src in range(group.size):
+        rows, src_counts = _sent_by(src, group.size, dtype, row_shape, zero_senders, zero_receivers)
+        start = int(src_counts[:group.rank].sum())
+        expected_rows.append(rows[start:start + int(src_counts[group.rank])])
+        expected_counts.append(int(src_counts[group.rank]))
+    expected = torch.cat(expected_rows)
+    assert recv_counts == expected_counts, (recv_counts, expected_counts)
+    assert recv.dtype == dtype and recv.shape == expected.shape, (recv.dtype, recv.shape, expected.shape)
+    assert torch.equal(recv.view(torch.uint8), expected.view(torch.uint8)), (group.name, dtype, row_shape)
+
+
+def test_sixteen_ranks_groups_and_collectives(tmp_path, capsys):
+    code = launch(_check_sixteen_ranks, (), world_size=16, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "hello from rank 5" in (tmp_path / "rank5.log").read_text()  # ranks > 0 log to files
+    assert not (tmp_path / "rank0.log").exists()  # rank 0 keeps the console and had nothing to report
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failures end the job: loudly, once, within a bound
+
+def _raise_while_others_wait() -> None:
+    rank = dist.get_rank()
+    trio = dist.new_group([0, 1, 2])  # every rank creates it, members or not
+    dist.barrier()
+    if rank == 3:
+        raise RuntimeError("boom from rank 3")
+    if rank == 2:
+        time.sleep(10 * TIMEOUT_S)  # alive and silent: ranks 0 and 1 would wait for it until killed
+    dist.all_reduce(torch.ones(1), group=trio)
+
+
+def _sigkill_while_others_wait() -> None:
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def _failure_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "failed:" in line]
+
+
+def test_rank_that_raises_ends_the_job(tmp_path, capsys):
+    start = time.monotonic()
+    code = launch(_raise_while_others_wait, (), world_size=4, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code != 0
+    assert elapsed < FAILURE_BOUND_S
+    assert _failure_lines(err) == [f"rank 3 failed: RuntimeError: boom from rank 3 (logs in {tmp_path})"], err
+    assert "Traceback" in (tmp_path / "rank3.log").read_text()
+
+
+def test_rank_killed_by_signal_ends_the_job(tmp_path, capsys):
+    entry = f"{_sigkill_while_others_wait.__module__}:{_sigkill_while_others_wait.__name__}"  # by name
+    start = time.monotonic()
+    code = launch(entry, (), world_size=4, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code != 0
+    assert elapsed < FAILURE_BOUND_S
+    assert _failure_lines(err) == [f"rank 1 failed: killed by SIGKILL (logs in {tmp_path})"], err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The supervisor itself: Ctrl-C stops every rank; a killed supervisor leaves no rank behind
+
+def _write_pid_and_sleep(pid_dir: str) -> None:
+    Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    time.sleep(10 * TIMEOUT_S)
+
+
+SUPERVISOR = """
+import sys
+from comm.launch import launch
+sys.exit(launch("test_comm:_write_pid_and_sleep", (sys.argv[1],), world_size=2, device="cpu",
+                timeout_s=120.0, log_dir=sys.argv[1]))
+"""
+
+
+def _start_supervisor(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SUPERVISOR), str(tmp_path)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + FAILURE_BOUND_S
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.1)
+    return proc, [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+
+
+def _wait_gone(pids: list[int], bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A rank that exited but is not reaped yet (a zombie) is gone for our purposes.
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    proc, pids = _start_supervisor(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=FAILURE_BOUND_S)
+    assert proc.returncode == 130, err
+    assert "interrupted: stopping 2 ranks" in err
+    assert _wait_gone(pids, bound_s=5)
+
+
+def test_ranks_exit_when_supervisor_is_killed(tmp_path):
+    proc, pids = _start_supervisor(tmp_path)
+    proc.kill()
+    proc.wait()
+    try:
+        assert _wait_gone(pids, bound_s=10)
+    finally:
+        for pid in pids:  # never leave our own ranks behind, even when the test fails
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under torchrun: the entry runs in this process (a one-rank "torchrun" environment keeps it cheap)
+
+def _one_rank_body(fail: bool) -> None:
+    assert dist.get_world_size() == 1 and dist.get_rank() == 0
+    if fail:
+        raise ValueError("bad shard")
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="0").items():  # port 0: the OS picks
+        monkeypatch.setenv(name, value)
+    yield
+    if dist.is_initialized():  # a failed entry leaves the group up; torchrun would end the process here
+        dist.destroy_process_group()
+
+
+def test_under_torchrun_runs_in_this_process(torchrun_env, tmp_path, capfd):
+    assert launch(_one_rank_body, (False,), world_size=1, device="cpu", timeout_s=30, log_dir=tmp_path) == 0
+    assert not dist.is_initialized()
+    assert launch(_one_rank_body, {"fail": True}, world_size=1, device="cpu", timeout_s=30, log_dir=tmp_path) == 1
+    assert _failure_lines(capfd.readouterr().err) == [f"rank 0 failed: ValueError: bad shard (logs in {tmp_path})"]
+
+
+def test_under_torchrun_world_size_must_match(torchrun_env, tmp_path):
+    with pytest.raises(InputError, match="torchrun started 1 processes but the layout needs world size 16"):
+        launch(_one_rank_body, (False,), world_size=16, device="cpu", timeout_s=30, log_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# backend_for
+
+def test_backend_for_cpu_is_gloo():
+    assert backend_for("cpu") == "gloo"
+
+
+def test_backend_for_unknown_device_names_it():
+    with pytest.raises(ValueError, match="device='tpu' is not one of 'npu', 'cuda', 'cpu'"):
+        backend_for("tpu")
+
+
+def test_backend_for_npu_without_torch_npu():
+    try:
+        import torch_npu  # noqa: F401
+        pytest.skip("torch_npu is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(InputError, match="--device npu needs torch_npu"):
+        backend_for("npu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_backend_for_cuda_without_cuda():
+    with pytest.raises(InputError, match="--device cuda, but torch sees no CUDA device"):
+        backend_for("cuda")
