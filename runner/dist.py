@@ -16,6 +16,7 @@ import torch
 class Dist:
     rank: int = 0
     attn_tp: int = 1
+    attn_tp_rank: int = 0
     ep: int = 1
     ep_rank: int = 0
     tp: int = 1
@@ -24,6 +25,37 @@ class Dist:
     @classmethod
     def single(cls) -> "Dist":
         return cls()
+
+    @classmethod
+    def from_layout(cls, layout: dict) -> "Dist":
+        """After init_process_group: this rank's groups from the manifest's layout (called on every rank)."""
+        from comm.groups import make_groups
+
+        groups = make_groups(layout)
+        return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
+                   ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, groups=groups)
+
+    def attn_tp_share(self, x: torch.Tensor) -> torch.Tensor:
+        """Under attention TP every rank of the group holds the same rows: each takes an equal share (padded
+        with zero rows so all shares match in size for the gather)."""
+        if self.attn_tp == 1:
+            return x
+        per = -(-x.shape[0] // self.attn_tp)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, per * self.attn_tp - x.shape[0]))
+        return padded[self.attn_tp_rank * per:(self.attn_tp_rank + 1) * per]
+
+    def attn_tp_unshare(self, share: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.attn_tp == 1:
+            return share
+        from comm.collectives import all_gather_cat
+        return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
+
+    def any_active(self, active: bool) -> bool:
+        """Lockstep: the generation loop runs while any rank still has a sequence to extend."""
+        if self.groups is None or self.groups.world.size == 1:
+            return active
+        from comm.collectives import all_reduce_sum
+        return bool(all_reduce_sum(torch.tensor([int(active)]), self.groups.world).item())
 
     def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.attn_tp == 1:

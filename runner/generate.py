@@ -20,10 +20,12 @@ class Sequence:
 
 
 def greedy(model, cache: LatentCache, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-           on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+           on_token: Callable[[int, int], None] | None = None, dist=None) -> list[list[int]]:
+    """dist: when distributed, every rank loops until no rank has work left, running zero-token steps when
+    it has none itself, so all ranks enter the same collectives in the same order."""
     seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
     pending = [(s.seq_id, s.prompt) for s in seqs]  # what each sequence feeds this step
-    while pending:
+    while dist.any_active(bool(pending)) if dist is not None else pending:
         meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in pending])
         tokens = torch.tensor([t for _, toks in pending for t in toks], dtype=torch.long)
         logits = model.forward(tokens, meta, cache, rows=meta.last_rows)  # [len(pending), vocab]

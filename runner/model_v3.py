@@ -109,7 +109,7 @@ class Attention:
                 keys = torch.cat([ctx_c, ctx_pe], dim=-1)[None].expand(heads, -1, -1)
                 o_lat = attention(query, keys, ctx_c[None].expand(heads, -1, -1), scale, allowed)
                 out[rows] = torch.einsum("hsl,hvl->shv", o_lat, w_uv)
-        o = self.wo(out.reshape(x.shape[0], -1))
+        o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
 
@@ -178,6 +178,10 @@ class MoE:
         return experts, weights * cfg.routed_scaling_factor
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
+        return self.dist.attn_tp_unshare(self.routed(share) + self.shared(share), x.shape[0])
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         k = experts.shape[1]
         flat = experts.flatten()  # [T*k] one row per (token, expert) pair
@@ -194,8 +198,7 @@ class MoE:
         back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
         combined = torch.empty_like(back)
         combined[order] = back
-        routed = (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
-        return routed + self.shared(x)
+        return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
 
 
 class DeepseekV3:

@@ -1,0 +1,107 @@
+"""Projections: BF16 `linear`, and W8A8 `w8a8_linear` (INT8 weights, INT8 activations quantized per token).
+
+W8A8 math, for x [M, k] and an INT8 weight w [n, k] with per-output-channel scale s_w [n, 1]:
+    x_q, s_x = quantize_rows(x)                      # per token: s_x [M, 1], the kernels.int8 formula
+    acc      = x_q @ w.T                             # exact integer sums, int32 [M, n]
+    y        = (acc * s_x * s_w.T).to(out_dtype)     # dequantize in float32
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.device import is_npu, require_torch_npu
+from kernels.int8 import INT8_MAX, quantize_rows_, quantize_rows_reference
+
+# float32 holds every integer of magnitude below 2**24 exactly. A dot product over K int8 pairs never exceeds
+# K * 127**2 in magnitude, so a float32 GEMM over a K-slice of at most this length returns the exact integer
+# sum whatever order the BLAS adds in. The int8 inputs are exact even where float32 matmuls run with TF32 or
+# BF16 inputs (7 significant bits suffice for 127), and those modes still accumulate in float32.
+EXACT_FLOAT32_K = 2**24 // INT8_MAX**2  # 1040
+# npu_quant_matmul rejects k or n above this (REFERENCE.md section 4): an unsharded 129280-row lm_head cannot
+# use it, it has to be split over TP or kept in BF16.
+NPU_QUANT_MATMUL_MAX_DIM = 65535
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A float (BF16) projection computed in the weight's dtype; the result comes back in x's dtype."""
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def w8a8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., k] float, weight_int8 [n, k], weight_scale [n, 1] float32 -> [..., n] in out_dtype."""
+    _check_w8a8(x, weight_int8, weight_scale)
+    if is_npu(x):
+        return _w8a8_linear_npu(x, weight_int8, weight_scale, out_dtype)
+    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32, copy=True)  # a private copy: quantized in place
+    x_q = torch.empty(x2d.shape, dtype=torch.int8, device=x.device)
+    x_scale = torch.empty(x2d.shape[0], 1, dtype=torch.float32, device=x.device)
+    quantize_rows_(x2d, x_q, x_scale)
+    acc = int8_matmul(x_q, weight_int8)
+    return _dequantize(acc, x_scale, weight_scale, out_dtype).reshape(*x.shape[:-1], weight_int8.shape[0])
+
+
+def w8a8_linear_reference(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The plain formula: reference quantizer and an int32 GEMM (CPU only: CUDA has no int32 matmul)."""
+    _check_w8a8(x, weight_int8, weight_scale)
+    x_q, x_scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]).to(torch.float32))
+    acc = int8_matmul_reference(x_q, weight_int8)
+    return _dequantize(acc, x_scale, weight_scale, out_dtype).reshape(*x.shape[:-1], weight_int8.shape[0])
+
+
+def int8_matmul_reference(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
+    """x_q [M, k] int8, weight_int8 [n, k] int8 -> int32 [M, n]."""
+    return x_q.to(torch.int32) @ weight_int8.to(torch.int32).T
+
+
+def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
+    """Same int32 result as the reference, from float32 GEMMs over K-slices short enough to be exact.
+
+    Measured on the 2-core CI CPU (torch 2.13), [M, 7168] x [1536, 7168].T: int32 matmul 27 ms (M=1) /
+    99 ms (M=64), this path 4 / 27 ms, torch._int_mm 5 / 358 ms, so _int_mm is not used on CPU. CUDA has no
+    int32 matmul; this path runs there too.
+    """
+    acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
+    for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):
+        cols = slice(start, start + EXACT_FLOAT32_K)
+        acc += (x_q[:, cols].to(torch.float32) @ weight_int8[:, cols].to(torch.float32).T).to(torch.int32)
+    return acc
+
+
+def _dequantize(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    # acc [M, n] int32, x_scale [M, 1], weight_scale [n, 1]
+    return (acc.to(torch.float32) * x_scale * weight_scale.T).to(out_dtype)
+
+
+def _check_w8a8(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
+        raise ValueError(f"W8A8 weight must be a 2-D int8 tensor [out, in], got {weight_int8.dtype} "
+                         f"{tuple(weight_int8.shape)}")
+    n, k = weight_int8.shape
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n, 1):
+        raise ValueError(f"W8A8 weight_scale must be float32 [{n}, 1], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features but the W8A8 weight expects {k}")
+    if not x.is_floating_point():
+        raise ValueError(f"W8A8 input must be floating point, got {x.dtype}")
+
+
+# --- NPU (torch_npu), not run in CI ---------------------------------------------------------------------------
+def _w8a8_linear_npu(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    torch_npu = require_torch_npu()
+    n, k = weight_int8.shape
+    if k > NPU_QUANT_MATMUL_MAX_DIM or n > NPU_QUANT_MATMUL_MAX_DIM:
+        raise ValueError(f"npu_quant_matmul needs in, out <= {NPU_QUANT_MATMUL_MAX_DIM}; weight is [{n}, {k}]: "
+                         "shard it over TP or keep it in BF16")
+    x2d = x.reshape(-1, k)
+    # Same symmetric per-token formula as kernels.int8, though the NPU's rounding is not promised bit-equal.
+    x_q, x_scale = torch_npu.npu_dynamic_quant(x2d)  # int8 [M, k], float32 [M]
+    y = torch_npu.npu_quant_matmul(x_q, weight_int8.T, weight_scale.view(-1), pertoken_scale=x_scale,
+                                   output_dtype=out_dtype)  # weight as [k, n], a transposed view
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,87 @@
+"""What every rank runs: map its shards, build the model, generate its attention-DP share of the prompts.
+
+Prompt i belongs to attention-DP index i % dp; the attention-TP ranks of that index run it together. Rank 0
+owns the console (it streams its own sequences' text); each rank whose attention-TP index is 0 writes its
+sequences' results for the launcher to collect.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from convert.arch import family_for
+from convert.errors import InputError
+from runner.cache import LatentCache
+from runner.dist import Dist
+from runner.generate import greedy
+from runner.weights import load_rank
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+BLOCK_SIZE = 16  # cache block, in tokens
+
+
+def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
+    config = manifest["model"]["config"]
+    family = family_for(config)
+    if family.name not in ("deepseek_v3", "deepseek_v32"):
+        raise InputError(f"dsrun runs deepseek_v3 / deepseek_v32 shards; {family.name} is not supported yet")
+    from runner.model_v3 import DeepseekV3, cache_fields
+
+    cfg = family.parse_config(config)
+    model = DeepseekV3(cfg, load_rank(shards, manifest, rank), dist, dtype)
+    return model, cfg, cache_fields(cfg)
+
+
+def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None) -> None:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dist = Dist.from_layout(manifest["layout"]) if torch.distributed.is_initialized() else Dist.single()
+    model, cfg, fields = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
+    dp, dp_index = manifest["layout"]["dp"], rank // manifest["layout"]["attn_tp"]
+    mine = [i for i in range(len(prompts)) if i % dp == dp_index]
+    cache = LatentCache(cfg.num_hidden_layers, -(-cache_tokens // BLOCK_SIZE), BLOCK_SIZE, fields, DTYPES[dtype])
+
+    printer = _Streamer(stream_tokenizer) if rank == 0 and stream_tokenizer else None
+    steps: list[float] = []
+
+    def on_token(seq: int, token: int) -> None:
+        steps.append(time.perf_counter())
+        if printer is not None and seq == 0:
+            printer.add(token)
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        outputs = greedy(model, cache, [prompts[i] for i in mine], max_new_tokens, eos_id, on_token, dist)
+    if printer is not None:
+        printer.close()
+    if dist.attn_tp_rank == 0:
+        first = steps[0] if steps else started
+        result = {"rank": rank, "prompts": mine, "generated": outputs,
+                  "prefill_s": first - started, "decode_s": (steps[-1] - first) if steps else 0.0}
+        (Path(result_dir) / f"rank{rank:05d}.json").write_text(json.dumps(result))
+
+
+class _Streamer:
+    """Prints the text of one sequence as its tokens arrive (decoding the whole tail, so multi-byte
+    characters split across tokens come out whole)."""
+
+    def __init__(self, tokenizer_path: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(tokenizer_path)
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd"):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+    def close(self) -> None:
+        print(flush=True)

@@ -1,0 +1,277 @@
+"""kernels/: each fast path against its plain reference, and each reference against transformers' own code."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
+
+from kernels.attention import attention, attention_reference, causal_mask
+from kernels.device import require_torch_npu
+from kernels.int8 import INT8_MAX, quantize_rows_reference
+from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, w8a8_linear,
+                            w8a8_linear_reference)
+from kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin, softmax_scale
+
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+ROPE_DIM = 64  # qk_rope_head_dim of the real models
+ROPE_THETA = 10000
+
+
+def _int8(*shape, gen):
+    return torch.randint(-INT8_MAX, INT8_MAX + 1, shape, dtype=torch.int8, generator=gen)
+
+
+def _quantized_weight(out_features, in_features, gen):
+    q, scale = quantize_rows_reference(torch.randn(out_features, in_features, generator=gen))
+    return q, scale
+
+
+# --- linear ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,k,n", [(1, 7, 3), (0, 16, 8), (5, 33, 9), (17, 64, 32), (3, 2 * EXACT_FLOAT32_K + 5, 11)])
+def test_int8_matmul_matches_int32_reference(m, k, n):
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x_q, w = _int8(m, k, gen=gen), _int8(n, k, gen=gen)
+    assert torch.equal(int8_matmul(x_q, w), int8_matmul_reference(x_q, w))
+
+
+def test_int8_matmul_exact_at_worst_case_sums():
+    # every product +-127*127 with one sign: the sum needs more than float32's 24 bits unless K is sliced
+    k = 3 * EXACT_FLOAT32_K + 7
+    x_q = torch.full((2, k), INT8_MAX, dtype=torch.int8)
+    x_q[1] = -INT8_MAX
+    w = torch.full((3, k), INT8_MAX, dtype=torch.int8)
+    w[1, ::2] = -INT8_MAX
+    acc = int8_matmul(x_q, w)
+    assert torch.equal(acc, int8_matmul_reference(x_q, w))
+    assert acc[0, 0].item() == k * INT8_MAX**2
+
+
+@pytest.mark.parametrize("lead", [(1,), (0,), (2, 3), (13,)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_linear_matches_reference_exactly(lead, dtype):
+    gen = torch.Generator().manual_seed(len(lead) * 7 + lead[0])
+    w, w_scale = _quantized_weight(19, 45, gen)
+    x = torch.randn(*lead, 45, generator=gen).to(dtype)
+    x[..., :1, :] = 0  # an all-zero token (when there is one) must dequantize to exact zeros
+    out = w8a8_linear(x, w, w_scale, out_dtype=dtype)
+    assert out.shape == (*lead, 19) and out.dtype == dtype
+    assert torch.equal(out, w8a8_linear_reference(x, w, w_scale, out_dtype=dtype))
+    if x.numel():
+        assert not out.reshape(-1, 19)[0].any()
+
+
+def test_w8a8_linear_close_to_float_matmul():
+    gen = torch.Generator().manual_seed(0)
+    w, w_scale = _quantized_weight(256, 1536, gen)
+    x = torch.randn(32, 1536, generator=gen)
+    expected = x @ (w.to(torch.float32) * w_scale).T
+    got = w8a8_linear(x, w, w_scale, out_dtype=torch.float32)
+    assert F.cosine_similarity(got.flatten(), expected.flatten(), dim=0) >= 0.999
+
+
+def test_w8a8_linear_rejects_bad_weight_and_scale():
+    gen = torch.Generator().manual_seed(0)
+    w, w_scale = _quantized_weight(4, 8, gen)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="weight_scale"):
+        w8a8_linear(x, w, w_scale.view(-1))
+    with pytest.raises(ValueError, match="int8"):
+        w8a8_linear(x, w.to(torch.float32), w_scale)
+    with pytest.raises(ValueError, match="8"):
+        w8a8_linear(torch.randn(2, 9), w, w_scale)
+
+
+def test_linear_computes_in_weight_dtype_returns_input_dtype():
+    w = torch.randn(5, 7).to(torch.bfloat16)
+    x = torch.randn(3, 7)
+    out = linear(x, w)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.linear(x.to(torch.bfloat16), w).float())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_require_torch_npu_says_why():
+    with pytest.raises(RuntimeError, match="torch_npu"):
+        require_torch_npu()
+
+
+# --- norm -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_equals_transformers(dtype):
+    gen = torch.Generator().manual_seed(1)
+    module = hf_v3.DeepseekV3RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(96, generator=gen))
+    module = module.to(dtype)
+    x = (3 * torch.randn(4, 5, 96, generator=gen)).to(dtype)
+    with torch.no_grad():
+        expected = module(x)
+    assert torch.equal(rms_norm(x, module.weight.detach(), 1e-6), expected)
+
+
+# --- rope -----------------------------------------------------------------------------------------------------
+def _rope_configs(rope_scaling):
+    ours = SimpleNamespace(qk_rope_head_dim=ROPE_DIM, rope_theta=ROPE_THETA, rope_scaling=rope_scaling)
+    kwargs = {"rope_scaling": dict(rope_scaling)} if rope_scaling else {}
+    theirs = DeepseekV3Config(qk_rope_head_dim=ROPE_DIM, rope_theta=ROPE_THETA, max_position_embeddings=163840,
+                              **kwargs)
+    return ours, theirs
+
+
+POSITIONS = torch.tensor([[0, 1, 2, 7, 100, 4095, 4096, 5000, 65537, 163839]])
+
+
+@pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["default", "yarn"])
+def test_rope_cos_sin_equal_transformers(rope_scaling):
+    ours, theirs = _rope_configs(rope_scaling)
+    cos, sin = rope_cos_sin(ours, POSITIONS)
+    hf_cos, hf_sin = hf_v3.DeepseekV3RotaryEmbedding(theirs)(torch.zeros(1, dtype=torch.float32), POSITIONS)
+    half = ROPE_DIM // 2
+    assert cos.shape == (1, len(POSITIONS[0]), half)
+    for ours_t, hf_t in ((cos, hf_cos), (sin, hf_sin)):  # transformers stores cat(freqs, freqs)
+        assert torch.equal(ours_t, hf_t[..., :half]) and torch.equal(ours_t, hf_t[..., half:])
+
+
+@pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["default", "yarn"])
+def test_softmax_scale_equals_transformers(rope_scaling):
+    ours, theirs = _rope_configs(rope_scaling)
+    qk_head_dim = theirs.qk_nope_head_dim + theirs.qk_rope_head_dim
+    expected = hf_v3.yarn_apply_mscale(theirs.rope_parameters, qk_head_dim**-0.5)
+    assert softmax_scale(qk_head_dim, rope_scaling) == expected
+    assert (expected != qk_head_dim**-0.5) == (rope_scaling is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["mla-interleaved", "indexer-half-split"])
+def test_apply_rope_equals_transformers(dtype, interleaved):
+    gen = torch.Generator().manual_seed(2)
+    ours, theirs = _rope_configs(YARN)
+    heads, tokens = 3, POSITIONS.shape[1]
+    q = torch.randn(1, heads, tokens, ROPE_DIM, generator=gen).to(dtype)  # transformers' [B, H, S, D]
+    k = torch.randn(1, 1, tokens, ROPE_DIM, generator=gen).to(dtype)
+    hf_cos, hf_sin = hf_v3.DeepseekV3RotaryEmbedding(theirs)(q, POSITIONS)  # [1, S, D] in q's dtype
+    if interleaved:  # MLA's q_pe / k_pe
+        hf_q, hf_k = hf_v3.apply_rotary_pos_emb_interleave(q, k, hf_cos, hf_sin)
+    else:  # V3.2's indexer
+        hf_q, hf_k = hf_v32.apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
+    cos, sin = rope_cos_sin(ours, POSITIONS[0])  # [S, D/2] float32
+    assert torch.equal(apply_rope(q, cos, sin, interleaved), hf_q)
+    assert torch.equal(apply_rope(k, cos, sin, interleaved), hf_k)
+
+
+# --- attention ------------------------------------------------------------------------------------------------
+def _eager(q, k, v, scale, allowed):
+    """transformers' eager attention with its additive mask (dtype min where not allowed) -> [B, H, S, Dv]."""
+    allowed = allowed.expand(q.shape[0], -1, -1)[:, None]  # [B, 1, S, T]
+    additive = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    module = SimpleNamespace(num_key_value_groups=1, training=False)
+    out, _ = hf_v3.eager_attention_forward(module, q, k, v, additive, scaling=scale)
+    return out.transpose(1, 2)
+
+
+def _qkv(batch, heads, s, t, d, dv, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, n, dim, generator=gen).to(dtype) for n, dim in ((s, d), (t, d), (t, dv)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_reference_equals_transformers_eager(dtype):
+    q, k, v = _qkv(2, 4, 5, 9, 24, 16, dtype, seed=3)  # 4 cached keys, then a 5-token prefill chunk
+    allowed = causal_mask(5, 9)
+    sparse = allowed & (torch.rand(2, 5, 9, generator=torch.Generator().manual_seed(4)) < 0.5)
+    sparse[:, torch.arange(5), torch.arange(5) + 4] = True  # each query keeps at least itself
+    for mask in (allowed, sparse):
+        expected = _eager(q, k, v, 0.2, mask)
+        assert torch.equal(attention_reference(q, k, v, 0.2, mask), expected)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("s,t", [(6, 6), (5, 12), (1, 12)], ids=["prefill", "chunked-prefill", "decode"])
+def test_attention_matches_reference(dtype, atol, s, t):
+    q, k, v = _qkv(2, 3, s, t, 40, 24, dtype, seed=s * 100 + t)
+    gen = torch.Generator().manual_seed(5)
+    sparse = causal_mask(s, t) & (torch.rand(2, s, t, generator=gen) < 0.6)
+    sparse[:, torch.arange(s), torch.arange(s) + t - s] = True
+    for mask in (None, causal_mask(s, t), sparse):
+        got, expected = attention(q, k, v, 0.15, mask), attention_reference(q, k, v, 0.15, mask)
+        assert got.dtype == dtype and got.shape == (2, 3, s, 24)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+
+
+def test_attention_unbatched_heads_and_bad_mask():
+    q, k, v = (x[0] for x in _qkv(1, 2, 4, 4, 8, 8, torch.float32, seed=6))  # [H, S, D]
+    out = attention(q, k, v, 0.3, causal_mask(4, 4))
+    torch.testing.assert_close(out, attention_reference(q, k, v, 0.3, causal_mask(4, 4)))
+    with pytest.raises(ValueError, match="mask"):
+        attention(q, k, v, 0.3, torch.ones(1, 1, 1, 4, 4, dtype=torch.bool))
+
+
+# --- moe ------------------------------------------------------------------------------------------------------
+HIDDEN, INTER = 48, 64
+
+
+def _experts(n_experts, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w13, s13 = zip(*(_quantized_weight(2 * INTER, HIDDEN, gen) for _ in range(n_experts)))
+    w2, s2 = zip(*(_quantized_weight(HIDDEN, INTER, gen) for _ in range(n_experts)))
+    return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
+
+
+def _per_token_w8a8(x, expert_of_row, w13, s13, w2, s2, limit):
+    rows = []
+    for i, e in enumerate(expert_of_row):
+        gate, up = w8a8_linear_reference(x[i:i + 1], w13[e], s13[e], out_dtype=x.dtype).chunk(2, dim=-1)
+        rows.append(w8a8_linear_reference(swiglu(gate, up, limit), w2[e], s2[e], out_dtype=x.dtype))
+    return torch.cat(rows) if rows else x.new_empty(0, x.shape[1])
+
+
+@pytest.mark.parametrize("counts", [[0, 3, 0, 5, 1], [0, 9, 0, 0, 0], [0, 0, 0, 0, 0], [2, 2, 2, 2, 2]])
+@pytest.mark.parametrize("limit", [None, 0.05], ids=["swiglu", "v4-clamped"])
+def test_grouped_w8a8_equals_per_token_loop(counts, limit):
+    w13, s13, w2, s2 = _experts(len(counts), seed=7)
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    counts_t = torch.tensor(counts)
+    out = grouped_w8a8(x, counts_t, w13, s13, w2, s2, swiglu_limit=limit)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.equal(out, grouped_w8a8_reference(x, counts_t, w13, s13, w2, s2, swiglu_limit=limit))
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts_t).tolist()
+    assert torch.equal(out, _per_token_w8a8(x, expert_of_row, w13, s13, w2, s2, limit))
+
+
+def test_grouped_mlp_lists_or_stacked_equal_per_token_loop():
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.tensor([3, 0, 4])
+    w1, w3 = (torch.randn(3, INTER, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(3, HIDDEN, INTER, generator=gen).to(torch.bfloat16)
+    x = torch.randn(7, HIDDEN, generator=gen).to(torch.bfloat16)
+    stacked = grouped_mlp(x, counts, w1, w3, w2)
+    assert torch.equal(stacked, grouped_mlp(x, counts, list(w1), list(w3), list(w2)))
+    expert_of_row = [0, 0, 0, 2, 2, 2, 2]
+    loop = torch.cat([F.linear(F.silu(F.linear(x[i:i + 1], w1[e])) * F.linear(x[i:i + 1], w3[e]), w2[e])
+                      for i, e in enumerate(expert_of_row)])
+    assert torch.equal(stacked, loop)
+
+
+def test_swiglu_limit_equals_transformers_v4_gate():
+    gate_up = 3 * torch.randn(5, 2 * INTER, generator=torch.Generator().manual_seed(10))
+    v4_experts = SimpleNamespace(limit=1.5, act_fn=F.silu)
+    expected = hf_v4.DeepseekV4Experts._apply_gate(v4_experts, gate_up)
+    assert torch.equal(swiglu(*gate_up.chunk(2, dim=-1), limit=1.5), expected)
+
+
+def test_grouped_rejects_counts_that_do_not_cover_rows():
+    w13, s13, w2, s2 = _experts(2, seed=11)
+    x = torch.randn(4, HIDDEN)
+    with pytest.raises(ValueError, match="sum to"):
+        grouped_w8a8(x, torch.tensor([1, 2]), w13, s13, w2, s2)
+    with pytest.raises(ValueError, match="w13"):
+        grouped_w8a8(x, torch.tensor([1, 1, 2]), w13, s13, w2, s2)
