@@ -1,5 +1,6 @@
-"""The built-in demo: a tiny DeepSeek-V4 checkpoint with random weights in the real hub format (FP8 + FP4
-experts, real 129280-token vocabulary), built once into a cache so the tools run on a fresh machine."""
+"""The built-in demos: tiny DeepSeek checkpoints with random weights in the real hub format (FP8 block
+scales; FP4 experts for V4; the real 129280-token vocabulary), built once into a cache so the tools run on
+a fresh machine. `dsconv quantize` demos V4; `dsrun generate` demos the V3 runner on W8A8 shards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 from convert.tiny_checkpoint import make_tiny_checkpoint
 
 DEMO_FAMILY = "deepseek_v4"
-DEMO_VERSION = 1  # bump when the demo checkpoint's contents change, so stale caches are rebuilt
+RUNNER_DEMO_FAMILY = "deepseek_v3"
+DEMO_VERSION = 1  # bump when a demo's contents change, so stale caches are rebuilt
 
 
 def cache_dir() -> Path:
@@ -18,17 +20,36 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def demo_source() -> Path:
-    """The demo checkpoint, built on first use; a half-built one is never left under the final name."""
-    final = cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}"
-    if (final / "config.json").is_file():
+def _build_once(final: Path, build) -> Path:
+    """Build into a temporary sibling and rename: a half-built demo never sits under the final name."""
+    if final.is_dir():
         return final
     building = final.with_name(final.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
-    make_tiny_checkpoint(building, DEMO_FAMILY, encoding="fp8", real_vocab=True)
+    build(building)
     os.replace(building, final)
     return final
 
 
-def demo_output(name: str) -> Path:
-    return cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}-{name}"
+def demo_source(family: str = DEMO_FAMILY) -> Path:
+    return _build_once(cache_dir() / f"demo-{family}-v{DEMO_VERSION}",
+                       lambda out: make_tiny_checkpoint(out, family, encoding="fp8", real_vocab=True))
+
+
+def demo_output(name: str, family: str = DEMO_FAMILY) -> Path:
+    return cache_dir() / f"demo-{family}-v{DEMO_VERSION}-{name}"
+
+
+def demo_shards(family: str = RUNNER_DEMO_FAMILY) -> Path:
+    """The demo checkpoint quantized to W8A8 (ascend layout) and sharded for 16 ranks (EP16, lm_head TP16)."""
+    from convert.quantize import build_plan, run_quantize
+    from shard.layout import Layout
+    from shard.shard import make_shard_plan, run_shard
+
+    def build(out: Path) -> None:
+        quantized = demo_output("w8a8", family)
+        run_quantize(build_plan(demo_source(family), None, "ascend", 4 * 10**9), quantized, os.cpu_count() or 1,
+                     lambda n: None)
+        run_shard(make_shard_plan(quantized, Layout(), 4 * 10**9), out, os.cpu_count() or 1, lambda n: None)
+
+    return _build_once(demo_output("shards-ep16-tp16", family), build)

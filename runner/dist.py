@@ -81,8 +81,23 @@ class Dist:
         back, _ = all_to_all_variable(out, torch.as_tensor(recv_counts).tolist(), self.groups.ep)
         return back
 
-    def tp_gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+    def lm_head_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """h [rows, hidden] (this rank's own rows; DP ranks differ) and head [vocab / tp, hidden] (this rank's
+        vocabulary slice) -> [rows, vocab], the full logits of this rank's rows.
+
+        Every rank's rows are gathered (padded to the group's largest count), each rank computes its vocabulary
+        slice for all of them, and an all-to-all hands each rank the slices of its own rows."""
+        from kernels.linear import linear
+
         if self.tp == 1:
-            return local_logits
-        from comm.collectives import all_gather_cat
-        return all_gather_cat(local_logits, self.groups.tp, dim=-1)
+            return linear(h, head)
+        from comm.collectives import all_gather_cat, all_to_all_variable
+
+        group = self.groups.tp
+        counts = all_gather_cat(torch.tensor([h.shape[0]]), group, dim=0)  # [tp] rows per rank
+        most = int(counts.max())
+        padded = torch.nn.functional.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
+        everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order
+        sliced = linear(everyone, head)  # [tp * most, vocab / tp]: my slice of everyone's logits
+        mine, _ = all_to_all_variable(sliced, [most] * group.size, group)  # slice i of my rows, from rank i
+        return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:h.shape[0]]

@@ -234,8 +234,7 @@ class DeepseekV3:
         return self.logits(h if rows is None else h[rows])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        local = linear(h, self.head)  # [T, vocab / tp]
-        return self.dist.tp_gather(local)  # [T, vocab]: every rank sees the full vocabulary
+        return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
 
 
 def _is_mtp(name: str, cfg: V3Config) -> bool:
