@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -103,23 +104,29 @@ def generate(
         fail(str(exc))
     if code != 0:
         raise typer.Exit(code)
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun only rank 0 reports
     _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
 
 
-def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: bool, seconds: float) -> None:
+def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:
+    """Generated ids per prompt, and every rank's record, from rank 0's results file."""
+    from runner.engine import RESULTS_NAME
+
+    records = json.loads((results / RESULTS_NAME).read_text())
     generated: dict[int, list[int]] = {}
-    rank0 = {}
-    for path in sorted(results.glob("rank*.json")):
-        record = json.loads(path.read_text())
+    for record in records:
         generated.update(zip(record["prompts"], record["generated"]))
-        if record["rank"] == 0:
-            rank0 = record
-    outputs = [generated[i] for i in range(len(prompts))]
-    new_tokens = sum(len(o) for o in outputs)
-    mine = [len(prompts[i]) for i in rank0.get("prompts", [])]
-    prefill_tps = sum(mine) / rank0["prefill_s"] if rank0.get("prefill_s") else 0.0
-    decoded = sum(len(rank0["generated"][k]) - 1 for k in range(len(mine))) if mine else 0
-    decode_tps = decoded / rank0["decode_s"] if rank0.get("decode_s") else 0.0
+    return [generated[i] for i in range(n_prompts)], records
+
+
+def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: bool, seconds: float) -> None:
+    outputs, records = collect(results, len(prompts))
+    rank0 = records[0]
+    own = [len(prompts[i]) for i in rank0["prompts"]]
+    prefill_tps = sum(own) / rank0["prefill_s"] if rank0["prefill_s"] else 0.0
+    decoded = sum(len(g) - 1 for g in rank0["generated"])
+    decode_tps = decoded / rank0["decode_s"] if rank0["decode_s"] else 0.0
     if json_output:
         print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": outputs,
                           "text": [tokenizer.decode(o) for o in outputs],
@@ -128,8 +135,9 @@ def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: boo
         return
     for i, out in list(enumerate(outputs))[1:]:  # rank 0 streamed the first prompt; show the rest
         console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
-    console.print(f"[dim]{sum(len(p) for p in prompts)} prompt tokens, {new_tokens} new tokens; rank 0: prefill "
-                  f"{prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]", highlight=False)
+    console.print(f"[dim]{sum(len(p) for p in prompts)} prompt tokens, {sum(map(len, outputs))} new tokens; rank 0: "
+                  f"prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]",
+                  highlight=False)
 
 
 if __name__ == "__main__":

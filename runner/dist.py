@@ -1,15 +1,22 @@
 """The collectives the model's forward calls, over this rank's process groups.
 
-`Dist.single()` is the one-process case (every collective is the identity). The distributed case wraps
-torch.distributed groups built from the manifest's layout; each call is one explicit collective so every
-rank enters them in the same order (a rank without tokens still calls them, with zero rows).
+`Dist.single()` is the one-process case (every collective is the identity). The distributed case wraps the
+groups built from the manifest's layout; each method is one explicit exchange, so every rank enters them in
+the same order (a rank without tokens still calls them, with zero rows). Time inside collectives is summed
+in `comm_seconds` for the compute / communication split the benchmark reports.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
+from kernels.linear import linear
 
 
 @dataclass
@@ -21,6 +28,8 @@ class Dist:
     ep_rank: int = 0
     tp: int = 1
     groups: object | None = None  # comm.groups.Groups when distributed
+    comm_seconds: float = 0.0
+    steps: int = 0
 
     @classmethod
     def single(cls) -> "Dist":
@@ -35,50 +44,60 @@ class Dist:
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
                    ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, groups=groups)
 
+    @contextmanager
+    def _timed(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_seconds += time.perf_counter() - started
+
+    def any_active(self, active: bool) -> bool:
+        """Lockstep: the generation loop runs while any rank still has a sequence to extend."""
+        self.steps += 1
+        if self.groups is None or self.groups.world.size == 1:
+            return active
+        with self._timed():
+            return bool(all_reduce_sum(torch.tensor([int(active)]), self.groups.world).item())
+
+    def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Heads split over attention TP: sum the partial o_proj outputs."""
+        if self.attn_tp == 1:
+            return x
+        with self._timed():
+            return all_reduce_sum(x.contiguous(), self.groups.attn_tp)
+
     def attn_tp_share(self, x: torch.Tensor) -> torch.Tensor:
         """Under attention TP every rank of the group holds the same rows: each takes an equal share (padded
         with zero rows so all shares match in size for the gather)."""
         if self.attn_tp == 1:
             return x
         per = -(-x.shape[0] // self.attn_tp)
-        padded = torch.nn.functional.pad(x, (0, 0, 0, per * self.attn_tp - x.shape[0]))
+        padded = F.pad(x, (0, 0, 0, per * self.attn_tp - x.shape[0]))
         return padded[self.attn_tp_rank * per:(self.attn_tp_rank + 1) * per]
 
     def attn_tp_unshare(self, share: torch.Tensor, rows: int) -> torch.Tensor:
         if self.attn_tp == 1:
             return share
-        from comm.collectives import all_gather_cat
-        return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
-
-    def any_active(self, active: bool) -> bool:
-        """Lockstep: the generation loop runs while any rank still has a sequence to extend."""
-        if self.groups is None or self.groups.world.size == 1:
-            return active
-        from comm.collectives import all_reduce_sum
-        return bool(all_reduce_sum(torch.tensor([int(active)]), self.groups.world).item())
-
-    def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.attn_tp == 1:
-            return x
-        from comm.collectives import all_reduce_sum
-        return all_reduce_sum(x, self.groups.attn_tp)
+        with self._timed():
+            return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
 
     def ep_dispatch(self, rows: torch.Tensor, local: torch.Tensor, send_counts: torch.Tensor):
         """rows [N, H] grouped by destination EP rank (send_counts[d] rows for rank d), with each row's local
         expert index -> (received rows, their local expert indices, received counts per source rank)."""
         if self.ep == 1:
             return rows, local, send_counts
-        from comm.collectives import all_to_all_variable
-        recv, recv_counts = all_to_all_variable(rows, send_counts.tolist(), self.groups.ep)
-        recv_local, _ = all_to_all_variable(local, send_counts.tolist(), self.groups.ep)
+        with self._timed():
+            recv, recv_counts = all_to_all_variable(rows, send_counts.tolist(), self.groups.ep)
+            recv_local, _ = all_to_all_variable(local, send_counts.tolist(), self.groups.ep)
         return recv, recv_local, torch.as_tensor(recv_counts)
 
     def ep_combine(self, out: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
         """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order."""
         if self.ep == 1:
             return out
-        from comm.collectives import all_to_all_variable
-        back, _ = all_to_all_variable(out, torch.as_tensor(recv_counts).tolist(), self.groups.ep)
+        with self._timed():
+            back, _ = all_to_all_variable(out, recv_counts.tolist(), self.groups.ep)
         return back
 
     def lm_head_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -87,17 +106,15 @@ class Dist:
 
         Every rank's rows are gathered (padded to the group's largest count), each rank computes its vocabulary
         slice for all of them, and an all-to-all hands each rank the slices of its own rows."""
-        from kernels.linear import linear
-
         if self.tp == 1:
             return linear(h, head)
-        from comm.collectives import all_gather_cat, all_to_all_variable
-
         group = self.groups.tp
-        counts = all_gather_cat(torch.tensor([h.shape[0]]), group, dim=0)  # [tp] rows per rank
-        most = int(counts.max())
-        padded = torch.nn.functional.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
-        everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order
+        with self._timed():
+            counts = all_gather_cat(torch.tensor([h.shape[0]]), group, dim=0)  # [tp] rows per rank
+            most = int(counts.max())
+            padded = F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
+            everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order
         sliced = linear(everyone, head)  # [tp * most, vocab / tp]: my slice of everyone's logits
-        mine, _ = all_to_all_variable(sliced, [most] * group.size, group)  # slice i of my rows, from rank i
+        with self._timed():
+            mine, _ = all_to_all_variable(sliced, [most] * group.size, group)  # slice i of my rows, from rank i
         return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:h.shape[0]]

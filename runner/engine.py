@@ -22,6 +22,7 @@ from runner.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BLOCK_SIZE = 16  # cache block, in tokens
+RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and timings
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
@@ -58,11 +59,16 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
         outputs = greedy(model, cache, [prompts[i] for i in mine], max_new_tokens, eos_id, on_token, dist)
     if printer is not None:
         printer.close()
-    if dist.attn_tp_rank == 0:
-        first = steps[0] if steps else started
-        result = {"rank": rank, "prompts": mine, "generated": outputs,
-                  "prefill_s": first - started, "decode_s": (steps[-1] - first) if steps else 0.0}
-        (Path(result_dir) / f"rank{rank:05d}.json").write_text(json.dumps(result))
+    first = steps[0] if steps else started
+    result = {"rank": rank, "prompts": mine if dist.attn_tp_rank == 0 else [], "generated": outputs,
+              "prefill_s": first - started, "decode_s": (steps[-1] - first) if steps else 0.0,
+              "comm_s": dist.comm_seconds, "steps": dist.steps}
+    # Results travel to rank 0 over the process group (no shared filesystem needed across machines).
+    everyone = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [result]
+    if torch.distributed.is_initialized():
+        torch.distributed.gather_object(result, everyone if rank == 0 else None, dst=0)
+    if rank == 0:
+        (Path(result_dir) / RESULTS_NAME).write_text(json.dumps(everyone))
 
 
 class _Streamer:

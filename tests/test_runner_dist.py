@@ -1,12 +1,10 @@
 """Sharded runs give the same tokens as one process: world 1, 2 and 16 (EP16 + lm_head TP16), V3.2 also with
 attention DP2 x TP8, several prompts of different lengths spread over the attention-DP ranks."""
 
-import json
-
 import pytest
-import torch
 
 from comm.launch import launch
+from runner.cli import collect
 from runner.weights import load_manifest
 from shard.layout import Layout
 from tests.test_shard import shard
@@ -26,11 +24,7 @@ def run(shards, tmp_path, prompts=PROMPTS, dtype="float32"):
                   world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=TIMEOUT_S,
                   log_dir=results / "logs")
     assert code == 0, [p.read_text()[-2000:] for p in (results / "logs").glob("*.log")]
-    generated = {}
-    for path in results.glob("rank*.json"):
-        record = json.loads(path.read_text())
-        generated.update(zip(record["prompts"], record["generated"]))
-    return [generated[i] for i in range(len(prompts))]
+    return collect(results, len(prompts))[0]
 
 
 @pytest.mark.parametrize("family,layouts", [

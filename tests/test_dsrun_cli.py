@@ -1,0 +1,92 @@
+"""`dsrun generate` as a user meets it: the demo, --json, bad input, and a rank dying mid-generation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from convert.demo import demo_shards
+
+KILL_DEADLINE_S = 60
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("dsconv-cache")
+    os.environ["DSCONV_CACHE"] = str(cache)  # the CLI subprocesses inherit it
+    return demo_shards()
+
+
+def dsrun(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "runner.cli", "generate", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": "300"})
+
+
+def test_demo_json(demo):
+    proc = dsrun("--prompt", "介绍下北京故宫", "--max-new-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "RANDOM weights" in proc.stderr
+    (ids,) = out["prompt_token_ids"]
+    assert ids[0] == 0 and len(ids) > 3  # BOS, then the chat-wrapped prompt
+    (generated,) = out["generated_token_ids"]
+    assert 1 <= len(generated) <= 5 and isinstance(out["text"][0], str)
+    assert out["timings"]["decode_tokens_per_s"] >= 0
+
+
+def test_streamed_text_and_closing_line(demo):
+    proc = dsrun("--shards", demo, "--prompt", "hello", "--prompt", "a second, longer prompt here",
+                 "--max-new-tokens", "3", "--no-chat")
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt 1:" in proc.stdout and "new tokens" in proc.stdout and "decode" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "   "], "--prompt is empty"),
+    (["--prompt", "hi", "--cache-tokens", "6", "--max-new-tokens", "4"], "exceed the KV cache"),
+    (["--prompt", "hi", "--world-size", "8"], "does not match the shards' world size 16"),
+    (["--prompt", "hi", "--device", "npu"], "torch_npu"),
+    (["--prompt", "hi", "--dtype", "float16"], "--dtype"),
+])
+def test_bad_input(demo, args, needle):
+    proc = dsrun("--shards", demo, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+def test_shards_that_fail_verify(demo, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(demo, broken)
+    next(broken.glob("ep-00003/*.safetensors")).unlink()
+    proc = dsrun("--shards", broken, "--prompt", "hi")
+    assert proc.returncode == 2 and "fails `dsconv verify`" in proc.stderr, proc.stderr
+
+
+def test_killing_one_rank_ends_the_run(demo):
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
+                             "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = psutil.Process(proc.pid)
+    deadline = time.time() + 120
+    ranks = []
+    while time.time() < deadline and len(ranks) < 16:  # the launcher's helper forks one process per rank
+        ranks = [p for p in parent.children(recursive=True) if p.children() == [] and p.pid != proc.pid]
+        time.sleep(0.2)
+    assert len(ranks) >= 16, "ranks never started"
+    time.sleep(3)  # let generation get going
+    victim = ranks[5]
+    victim.send_signal(signal.SIGKILL)
+    killed = time.time()
+    _, stderr = proc.communicate(timeout=KILL_DEADLINE_S + 30)
+    assert time.time() - killed < KILL_DEADLINE_S
+    assert proc.returncode != 0
+    assert "failed" in stderr and "SIGKILL" in stderr, stderr
+    assert stderr.count("failed:") == 1
