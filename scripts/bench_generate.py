@@ -1,0 +1,122 @@
+"""Benchmark generation on one fixture in one run: dsrun's decode vs transformers' `generate`, and the 16-rank
+step split into compute and communication.
+
+    python scripts/bench_generate.py [--family deepseek_v3] [--new-tokens 64] [--work DIR]
+
+(1) world size 1, in process, BF16: decode tokens/s of dsrun's model vs transformers' DeepseekV3ForCausalLM
+    `generate` on the same weights and prompt (decode = generation after the first token; target >= 5x).
+(2) 16 local ranks (EP16, lm_head TP16, gloo on this machine's cores): per decode step, the wall time and the
+    part spent inside collectives, as rank 0 and as the slowest rank saw it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from comm.launch import launch  # noqa: E402
+from convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from runner.cli import collect  # noqa: E402
+from runner.engine import BLOCK_SIZE, build_model  # noqa: E402
+from runner.cache import LatentCache  # noqa: E402
+from runner.dist import Dist  # noqa: E402
+from runner.generate import greedy  # noqa: E402
+from runner.weights import load_manifest  # noqa: E402
+from shard.layout import Layout  # noqa: E402
+from shard.shard import make_shard_plan, run_shard  # noqa: E402
+
+PROMPT_LEN = 32
+DECODE_TARGET = 5.0
+
+
+def shards_for(src: Path, out: Path, layout: Layout) -> Path:
+    if not (out / "manifest.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        run_shard(make_shard_plan(src, layout, 4 * 10**9), out, 2, lambda n: None)
+    return out
+
+
+def dsrun_decode_tps(shards: Path, prompt: list[int], new_tokens: int) -> float:
+    manifest = load_manifest(shards)
+    model, cfg, fields = build_model(shards, manifest, 0, Dist.single(), torch.bfloat16)
+    cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, fields, torch.bfloat16)
+    stamps = []
+    with torch.no_grad():
+        greedy(model, cache, [prompt], new_tokens, None, lambda s, t: stamps.append(time.perf_counter()))
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def transformers_decode_tps(src_bf16: Path, prompt: list[int], new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src_bf16, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
+        total = time.perf_counter() - started
+    return (new_tokens - 1) / (total - prefill)
+
+
+def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: Path) -> list[dict]:
+    results = work / "results16"
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    manifest = load_manifest(shards)
+    code = launch("runner.engine:rank_main",
+                  {"shards": str(shards), "manifest": manifest, "prompts": [prompt], "max_new_tokens": new_tokens,
+                   "eos_id": None, "dtype": "bfloat16", "cache_tokens": 1024, "result_dir": str(results)},
+                  world_size=16, device="cpu", timeout_s=600, log_dir=results / "logs")
+    if code != 0:
+        raise SystemExit(f"16-rank run failed ({code}); logs in {results / 'logs'}")
+    return collect(results, 1)[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/dsrun-bench"))
+    args = parser.parse_args()
+    work = args.work / args.family
+    src, src_bf16 = work / "src", work / "src-bf16"
+    if not (src / "config.json").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        make_tiny_checkpoint(src, args.family)
+        make_tiny_checkpoint(src_bf16, args.family, encoding="bf16")
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(2, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"fixture: tiny {args.family} ({src}), prompt {PROMPT_LEN} tokens, {args.new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads", flush=True)
+
+    ours = dsrun_decode_tps(shards_for(src, work / "shards-w1", Layout(1, 1, 1, 1)), prompt, args.new_tokens)
+    theirs = transformers_decode_tps(src_bf16, prompt, args.new_tokens)
+    print(f"world 1, BF16: dsrun decode {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s: "
+          f"{ours / theirs:.2f}x (target >= {DECODE_TARGET}x)", flush=True)
+
+    records = sixteen_rank_split(shards_for(src, work / "shards-w16", Layout()), prompt, args.new_tokens, work)
+    steps = records[0]["steps"]
+    for label, record in (("rank 0", records[0]), ("slowest rank", max(records, key=lambda r: r["comm_s"]))):
+        total = records[0]["prefill_s"] + records[0]["decode_s"]
+        print(f"16 ranks (EP16, TP16), {label}: {steps} steps, {1e3 * total / steps:.1f} ms/step, of which "
+              f"communication {1e3 * record['comm_s'] / steps:.1f} ms ({record['comm_s'] / total:.0%}) and "
+              f"compute {1e3 * (total - record['comm_s']) / steps:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
