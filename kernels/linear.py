@@ -35,12 +35,29 @@ def w8a8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.
     _check_w8a8(x, weight_int8, weight_scale)
     if is_npu(x):
         return _w8a8_linear_npu(x, weight_int8, weight_scale, out_dtype)
-    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32, copy=True)  # a private copy: quantized in place
+    x_q, x_scale = quantize_activations(x.reshape(-1, x.shape[-1]))
+    y = w8a8_linear_quantized(x_q, x_scale, weight_int8, weight_scale, out_dtype)
+    return y.reshape(*x.shape[:-1], weight_int8.shape[0])
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, k] float -> (int8 [M, k], float32 scale [M, 1]): the per-token dynamic quantization of W8A8,
+    also used to send INT8 activations through the EP all-to-all."""
+    x2d = x.to(torch.float32, copy=True)  # a private copy: quantized in place
     x_q = torch.empty(x2d.shape, dtype=torch.int8, device=x.device)
     x_scale = torch.empty(x2d.shape[0], 1, dtype=torch.float32, device=x.device)
     quantize_rows_(x2d, x_q, x_scale)
-    acc = int8_matmul(x_q, weight_int8)
-    return _dequantize(acc, x_scale, weight_scale, out_dtype).reshape(*x.shape[:-1], weight_int8.shape[0])
+    return x_q, x_scale
+
+
+def w8a8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight_int8: torch.Tensor,
+                          weight_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Already-quantized activations (x_q int8 [M, k], x_scale [M, 1]) -> [M, n] in out_dtype."""
+    if is_npu(x_q):
+        torch_npu = require_torch_npu()
+        return torch_npu.npu_quant_matmul(x_q, weight_int8.T, weight_scale.view(-1), pertoken_scale=x_scale.view(-1),
+                                          output_dtype=out_dtype)
+    return _dequantize(int8_matmul(x_q, weight_int8), x_scale, weight_scale, out_dtype)
 
 
 def w8a8_linear_reference(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,

@@ -82,15 +82,21 @@ class Dist:
         with self._timed():
             return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
 
-    def ep_dispatch(self, rows: torch.Tensor, local: torch.Tensor, send_counts: torch.Tensor):
-        """rows [N, H] grouped by destination EP rank (send_counts[d] rows for rank d), with each row's local
-        expert index -> (received rows, their local expert indices, received counts per source rank)."""
+    def ep_dispatch(self, columns: list[torch.Tensor], send_counts: torch.Tensor):
+        """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows
+        grouped by destination EP rank (send_counts[d] rows for rank d) -> the same columns as received, and
+        the received counts per source rank. The columns travel packed as bytes in one all-to-all."""
         if self.ep == 1:
-            return rows, local, send_counts
+            return columns, send_counts
+        widths = [_row_bytes(c) for c in columns]
+        packed = torch.cat([c.contiguous().view(torch.uint8).reshape(c.shape[0], w) for c, w in zip(columns, widths)],
+                           dim=1)
         with self._timed():
-            recv, recv_counts = all_to_all_variable(rows, send_counts.tolist(), self.groups.ep)
-            recv_local, _ = all_to_all_variable(local, send_counts.tolist(), self.groups.ep)
-        return recv, recv_local, torch.as_tensor(recv_counts)
+            recv, recv_counts = all_to_all_variable(packed, send_counts.tolist(), self.groups.ep)
+        # clone, not contiguous(): a one-row column slice counts as contiguous at an unaligned storage offset
+        out = [part.clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(-1, *c.shape[1:])
+               for part, c in zip(recv.split(widths, dim=1), columns)]
+        return out, torch.as_tensor(recv_counts)
 
     def ep_combine(self, out: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
         """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order."""
@@ -118,3 +124,10 @@ class Dist:
         with self._timed():
             mine, _ = all_to_all_variable(sliced, [most] * group.size, group)  # slice i of my rows, from rank i
         return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:h.shape[0]]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    count = 1
+    for dim in t.shape[1:]:
+        count *= dim
+    return count * t.element_size()

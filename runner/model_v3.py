@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from convert.arch_v3 import V3Config
 from kernels.attention import attention
-from kernels.linear import linear, w8a8_linear
+from kernels.linear import linear, quantize_activations, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin
 from runner.cache import LatentCache, StepMeta
@@ -147,9 +147,16 @@ class Indexer:
 class DenseMLP:
     def __init__(self, w: RankWeights, prefix: str, dtype: torch.dtype):
         self.w1, self.w2, self.w3 = (Proj(w, f"{prefix}.{n}", dtype) for n in ("gate_proj", "down_proj", "up_proj"))
+        self.int8 = self.w1.scale is not None and self.w3.scale is not None  # gate/up always share a type
 
     def __call__(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
+        gate = w8a8_linear_quantized(x_q, x_scale, self.w1.weight, self.w1.scale, dtype)
+        up = w8a8_linear_quantized(x_q, x_scale, self.w3.weight, self.w3.scale, dtype)
+        return self.w2(F.silu(gate) * up)
 
 
 class MoE:
@@ -188,13 +195,18 @@ class MoE:
         order = torch.argsort(flat // self.per_rank, stable=True)  # grouped by owning EP rank
         send_counts = torch.bincount(flat // self.per_rank, minlength=self.dist.ep)
         rows, local = x[order // k], flat[order] % self.per_rank
-        # EP dispatch: every rank sends each row to its expert's owner, with the expert's local index
-        recv, recv_local, recv_counts = self.dist.ep_dispatch(rows, local, send_counts)
-        out = torch.empty_like(recv)
-        for e, expert in enumerate(self.experts):  # grouped GEMM over this rank's experts; zero rows is fine
+        int8 = self.experts[0].int8
+        # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get
+        # INT8 activations and their per-token scales, quantized once here (what the expert would compute)
+        columns = [*quantize_activations(rows), local] if int8 else [rows, local]
+        received, recv_counts = self.dist.ep_dispatch(columns, send_counts)
+        recv_local = received[-1]
+        out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
+        for e, expert in enumerate(self.experts):  # this rank's experts, one after another; zero rows is fine
             mine = (recv_local == e).nonzero().squeeze(1)
             if mine.numel():
-                out[mine] = expert(recv[mine])
+                out[mine] = (expert.quantized(received[0][mine], received[1][mine], x.dtype) if int8
+                             else expert(received[0][mine]))
         back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
         combined = torch.empty_like(back)
         combined[order] = back
