@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
-from tqdm import tqdm
 
-from convert.cliutil import console, err_console, fail, parse_size
+from convert.cliutil import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
 from convert.errors import InputError
 from convert.formats import FORMATS
 from convert.recipes import recipes_help
@@ -71,9 +69,9 @@ def quantize(
     other FP8/FP4 tensor is decoded to BF16, and float tensors are kept as shipped. Streams tensor by
     tensor; re-running the same command after an interruption resumes it.
     """
-    from convert.quantize import build_plan, default_workers, prepare_out, run_quantize
+    from convert.quantize import build_plan, prepare_out, run_quantize
 
-    try:
+    with user_errors():
         if src is None:
             from convert.demo import demo_output, demo_source
 
@@ -82,20 +80,14 @@ def quantize(
             src, out = demo_source(), demo_output(format)
         elif out is None:
             raise InputError("OUT is required when SRC is given")
-        if workers is not None and workers < 1:
-            raise InputError(f"--workers {workers} must be at least 1")
+        n_workers = resolve_workers(workers)
         plan = build_plan(src, recipe, format, parse_size(max_file_size))
         if dry_run:
             _print_plan(plan)
             return
         prepare_out(plan, out)
-        with tqdm(total=plan.checkpoint.nbytes, unit="B", unit_scale=True, desc="quantize", file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            result = run_quantize(plan, out, workers or default_workers(), bar.update)
-    except InputError as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        fail("interrupted; run the same command again to resume", 130)
+        with byte_progress("quantize", plan.checkpoint.nbytes) as bar:
+            result = run_quantize(plan, out, n_workers, bar.update)
     _print_summary(result)
 
 

@@ -3,10 +3,14 @@ errors on stderr with exit code 2 for user mistakes."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from tqdm import tqdm
 
 from convert.errors import InputError
 
@@ -30,3 +34,26 @@ def parse_size(text: str) -> int:
 def fail(message: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors():
+    """User mistakes become one line and exit 2; Ctrl-C says how to resume and exits 130."""
+    try:
+        yield
+    except InputError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume", 130)
+
+
+def byte_progress(desc: str, total: int) -> tqdm:
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def resolve_workers(workers: int | None) -> int:
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers {workers} must be at least 1")
+    if workers is not None:
+        return workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -6,7 +6,6 @@ last, so an interrupted OUT never looks complete.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +90,4 @@ def run_quantize(plan: Plan, out: Path, workers: int, on_progress: Callable[[int
     return Result(plan, out, plan.checkpoint.nbytes, sum(p.nbytes for p in plan.parts), int8_bytes,
                   time.perf_counter() - started, resumed)
 
-
-def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
-from tqdm import tqdm
 
-from convert.cliutil import console, err_console, fail, parse_size
-from convert.errors import InputError
+from convert.cliutil import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
 from shard.layout import DEFAULT_WORLD_SIZE, Layout
 from shard.placement import CATEGORIES, category
 
@@ -57,12 +54,10 @@ def shard(
     Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
     OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/.
     """
-    from convert.quantize import default_workers
     from shard.shard import make_shard_plan, prepare_out, run_shard
 
-    try:
-        if workers is not None and workers < 1:
-            raise InputError(f"--workers {workers} must be at least 1")
+    with user_errors():
+        n_workers = resolve_workers(workers)
         layout = Layout(world_size, ep, tp, attn_tp)
         plan = make_shard_plan(src, layout, parse_size(max_file_size))
         if dry_run:
@@ -71,13 +66,8 @@ def shard(
                           f"directories; layout {layout.to_json()['groups']}")
             return
         prepare_out(plan, out)
-        with tqdm(total=plan.checkpoint.nbytes, unit="B", unit_scale=True, desc="shard", file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            result = run_shard(plan, out, workers or default_workers(), bar.update)
-    except InputError as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        fail("interrupted; run the same command again to resume", 130)
+        with byte_progress("shard", plan.checkpoint.nbytes) as bar:
+            result = run_shard(plan, out, n_workers, bar.update)
     console.print(rank_table(plan))
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
