@@ -21,15 +21,17 @@ class SeqStep:
     start: int  # this sequence's rows in the flattened step
     stop: int
     context_len: int  # tokens cached for the sequence once this step's tokens are written
+    context_slots: torch.Tensor  # [context_len] the cache slots of positions 0 .. context_len - 1
+    causal: torch.Tensor  # [query_len, context_len] True where query i (position context_len - query_len + i) may look
 
     @property
     def query_len(self) -> int:
         return self.stop - self.start
 
-    def causal_mask(self) -> torch.Tensor:
-        """[query_len, context_len] True where query i (at position context_len - query_len + i) may look."""
-        q_pos = torch.arange(self.context_len - self.query_len, self.context_len)[:, None]
-        return torch.arange(self.context_len)[None, :] <= q_pos
+
+def _causal(query_len: int, context_len: int) -> torch.Tensor:
+    q_pos = torch.arange(context_len - query_len, context_len)[:, None]
+    return torch.arange(context_len)[None, :] <= q_pos
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,10 @@ class LatentCache:
                                  f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
             table.extend(self.free_blocks.pop() for _ in range(need))
             self.lengths[seq_id] = start + n_new
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
+            context = self._slots(seq_id, 0, start + n_new)  # computed once per step, read by every layer
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, _causal(n_new, start + n_new)))
             positions.append(torch.arange(start, start + n_new))
-            slots.append(self._slots(seq_id, start, start + n_new))
+            slots.append(context[start:])
             row += n_new
         empty = torch.empty(0, dtype=torch.long)
         return StepMeta(seqs, torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty)
@@ -84,9 +87,9 @@ class LatentCache:
         for name, value in values.items():
             self.data[name][layer].index_copy_(0, slots, value.to(self.data[name].dtype))
 
-    def read(self, layer: int, seq_id: int, length: int, *names: str) -> list[torch.Tensor]:
-        slots = self._slots(seq_id, 0, length)
-        return [self.data[name][layer][slots] for name in names]
+    def read(self, layer: int, seq: SeqStep, *names: str) -> list[torch.Tensor]:
+        """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""
+        return [self.data[name][layer][seq.context_slots] for name in names]
 
     def release(self, seq_id: int) -> None:
         self.free_blocks.extend(reversed(self.block_tables.pop(seq_id, [])))

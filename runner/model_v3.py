@@ -93,10 +93,11 @@ class Attention:
         out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
         for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
             rows = slice(seq.start, seq.stop)
-            ctx_c, ctx_pe = cache.read(layer, seq.seq_id, seq.context_len, "c_kv", "k_pe")  # [C, lora], [C, rope]
-            allowed = seq.causal_mask()  # [S, C] True where a query may look
+            ctx_c, ctx_pe = cache.read(layer, seq, "c_kv", "k_pe")  # [C, lora], [C, rope]
+            allowed = seq.causal  # [S, C] True where a query may look
             if self.indexer is not None:
-                allowed &= self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
+                allowed = allowed & self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq,
+                                                         allowed)  # a new mask: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
                 k_nope = torch.einsum("cl,hnl->hcn", ctx_c, w_uk)
                 values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
@@ -136,7 +137,7 @@ class Indexer:
         q = self.wq_b(q_resid).view(-1, heads, dim)
         q_rot, q_pass = q.split([rope, dim - rope], dim=-1)
         q = torch.cat([apply_rope(q_rot, cos[:, None], sin[:, None], interleaved=False), q_pass], dim=-1)
-        (keys,) = cache.read(layer, seq.seq_id, seq.context_len, "index_k")  # [C, dim]
+        (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         scores = F.relu(torch.einsum("shd,cd->shc", q.float(), keys.float()) * dim ** -0.5)
         head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
         index = torch.einsum("sh,shc->sc", head_weights, scores).masked_fill(~allowed, float("-inf"))
@@ -202,11 +203,12 @@ class MoE:
         received, recv_counts = self.dist.ep_dispatch(columns, send_counts)
         recv_local = received[-1]
         out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
-        for e, expert in enumerate(self.experts):  # this rank's experts, one after another; zero rows is fine
-            mine = (recv_local == e).nonzero().squeeze(1)
-            if mine.numel():
-                out[mine] = (expert.quantized(received[0][mine], received[1][mine], x.dtype) if int8
-                             else expert(received[0][mine]))
+        by_expert = torch.argsort(recv_local, stable=True)  # received rows grouped by local expert
+        counts = torch.bincount(recv_local, minlength=self.per_rank).tolist()
+        for expert, rows_e in zip(self.experts, by_expert.split(counts)):  # experts without rows are skipped
+            if rows_e.numel():
+                out[rows_e] = (expert.quantized(received[0][rows_e], received[1][rows_e], x.dtype) if int8
+                               else expert(received[0][rows_e]))
         back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
         combined = torch.empty_like(back)
         combined[order] = back
