@@ -174,9 +174,12 @@ def _rope(d: dict) -> tuple[float, dict | None]:
     return d["rope_theta"], d.get("rope_scaling")
 
 
+COMPRESSED_TENSORS = "compressed-tensors"
+
+
 def _quantization(q: dict | None) -> tuple[bool, str | None]:
-    if q is None:
-        return False, None
+    if q is None or q.get("quant_method") == COMPRESSED_TENSORS:
+        return False, None  # no FP8 encoding; a compressed-tensors (W8A8) checkpoint's INT8 is read by dtype
     if q.get("quant_method") != "fp8":
         raise ArchError(f"quantization_config.quant_method={q.get('quant_method')!r} is not supported (only 'fp8')")
     if list(q.get("weight_block_size", [])) != FP8_BLOCK:

@@ -245,8 +245,8 @@ def _yarn(raw: dict) -> YarnScaling | None:
 
 def _quantization(raw: dict) -> tuple[bool, tuple[int, int] | None, str | None]:
     quant = raw.get("quantization_config")
-    if quant is None:
-        return False, None, None
+    if quant is None or quant.get("quant_method") == "compressed-tensors":
+        return False, None, None  # no FP8 encoding; a compressed-tensors (W8A8) checkpoint's INT8 is read by dtype
     if quant.get("quant_method") != "fp8":
         raise ArchError(f"quantization_config.quant_method={quant.get('quant_method')!r} is not 'fp8'")
     block = tuple(_require(quant, "weight_block_size"))

@@ -45,6 +45,9 @@ def user_errors():
         fail(str(exc))
     except KeyboardInterrupt:
         fail("interrupted; run the same command again to resume", 130)
+    except OSError as exc:  # disk full, permissions, a path under a file: the system's words, on one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        fail(f"{where}{exc.strerror or exc}", 1)
 
 
 def byte_progress(desc: str, total: int) -> tqdm:

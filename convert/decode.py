@@ -54,6 +54,8 @@ def decoded_shape(value_shape: tuple[int, ...], encoding: str) -> tuple[int, ...
 
 def check_scale_shape(value_shape: tuple[int, ...], scale_shape: tuple[int, ...], encoding: str,
                       block: tuple[int, int] | None) -> None:
+    if len(value_shape) != 2:
+        raise InputError(f"a {encoding.upper()} weight must be 2-D [out, in], found shape {list(value_shape)}")
     rows, cols = decoded_shape(value_shape, encoding)
     if encoding == "fp8":
         if block is None:

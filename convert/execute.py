@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -57,7 +58,13 @@ class SourceFiles:
     def __init__(self, items: tuple[Item, ...]):
         paths = {w.value.path for w in (item.weight for item in items)}
         paths |= {item.weight.scale.path for item in items if item.weight.scale is not None}
-        self._fds = {path: os.open(path, os.O_RDONLY) for path in sorted(paths)}
+        self._fds: dict[Path, int] = {}
+        try:
+            for path in sorted(paths):
+                self._fds[path] = os.open(path, os.O_RDONLY)
+        except OSError:
+            self.close()  # a source file vanished mid-run: release the ones already open
+            raise
 
     def fd(self, path: Path) -> int:
         return self._fds[path]
@@ -111,8 +118,8 @@ def _check_finite(name: str, values: torch.Tensor, where: str) -> None:
 def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> None:
     data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
     written = os.pwrite(fd, data, offset)
-    if written != len(data):
-        raise OSError(f"short write ({written} of {len(data)} bytes)")
+    if written != len(data):  # pwrite to a regular file only comes up short when the disk is full
+        raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes): is the disk full?")
 
 
 def _run_task(task: Task, files: SourceFiles, fd: int, offsets: dict[str, int], block: tuple[int, int] | None) -> int:
@@ -188,8 +195,7 @@ def write_part(part: Part, path: Path, block: tuple[int, int] | None, workers: i
     keep_freed_buffers()
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        header = header_bytes(part.tensors, PART_METADATA)
-        os.pwrite(fd, header, 0)
+        _pwrite(fd, torch.frombuffer(bytearray(header_bytes(part.tensors, PART_METADATA)), dtype=torch.uint8), 0)
         os.ftruncate(fd, part.nbytes)
         files = SourceFiles(part.items)
         pool = ThreadPoolExecutor(workers, thread_name_prefix="dsconv")

@@ -25,8 +25,10 @@ def prepare_out(out: Path, src: Path, job: dict) -> None:
     if out.exists() and any(out.iterdir()):
         try:
             previous = json.loads((out / JOB_FILE).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            raise InputError(f"OUT {out} is not empty and holds no dsconv run; choose an empty or new directory") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            previous = None
+        if not isinstance(previous, dict):
+            raise InputError(f"OUT {out} is not empty and holds no dsconv run; choose an empty or new directory")
         if {k: previous.get(k) for k in job} != job:
             raise InputError(f"OUT {out} holds a different dsconv run ({previous.get('command')}: other source, "
                              f"options or layout); choose an empty or new directory")

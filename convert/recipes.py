@@ -17,8 +17,8 @@ _EXPERTS = {Role.EXPERT_W1, Role.EXPERT_W2, Role.EXPERT_W3, Role.SHARED_W1, Role
 _NEVER = {Role.EMBED, Role.HEAD, Role.ROUTER, Role.ROUTER_BIAS, Role.ROUTER_TID2EID, Role.HC, Role.NORM,
           Role.ATTN_SINK, Role.COMPRESSOR_APE, Role.INDEXER_K_NORM_BIAS}
 # Engines fuse these into one matmul, so one recipe must give both the same type.
-FUSED_PAIRS = ((Role.EXPERT_W1, Role.EXPERT_W3), (Role.SHARED_W1, Role.SHARED_W3),
-               (Role.DENSE_W1, Role.DENSE_W3), (Role.ATTN_Q_A, Role.ATTN_KV_A))
+FUSED_PAIRS = ((Role.EXPERT_W1, Role.EXPERT_W3), (Role.SHARED_W1, Role.SHARED_W3), (Role.DENSE_W1, Role.DENSE_W3))
+MLA_FUSED_PAIR = (Role.ATTN_Q_A, Role.ATTN_KV_A)  # V3/V3.2 only: V4 has a single wkv and no kv_a
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,12 @@ RECIPES = {
     )
 }
 DEFAULT_RECIPE = {"deepseek_v3": "v3", "deepseek_v32": "v3", "deepseek_v4": "v4"}
+
+for _recipe in RECIPES.values():
+    _mla = any(f in ("deepseek_v3", "deepseek_v32") for f in _recipe.families)
+    for _a, _b in FUSED_PAIRS + ((MLA_FUSED_PAIR,) if _mla else ()):
+        if (_a in _recipe.int8_roles) != (_b in _recipe.int8_roles):
+            raise AssertionError(f"recipe {_recipe.name} quantizes {_a.value} but not {_b.value}; engines fuse them")
 
 
 def recipe_for(name: str | None, model_type: str) -> Recipe:

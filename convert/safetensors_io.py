@@ -56,6 +56,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate a header against the file size; a truncated or corrupt file is an InputError."""
     size = path.stat().st_size
@@ -84,6 +88,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{path.name}: corrupt header entry for tensor {name}") from None
+        if not (isinstance(dtype_name, str) and all(_count(v) for v in (begin, end, *shape))):
+            raise InputError(f"{path.name}: corrupt header entry for tensor {name}")
         if dtype_name not in DTYPES:
             raise InputError(f"{path.name}: tensor {name} has unsupported dtype {dtype_name}")
         dtype = DTYPES[dtype_name]

@@ -68,11 +68,14 @@ class Checkpoint:
 
 def _load_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(f"{path.parent}: no {path.name} ({what})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not a JSON object ({what})")
+    return value
 
 
 def _weight_map(root: Path) -> dict[str, str]:

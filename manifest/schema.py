@@ -79,7 +79,7 @@ def build_manifest(plan, out: Path) -> dict:
     return {
         "schema": SCHEMA,
         "version": VERSION,
-        "model": {"family": checkpoint.family.name, "config": checkpoint.config},
+        "model": {"family": checkpoint.family.name, "config": plan.config},
         "precision": plan.precision,
         "layout": plan.layout.to_json(),
         "files": _file_records(out, [f.part.name for f in plan.files]),

@@ -20,6 +20,7 @@ from manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, SCHEMA, TENS
                              sha256_of)
 from shard.layout import Layout
 from shard.placement import Mode, check_layout, place
+from shard.shard import sliced_shape
 
 MAX_PROBLEMS_PER_CHECK = 20  # beyond this a broken shard set just repeats itself
 
@@ -56,11 +57,30 @@ def check_schema(manifest: object) -> list[str]:
             problems.append(f"files[{i}]: not an object")
         else:
             _typed(record, FILE_KEYS, f"files[{i}]", problems)
+    model = manifest["model"]
+    if not (isinstance(model.get("family"), str) and isinstance(model.get("config"), dict)):
+        problems.append("model: needs a family (string) and a config (object)")
     for i, record in enumerate(manifest["tensors"]):
         if not isinstance(record, dict):
             problems.append(f"tensors[{i}]: not an object")
-        else:
-            _typed(record, TENSOR_KEYS, f"tensors[{i}] ({record.get('name')})", problems)
+        elif _typed(record, TENSOR_KEYS, f"tensors[{i}] ({record.get('name')})", problems):
+            problems += _nested(record, f"tensors[{i}] ({record['name']})")
+    return problems
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _nested(t: dict, where: str) -> list[str]:
+    problems = []
+    source, split = t["source"], t["split"]
+    if not (isinstance(source.get("name"), str) and _ints(source.get("shape"))):
+        problems.append(f"{where}: source needs a name and a shape of non-negative ints")
+    if split is not None and not _ints([split.get("dim"), split.get("start"), split.get("stop")]):
+        problems.append(f"{where}: split needs non-negative int dim, start and stop")
+    if not (_ints(t["shape"]) and _ints(t["ranks"])):
+        problems.append(f"{where}: shape and ranks must be lists of non-negative ints")
     return problems
 
 
@@ -151,6 +171,11 @@ def check_coverage(manifest: dict) -> list[str]:
         if not found:
             problems.append(f"{spec.name}: on no rank (missing from the manifest)")
             continue
+        for t in found:
+            dim_split = None if t["split"] is None else (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])
+            if t["source"]["shape"] != list(spec.shape) or t["shape"] != list(sliced_shape(spec.shape, dim_split)):
+                problems.append(f"{spec.name} ({t['file']}): shape {t['shape']} of source {t['source']['shape']} "
+                                f"does not match the model's {list(spec.shape)} split as {t['split']}")
         expected = {(tuple(p.ranks), p.split) for p in place(spec, family.name, arch, layout)}
         actual = {(tuple(t["ranks"]), None if t["split"] is None else
                    (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])) for t in found}
@@ -190,6 +215,10 @@ def _check_scales(manifest: dict) -> list[str]:
             problems.append(f"{t['name']} ({t['file']}): INT8 weight without a scale")
             continue
         rows = t["split"] if t["split"] and t["split"]["dim"] == 0 else None
+        for s in scales.get(t["scale"], []):
+            if s["shape"] != [t["shape"][0] if rows else t["source"]["shape"][0], 1] and \
+                    ((s["split"] is None and rows is None) or s["split"] == rows):
+                problems.append(f"{s['name']} ({s['file']}): shape {s['shape']} is not [rows, 1] of its weight")
         covering = [s for s in scales.get(t["scale"], []) if (s["split"] is None and rows is None) or s["split"] == rows]
         reach = {r for s in covering for r in s["ranks"]}
         if not set(t["ranks"]) <= reach:
@@ -204,6 +233,8 @@ def verify(out: Path, full: bool = False) -> list[str]:
         manifest = json.loads((out / MANIFEST_NAME).read_text())
     except FileNotFoundError:
         return [f"{out}: no {MANIFEST_NAME}"]
+    except OSError as exc:
+        return [f"{out / MANIFEST_NAME}: cannot be read ({exc.strerror or exc})"]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return [f"{MANIFEST_NAME}: not valid JSON ({exc})"]
     problems = check_schema(manifest)

@@ -68,7 +68,11 @@ class Attention:
         self.wq_a, self.wq_b = Proj(w, f"{prefix}.q_a_proj", dtype), Proj(w, f"{prefix}.q_b_proj", dtype)
         self.q_norm = Norm(w.take(f"{prefix}.q_a_layernorm.weight"), cfg.rms_norm_eps)
         self.wkv_a = Proj(w, f"{prefix}.kv_a_proj_with_mqa", dtype)
-        self.wkv_b = Proj(w, f"{prefix}.kv_b_proj", dtype)
+        # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK [heads, nope, lora] and
+        # W_UV [heads, v, lora]: prefill expands the latent with them, decode absorbs them (a BF16 copy if INT8)
+        kv_b = Proj(w, f"{prefix}.kv_b_proj", dtype).float_weight(dtype).view(self.heads, -1, cfg.kv_lora_rank)
+        self.w_uk = kv_b[:, :cfg.qk_nope_head_dim].contiguous()
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].contiguous()
         self.kv_norm = Norm(w.take(f"{prefix}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
         self.wo = Proj(w, f"{prefix}.o_proj", dtype)
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
@@ -88,8 +92,7 @@ class Attention:
         if self.indexer is not None:
             self.indexer.write_keys(x, cos, sin, cache, layer, meta)
 
-        kv_b = self.wkv_b.float_weight(x.dtype).view(heads, nope + cfg.v_head_dim, lora)
-        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [heads, nope, lora], [heads, v, lora]
+        w_uk, w_uv = self.w_uk, self.w_uv  # [heads, nope, lora], [heads, v, lora]
         out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
         for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
             rows = slice(seq.start, seq.stop)
@@ -105,11 +108,11 @@ class Attention:
                 query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
                 out[rows] = attention(query, keys, values, scale, allowed).transpose(0, 1)
             else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
-                q_lat = torch.einsum("shn,hnl->hsl", q_nope[rows], w_uk)  # [heads, 1, lora]
+                q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk)  # [heads, 1, lora]
                 query = torch.cat([q_lat, q_pe[rows].transpose(0, 1)], dim=-1)
                 keys = torch.cat([ctx_c, ctx_pe], dim=-1)[None].expand(heads, -1, -1)
                 o_lat = attention(query, keys, ctx_c[None].expand(heads, -1, -1), scale, allowed)
-                out[rows] = torch.einsum("hsl,hvl->shv", o_lat, w_uv)
+                out[rows] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [1, heads, v]
         o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 

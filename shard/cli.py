@@ -66,12 +66,12 @@ def shard(
                           f"directories; layout {layout.to_json()['groups']}")
             return
         prepare_out(plan, out)
-        with byte_progress("shard", plan.checkpoint.nbytes) as bar:
+        with byte_progress("shard", plan.nbytes) as bar:
             result = run_shard(plan, out, n_workers, bar.update)
     console.print(rank_table(plan))
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
-                  f"{out} in {result.seconds:.2f} s ({plan.checkpoint.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
+                  f"{out} in {result.seconds:.2f} s ({plan.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
                   f"GB/s in)")
 
 
@@ -82,7 +82,8 @@ def verify(
     """Check OUT/manifest.json against the files and against itself; exit 0 only when all is well."""
     from manifest.verify import verify as run_verify
 
-    problems = run_verify(out, full)
+    with user_errors():
+        problems = run_verify(out, full)
     if problems:
         for problem in problems:
             err_console.print(f"[red]problem:[/] {problem}", highlight=False, soft_wrap=True)

@@ -24,7 +24,7 @@ from convert.errors import InputError
 from convert.execute import part_is_complete, write_part
 from convert.formats import DESCRIPTION_NAME, is_side_file
 from convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part
-from convert.safetensors_io import OutTensor, file_size, write_bytes_atomic
+from convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from convert.source import Checkpoint, SourceWeight, open_checkpoint
 from shard.layout import Layout
 from shard.placement import Placement, check_layout, place, place_companion
@@ -54,6 +54,18 @@ class ShardPlan:
     precision: str  # W8A8 when the input holds INT8 weights, else BF16
     files: tuple[ShardFile, ...]
 
+    @property
+    def config(self) -> dict:
+        """config.json for the shards: BF16 shards decoded from an FP8 source no longer match its FP8
+        quantization_config, so it goes; a W8A8 input's config already describes its INT8 weights."""
+        config = self.checkpoint.config
+        return {k: v for k, v in config.items() if k != "quantization_config"} if self.precision == BF16 else config
+
+    @property
+    def nbytes(self) -> int:
+        """Source bytes the shards consume (all-zero weight_offsets, checked and dropped, not included)."""
+        return sum(item.source_bytes for f in self.files for item in f.part.items)
+
     def job(self) -> dict:
         """Identifies the run for resume: changes whenever any output byte or the manifest could."""
         sources = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.checkpoint.files]
@@ -63,7 +75,7 @@ class ShardPlan:
                 "plan_digest": hashlib.sha256(blob.encode()).hexdigest()}
 
 
-def _sliced(shape: tuple[int, ...], split: tuple[int, int, int] | None) -> tuple[int, ...]:
+def sliced_shape(shape: tuple[int, ...], split: tuple[int, int, int] | None) -> tuple[int, ...]:
     if split is None:
         return shape
     dim, start, stop = split
@@ -94,7 +106,7 @@ def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
         action = TO_BF16 if weight.encoding in ("fp8", "fp4") else KEEP
         dtype = torch.bfloat16 if action == TO_BF16 else weight.value.entry.dtype
         for placement in place(weight.spec, family, arch, layout):
-            out = OutTensor(weight.spec.name, dtype, _sliced(weight.spec.shape, placement.split))
+            out = OutTensor(weight.spec.name, dtype, sliced_shape(weight.spec.shape, placement.split))
             scale = _companion(weight) if weight.encoding == "w8a8" else None
             shards.append(ShardTensor(Item(main, action, (out,), placement.split), placement, weight.spec,
                                       scale=scale.spec.name if scale else None))
@@ -104,7 +116,7 @@ def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
             if (at.directory, scale.spec.name) in seen:
                 continue
             seen.add((at.directory, scale.spec.name))
-            scale_out = OutTensor(scale.spec.name, scale.value.entry.dtype, _sliced(scale.spec.shape, at.split))
+            scale_out = OutTensor(scale.spec.name, scale.value.entry.dtype, sliced_shape(scale.spec.shape, at.split))
             shards.append(ShardTensor(Item(scale, KEEP, (scale_out,), at.split), at, scale.spec,
                                       companion_of=weight.spec.name))
     return shards
@@ -165,9 +177,9 @@ def run_shard(plan: ShardPlan, out: Path, workers: int, on_progress: Callable[[i
         write_part(shard_file.part, path, plan.checkpoint.block, workers, on_progress)
     for source in sorted(plan.checkpoint.root.iterdir()):
         # config and tokenizer once at the top; the quantized checkpoint's own description does not apply
-        if source.is_file() and source.name != DESCRIPTION_NAME and (
-                is_side_file(source.name) or source.name == "config.json"):
+        if source.is_file() and source.name != DESCRIPTION_NAME and is_side_file(source.name):
             write_bytes_atomic(out / source.name, source.read_bytes())
+    write_json_atomic(out / "config.json", plan.config)
     write_manifest(out / MANIFEST_NAME, build_manifest(plan, out))
     outdir.mark_complete(out, plan.job())
     return ShardResult(plan, out, sum(file_size(f.part.tensors, PART_METADATA) for f in plan.files),

@@ -231,3 +231,22 @@ def test_interrupted_run_resumes_byte_identical(tiny_source, tmp_path, sig):
     assert resumed.returncode == 0, stderr
     assert "kept from an earlier run" in stdout
     assert snapshot(out) == snapshot(reference)
+
+
+def test_corrupt_json_files_are_one_line(copy_source, tmp_path):
+    src = copy_source()
+    (src / "config.json").write_text("[]")
+    assert_clean_failure(run_cli(src, tmp_path / "out"), tmp_path / "out", "not a JSON object")
+
+
+def test_header_with_wrong_types(copy_source, tmp_path):
+    src = copy_source()
+    name = first(src, "input_layernorm.weight")
+    path = file_of(src, name)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header[name]["data_offsets"] = [str(v) for v in header[name]["data_offsets"]]
+    new = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    assert_clean_failure(run_cli(src, tmp_path / "out"), tmp_path / "out", "corrupt header entry")

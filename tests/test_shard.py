@@ -161,3 +161,28 @@ def test_interrupted_shard_resumes_identically(w8a8_source, tmp_path, monkeypatc
     assert resumed.exit_code == 0 and "5 kept from an earlier run" in resumed.output, resumed.output
     files = lambda d: {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}  # noqa: E731
     assert files(out) == files(reference)
+
+
+def test_compressed_tensors_output_shards_and_verifies(tiny_source, tmp_path):
+    from convert.quantize import build_plan, run_quantize
+
+    quantized = tmp_path / "ct"
+    run_quantize(build_plan(tiny_source("deepseek_v32"), None, "compressed-tensors", SMALL_FILES), quantized, 2,
+                 lambda n: None)
+    shard(quantized, tmp_path / "s", Layout(16, 16, 16, 8))
+    assert verify(tmp_path / "s", full=True) == []
+    expected, _ = read_all(quantized, "model.safetensors.index.json")
+    check_exact(tmp_path / "s", expected, Layout(16, 16, 16, 8))
+
+
+def test_bf16_shards_drop_the_fp8_quantization_config(tiny_source, tmp_path):
+    shard(tiny_source("deepseek_v3", "fp8"), tmp_path / "s", Layout(16, 16, 16, 1))
+    assert "quantization_config" not in json.loads((tmp_path / "s" / "config.json").read_text())
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert "quantization_config" not in manifest["model"]["config"]
+
+
+def test_out_under_a_file_is_one_line(w8a8_source, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    result = cli("shard", w8a8_source("deepseek_v3"), tmp_path / "afile" / "out")
+    assert result.exit_code == 1 and result.output.strip().startswith("error:") and "Traceback" not in result.output

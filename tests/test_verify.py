@@ -135,3 +135,24 @@ def test_not_a_manifest(shards):
     assert_problem(run_verify(shards), "not valid JSON")
     (shards / "manifest.json").write_text(json.dumps({"schema": "other", "version": 1}))
     assert_problem(run_verify(shards), "schema")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m["tensors"][0].__setitem__("split", {}), "split needs"),
+    (lambda m: m.__setitem__("model", {}), "model: needs"),
+    (lambda m: m["tensors"][0].__setitem__("source", {}), "source needs"),
+    (lambda m: m["tensors"][0].__setitem__("ranks", [[0]]), "ranks"),
+])
+def test_malformed_fields_are_problems_not_crashes(shards, edit, needle):
+    edit_manifest(shards, edit)
+    assert_problem(run_verify(shards), needle)
+
+
+def test_shape_lie_in_file_and_manifest_is_caught_by_the_inventory(shards):
+    # the manifest and the file agree, but not with what the model's config implies
+    def lie(manifest):
+        t = next(t for t in manifest["tensors"] if t["name"] == "layers.1.attn.wq_b.weight")
+        t["shape"] = [t["shape"][0] // 2, t["shape"][1] * 2]
+
+    edit_manifest(shards, lie)
+    assert_problem(run_verify(shards), "layers.1.attn.wq_b.weight", "does not match the model's")
