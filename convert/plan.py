@@ -99,16 +99,34 @@ def _item(weight: SourceWeight, recipe: Recipe, fmt: OutputFormat) -> Item:
     return Item(weight, KEEP, (OutTensor(spec.name, entry.dtype, entry.shape),))
 
 
+# Upper bound of one tensor's header entry besides its name, dtype and shape: the JSON punctuation and two
+# data offsets of up to 20 digits each.
+HEADER_ENTRY_OVERHEAD = 96
+FILE_HEADER_OVERHEAD = 64  # length prefix, metadata, braces, alignment padding
+
+
+def _stored_bytes(tensor: OutTensor) -> int:
+    """Bytes a tensor adds to a file: its data plus an upper bound of its header entry."""
+    return tensor.nbytes + len(tensor.name) + len(str(tensor.shape)) + HEADER_ENTRY_OVERHEAD
+
+
+def pack(items: list, tensors_of, max_file_bytes: int) -> list[list]:
+    """Split items, in order, into files whose size (header included) stays under the cap; an item larger than
+    the cap gets a file of its own. `tensors_of(item)` lists the OutTensors an item writes."""
+    files: list[list] = [[]]
+    size = FILE_HEADER_OVERHEAD
+    for item in items:
+        item_bytes = sum(_stored_bytes(t) for t in tensors_of(item))
+        if files[-1] and size + item_bytes > max_file_bytes:
+            files.append([])
+            size = FILE_HEADER_OVERHEAD
+        files[-1].append(item)
+        size += item_bytes
+    return files
+
+
 def make_plan(checkpoint: Checkpoint, recipe: Recipe, fmt: OutputFormat, max_file_bytes: int) -> Plan:
     items = [_item(w, recipe, fmt) for w in checkpoint.weights]
-    groups: list[list[Item]] = [[]]
-    size = 0
-    for item in items:
-        item_bytes = sum(t.nbytes for t in item.outputs)
-        if groups[-1] and size + item_bytes > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += item_bytes
+    groups = pack(items, lambda item: item.outputs, max_file_bytes)
     parts = tuple(Part(fmt.part_name(i, len(groups)), tuple(g)) for i, g in enumerate(groups))
     return Plan(checkpoint, recipe, fmt, parts)

@@ -23,7 +23,7 @@ from convert.arch import Encoding, TensorSpec
 from convert.errors import InputError
 from convert.execute import part_is_complete, write_part
 from convert.formats import DESCRIPTION_NAME, is_side_file
-from convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part
+from convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part, pack
 from convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from convert.source import Checkpoint, SourceWeight, open_checkpoint
 from shard.layout import Layout
@@ -123,15 +123,7 @@ def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
 
 
 def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int) -> list[ShardFile]:
-    groups: list[list[ShardTensor]] = [[]]
-    size = 0
-    for shard in shards:
-        nbytes = shard.item.outputs[0].nbytes
-        if groups[-1] and size + nbytes > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(shard)
-        size += nbytes
+    groups = pack(shards, lambda shard: shard.item.outputs, max_file_bytes)
     n = len(groups)
     return [ShardFile(Part(f"{directory}/part-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s.item for s in g)), tuple(g))
             for i, g in enumerate(groups)]

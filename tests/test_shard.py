@@ -186,3 +186,14 @@ def test_out_under_a_file_is_one_line(w8a8_source, tmp_path):
     (tmp_path / "afile").write_text("x")
     result = cli("shard", w8a8_source("deepseek_v3"), tmp_path / "afile" / "out")
     assert result.exit_code == 1 and result.output.strip().startswith("error:") and "Traceback" not in result.output
+
+
+def test_file_size_cap_includes_headers(w8a8_source, tmp_path):
+    cap = 300_000
+    result = cli("shard", w8a8_source("deepseek_v3"), tmp_path / "s", "--max-file-size", str(cap))
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    largest_tensor = max(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1)
+                         * {"I8": 1, "BF16": 2, "F32": 4, "I64": 8}.get(t["dtype"], 4) for t in manifest["tensors"])
+    for f in manifest["files"]:
+        assert f["bytes"] <= max(cap, largest_tensor + 4096), f
