@@ -36,6 +36,7 @@ from shard.shard import make_shard_plan, run_shard  # noqa: E402
 
 PROMPT_LEN = 32
 DECODE_TARGET = 5.0
+REPEATS = 3  # best of, on each side: single runs on a shared 2-core machine vary by ~20%
 
 
 def shards_for(src: Path, out: Path, layout: Layout) -> Path:
@@ -48,11 +49,14 @@ def shards_for(src: Path, out: Path, layout: Layout) -> Path:
 def dsrun_decode_tps(shards: Path, prompt: list[int], new_tokens: int) -> float:
     manifest = load_manifest(shards)
     model, cfg, fields = build_model(shards, manifest, 0, Dist.single(), torch.bfloat16)
-    cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, fields, torch.bfloat16)
-    stamps = []
-    with torch.no_grad():
-        greedy(model, cache, [prompt], new_tokens, None, lambda s, t: stamps.append(time.perf_counter()))
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    best = 0.0
+    for _ in range(REPEATS):
+        cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, fields, torch.bfloat16)
+        stamps = []
+        with torch.no_grad():
+            greedy(model, cache, [prompt], new_tokens, None, lambda s, t: stamps.append(time.perf_counter()))
+        best = max(best, (len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return best
 
 
 def transformers_decode_tps(src_bf16: Path, prompt: list[int], new_tokens: int) -> float:
@@ -61,15 +65,18 @@ def transformers_decode_tps(src_bf16: Path, prompt: list[int], new_tokens: int) 
     model = AutoModelForCausalLM.from_pretrained(src_bf16, dtype=torch.bfloat16).eval()
     ids = torch.tensor([prompt])
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    best = 0.0
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
-        started = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
-        total = time.perf_counter() - started
-    return (new_tokens - 1) / (total - prefill)
+        for _ in range(REPEATS):
+            started = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, **kwargs)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, **kwargs)
+            total = time.perf_counter() - started
+            best = max(best, (new_tokens - 1) / (total - prefill))
+    return best
 
 
 def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: Path) -> list[dict]:
