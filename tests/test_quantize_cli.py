@@ -80,17 +80,21 @@ def test_unknown_dtype(copy_source, tmp_path):
     assert_clean_failure(run_cli(src, tmp_path / "out"), tmp_path / "out", name, "float64")
 
 
-def test_unknown_dtype_in_header(copy_source, tmp_path):
-    src = copy_source()
-    name = first(src, "input_layernorm.weight")
-    path = file_of(src, name)
+def edit_header_entry(path, name, edit):
+    """Rewrite one tensor's entry in a safetensors header in place (the data stays as it is)."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
-    header[name]["dtype"] = "Q3"  # not a safetensors dtype
-    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
-    assert len(new) == n
-    path.write_bytes(raw[:8] + new + raw[8 + n:])
+    edit(header[name])
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def test_unknown_dtype_in_header(copy_source, tmp_path):
+    src = copy_source()
+    name = first(src, "input_layernorm.weight")
+    edit_header_entry(file_of(src, name), name, lambda entry: entry.__setitem__("dtype", "Q3"))  # no such dtype
     assert_clean_failure(run_cli(src, tmp_path / "out"), tmp_path / "out", name, "Q3")
 
 
@@ -242,11 +246,6 @@ def test_corrupt_json_files_are_one_line(copy_source, tmp_path):
 def test_header_with_wrong_types(copy_source, tmp_path):
     src = copy_source()
     name = first(src, "input_layernorm.weight")
-    path = file_of(src, name)
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    header[name]["data_offsets"] = [str(v) for v in header[name]["data_offsets"]]
-    new = json.dumps(header, separators=(",", ":")).encode()
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    edit_header_entry(file_of(src, name), name,
+                      lambda entry: entry.__setitem__("data_offsets", [str(v) for v in entry["data_offsets"]]))
     assert_clean_failure(run_cli(src, tmp_path / "out"), tmp_path / "out", "corrupt header entry")
