@@ -1,0 +1,384 @@
+"""DeepSeek-V4 forward over one rank's shards, top to bottom like DeepSeek's own model.py.
+
+What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tensors keep the hub's names):
+- The residual is `hc_mult` parallel streams (manifold-constrained hyper-connections): before each attention
+  and MoE block a learned "pre" mix collapses the streams into the block's input, after it a "post" mix
+  spreads the block's output back and a Sinkhorn-normalized (doubly stochastic) "comb" matrix mixes the old
+  streams. `hc_head` collapses them once more before the final norm.
+- Attention is shared-KV MQA (one head serves as key and value) with a per-head sink, partial RoPE on the
+  last qk_rope_head_dim dims (interleaved pairs, layout kept) and a grouped low-rank output projection.
+  Every layer attends over a sliding window; CSA layers add ratio-4 overlapping compressed entries chosen
+  per query by the Lightning indexer (top `index_topk`), HCA layers add every ratio-128 compressed entry.
+- MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
+  on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
+
+This is a one-sequence prefill only: `forward_full` computes the whole sequence at once, with dense [T, T]
+attention scores masked to the window. Decode caches (the sliding window plus the compressors' running
+windows and emitted entries) are future work, as is attention TP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from convert.arch_v4 import AttnType, MlpType, V4Config
+from kernels.linear import linear, quantize_activations, w8a8_linear, w8a8_linear_quantized
+from kernels.moe import swiglu
+from kernels.rope import rope_inv_freq
+from runner.dist import Dist
+from runner.model_v3 import Proj
+from runner.weights import RankWeights
+
+ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
+SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+
+
+class RMSNorm:
+    """V4 keeps norm weights in float32: the weight multiplies before the one cast back (unlike V3's order)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight.float(), eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Rope:
+    """cos, sin float32 [..., rope_dim // 2] for integer positions: plain, or YaRN (no cos/sin mscale in V4)."""
+
+    def __init__(self, dim: int, theta: float, yarn: dict | None):
+        self.inv_freq, self.attention_scaling = rope_inv_freq(dim, theta, yarn)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions[..., None].float() * self.inv_freq
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last 2 * cos.shape[-1] dims of x as interleaved pairs (x0, x1), (x2, x3), ..., keeping that
+    layout: V4 reads the rotated key back as a value, so the layout reaches the output projection."""
+    rope_dim = 2 * cos.shape[-1]
+    rope = x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+def _yarn_dict(cfg: V4Config) -> dict | None:
+    if cfg.rope_scaling is None:
+        return None
+    y = cfg.rope_scaling
+    # attention_factor 1: DeepSeek's reference does not scale cos/sin by YaRN's mscale (transformers agrees)
+    return {"type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "attention_factor": 1.0}
+
+
+class GroupedProj:
+    """wo_a: [groups * rank, in / groups], group g's rows project only group g's slice of the input."""
+
+    def __init__(self, weights: RankWeights, name: str, groups: int, dtype: torch.dtype):
+        self.proj, self.groups = Proj(weights, name, dtype), groups
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in / groups] -> [T, groups, rank]."""
+        weights = self.proj.weight.chunk(self.groups)
+        if self.proj.scale is None:
+            outs = [linear(x[:, g], weights[g]) for g in range(self.groups)]
+        else:
+            scales = self.proj.scale.chunk(self.groups)
+            outs = [w8a8_linear(x[:, g], weights[g], scales[g], out_dtype=x.dtype) for g in range(self.groups)]
+        return torch.stack(outs, dim=1)
+
+
+class Compressor:
+    """Pools every `ratio` tokens into one key (= value) entry: a softmax over the window of learned gates
+    (plus the per-slot bias `ape`) weighs the projected tokens, per dim. Overlapping (CSA) compressors emit
+    two series per token: entry w pools window w-1's first series with window w's second, 2 * ratio slots.
+    Only whole windows are pooled; entry w is rotated at position w * ratio."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, head_dim: int, overlap: bool,
+                 rope: Rope, dtype: torch.dtype):
+        self.ratio, self.head_dim, self.overlap, self.rope = ratio, head_dim, overlap, rope
+        self.wkv, self.wgate = Proj(w, f"{prefix}.wkv", dtype), Proj(w, f"{prefix}.wgate", dtype)
+        self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
+        self.norm = RMSNorm(w.take(f"{prefix}.norm.weight"), cfg.rms_norm_eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T // ratio, head_dim]."""
+        ratio, d = self.ratio, self.head_dim
+        n = x.shape[0] // ratio
+        if n == 0:
+            return x.new_zeros(0, d)
+        kv = self.wkv(x[:n * ratio]).view(n, ratio, -1)
+        gate = self.wgate(x[:n * ratio]).view(n, ratio, -1).float() + self.ape
+        if self.overlap:
+            # slots [n, 2 * ratio, d]: the previous window's first series, then this window's second series;
+            # window 0 has no previous window (zero values, gate -inf: softmax weight 0)
+            prev_kv = torch.cat([kv.new_zeros(1, ratio, d), kv[:-1, :, :d]])
+            prev_gate = torch.cat([gate.new_full((1, ratio, d), float("-inf")), gate[:-1, :, :d]])
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
+        cos, sin = self.rope(torch.arange(n) * ratio)
+        return rope_tail(self.norm(pooled), cos, sin)
+
+
+class Indexer:
+    """Lightning indexer: score_{t,s} = sum_h w_{t,h} relu(q_{t,h} . k_s) over its own compressed keys; each
+    query keeps the top `index_topk` entries among those already complete."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, rope: Rope, dtype: torch.dtype):
+        self.cfg = cfg
+        self.wq_b, self.weights_proj = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.weights_proj", dtype)
+        self.compressor = Compressor(cfg, w, f"{prefix}.compressor", cfg.csa_compress_rate, cfg.index_head_dim,
+                                     True, rope, dtype)
+
+    def select(self, x, q_resid, complete: torch.Tensor, cos, sin) -> torch.Tensor:
+        """complete [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
+        cfg = self.cfg
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        keys = self.compressor(x)  # [n, dim]
+        q = rope_tail(self.wq_b(q_resid).view(-1, heads, dim), cos[:, None], sin[:, None])
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
+        head_weights = self.weights_proj(x).float() * heads**-0.5  # [T, heads]
+        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
+        top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
+        # early queries have fewer complete entries than index_topk: their extra picks are not complete
+        return torch.zeros_like(complete).scatter_(-1, top, True) & complete
+
+
+class Attention:
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, attn_type: AttnType, ropes: dict,
+                 dtype: torch.dtype):
+        self.cfg, self.attn_type = cfg, attn_type
+        self.rope = ropes["main"] if attn_type is AttnType.SLIDING else ropes["compress"]
+        self.wq_a, self.wq_b = Proj(w, f"{prefix}.wq_a", dtype), Proj(w, f"{prefix}.wq_b", dtype)
+        self.q_norm = RMSNorm(w.take(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+        self.wkv = Proj(w, f"{prefix}.wkv", dtype)
+        self.kv_norm = RMSNorm(w.take(f"{prefix}.kv_norm.weight"), cfg.rms_norm_eps)
+        self.wo_a = GroupedProj(w, f"{prefix}.wo_a", cfg.o_groups, dtype)
+        self.wo_b = Proj(w, f"{prefix}.wo_b", dtype)
+        self.sinks = w.take(f"{prefix}.attn_sink").float()  # [heads]
+        self.compressor = self.indexer = None
+        if attn_type is not AttnType.SLIDING:
+            self.ratio = cfg.compress_rate(attn_type)
+            self.compressor = Compressor(cfg, w, f"{prefix}.compressor", self.ratio, cfg.head_dim,
+                                         attn_type is AttnType.CSA, self.rope, dtype)
+        if attn_type is AttnType.CSA:
+            self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        cos, sin = self.rope(positions)  # [T, rope / 2]
+        q_resid = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = unweighted_rms_norm(self.wq_b(q_resid).view(T, heads, head_dim), cfg.rms_norm_eps)
+        q = rope_tail(q, cos[:, None], sin[:, None])
+        kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
+
+        offset = positions[:, None] - positions[None, :]  # [T, T] query minus key position
+        allowed = (offset >= 0) & (offset < cfg.sliding_window)
+        if self.compressor is not None:
+            entries = self.compressor(x)  # [n, head_dim]
+            # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
+            complete = torch.arange(entries.shape[0])[None, :] < ((positions + 1) // self.ratio)[:, None]
+            if self.indexer is not None:
+                complete = self.indexer.select(x, q_resid, complete, cos, sin)
+            kv = torch.cat([kv, entries])
+            allowed = torch.cat([allowed, complete], dim=-1)
+
+        out = sink_attention(q, kv, allowed, self.sinks, head_dim**-0.5)  # [T, heads, head_dim]
+        # the value carried its key's rotation: rotating back by the query's position leaves the relative one
+        out = rope_tail(out, cos[:, None], -sin[:, None])
+        grouped = self.wo_a(out.reshape(T, cfg.o_groups, -1))  # [T, groups, o_lora_rank]
+        return self.wo_b(grouped.flatten(1))
+
+
+def sink_attention(q, kv, allowed, sinks, scale) -> torch.Tensor:
+    """q [T, H, D], kv [K, D] (keys = values), allowed [T, K] bool, sinks [H] -> [T, H, D].
+
+    Each head's softmax has one extra logit, its sink, whose probability mass is dropped (it has no value)."""
+    scores = torch.einsum("thd,kd->htk", q, kv) * scale
+    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    logits = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return torch.einsum("htk,kd->thd", probs.to(kv.dtype), kv)
+
+
+class Expert:
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, dtype: torch.dtype):
+        self.w1, self.w2, self.w3 = (Proj(w, f"{prefix}.{n}", dtype) for n in ("w1", "w2", "w3"))
+        self.limit = cfg.swiglu_limit
+        self.int8 = self.w1.scale is not None and self.w3.scale is not None
+
+    def __call__(self, x):
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
+        gate = w8a8_linear_quantized(x_q, x_scale, self.w1.weight, self.w1.scale, dtype)
+        up = w8a8_linear_quantized(x_q, x_scale, self.w3.weight, self.w3.scale, dtype)
+        return self.w2(swiglu(gate, up, self.limit))
+
+
+class MoE:
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, mlp_type: MlpType, dist: Dist,
+                 dtype: torch.dtype):
+        self.cfg, self.dist = cfg, dist
+        self.router = w.take(f"{prefix}.gate.weight")
+        self.score = SCORE_FUNCS[cfg.scoring_func]
+        self.tid2eid = self.bias = None
+        if mlp_type is MlpType.HASH:
+            self.tid2eid = w.take(f"{prefix}.gate.tid2eid")  # [vocab, k] int64
+        else:
+            self.bias = w.take(f"{prefix}.gate.bias").float()
+        self.per_rank = cfg.n_routed_experts // dist.ep
+        first = dist.ep_rank * self.per_rank
+        self.experts = [Expert(cfg, w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
+        self.shared = Expert(cfg, w, f"{prefix}.shared_experts", dtype)
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hash layers: experts = tid2eid[token]; others: top-k of score + bias. Weights from the scores."""
+        scores = self.score(F.linear(x.float(), self.router.float()))  # [T, E]
+        if self.tid2eid is not None:
+            experts = self.tid2eid[tokens].long()
+        else:
+            experts = (scores + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_NORM_EPS)  # transformers always renormalizes
+        return experts, weights * self.cfg.routed_scaling_factor
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
+        share_tokens = self.dist.attn_tp_share(tokens[:, None])[:, 0]
+        return self.dist.attn_tp_unshare(self.routed(share, share_tokens) + self.shared(share), x.shape[0])
+
+    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x, tokens)
+        k = experts.shape[1]
+        flat = experts.flatten()  # [T*k] one row per (token, expert) pair
+        order = torch.argsort(flat // self.per_rank, stable=True)  # grouped by owning EP rank
+        send_counts = torch.bincount(flat // self.per_rank, minlength=self.dist.ep)
+        rows, local = x[order // k], flat[order] % self.per_rank
+        int8 = self.experts[0].int8
+        # EP dispatch: W8A8 experts get INT8 activations and per-token scales, quantized once by the sender
+        columns = [*quantize_activations(rows), local] if int8 else [rows, local]
+        received, recv_counts = self.dist.ep_dispatch(columns, send_counts)
+        recv_local = received[-1]
+        out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
+        by_expert = torch.argsort(recv_local, stable=True)  # received rows grouped by local expert
+        counts = torch.bincount(recv_local, minlength=self.per_rank).tolist()
+        for expert, rows_e in zip(self.experts, by_expert.split(counts)):  # experts without rows are skipped
+            if rows_e.numel():
+                out[rows_e] = (expert.quantized(received[0][rows_e], received[1][rows_e], x.dtype) if int8
+                               else expert(received[0][rows_e]))
+        back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
+        combined = torch.empty_like(back)
+        combined[order] = back
+        return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+class HyperConnection:
+    """From the streams [T, m, D]: pre [T, m] collapses them into a block's input, post [T, m] spreads the
+    block's output back, comb [T, m, m] (Sinkhorn-normalized) mixes the old streams. Computed in float32."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, name: str):
+        self.cfg = cfg
+        self.fn = w.take(f"{name}_fn").float()  # [(2 + m) * m, m * D]
+        self.base = w.take(f"{name}_base").float()  # [(2 + m) * m]
+        self.scale = w.take(f"{name}_scale").float()  # [3]: pre, post, comb
+
+    def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg, m = self.cfg, self.cfg.hc_mult
+        flat = streams.flatten(1).float()
+        mixes = F.linear(unweighted_rms_norm(flat, cfg.rms_norm_eps), self.fn)  # [T, (2 + m) * m]
+        pre_w, post_w, comb_w = mixes.split([m, m, m * m], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([m, m, m * m])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + cfg.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax((comb_w * self.scale[2] + comb_b).view(-1, m, m), dim=-1) + cfg.hc_eps
+        # Sinkhorn-Knopp: alternately normalize columns and rows towards a doubly stochastic matrix
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+        for _ in range(cfg.hc_sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams, post, comb, block_out) -> torch.Tensor:
+        """new stream k = post_k * block_out + sum_j comb[j, k] * stream j  ->  [T, m, D]."""
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * block_out[:, None] + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead:
+    """The final collapse of the streams (a "pre" mix only) before the model's norm."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights):
+        self.cfg = cfg
+        self.fn, self.base = w.take("hc_head_fn").float(), w.take("hc_head_base").float()  # [m, m * D], [m]
+        self.scale = w.take("hc_head_scale").float()  # [1]
+
+    def __call__(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps), self.fn)
+        pre = torch.sigmoid(mixes * self.scale + self.base) + self.cfg.hc_eps  # [T, m]
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+class Block:
+    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype):
+        p = f"layers.{layer}"
+        self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
+        self.attn_norm = RMSNorm(w.take(f"{p}.attn_norm.weight"), cfg.rms_norm_eps)
+        self.attn = Attention(cfg, w, f"{p}.attn", cfg.attn_types[layer], ropes, dtype)
+        self.ffn_norm = RMSNorm(w.take(f"{p}.ffn_norm.weight"), cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
+
+    def __call__(self, streams, tokens, positions) -> torch.Tensor:
+        post, comb, x = self.hc_attn(streams)
+        streams = HyperConnection.merge(streams, post, comb, self.attn(self.attn_norm(x), positions))
+        post, comb, x = self.hc_ffn(streams)
+        return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
+
+
+class DeepseekV4:
+    def __init__(self, cfg: V4Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+        if dist.attn_tp != 1:
+            raise ValueError(f"attn_tp={dist.attn_tp}: DeepSeek-V4 attention TP is not implemented yet")
+        self.cfg, self.dist, self.dtype = cfg, dist, dtype
+        ropes = {"main": Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None),
+                 "compress": Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, _yarn_dict(cfg))}
+        self.embed = w.take("embed.weight")
+        self.layers = [Block(cfg, w, layer, ropes, dist, dtype) for layer in range(cfg.num_hidden_layers)]
+        self.hc_head = HyperHead(cfg, w)
+        self.norm = RMSNorm(w.take("norm.weight"), cfg.rms_norm_eps)
+        head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
+        self.head = head.to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
+        for name in [n for n in w.tensors if n.startswith("mtp.")]:
+            w.take(name)  # the MTP layers serve speculative decoding, which this runner does not do
+        w.finish()
+
+    def forward_full(self, tokens: torch.Tensor, hidden_out: list | None = None) -> torch.Tensor:
+        """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
+
+        hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
+        x = F.embedding(tokens, self.embed).to(self.dtype)  # [T, D]
+        streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
+        positions = torch.arange(tokens.shape[0])
+        for block in self.layers:
+            streams = block(streams, tokens, positions)
+            if hidden_out is not None:
+                hidden_out.append(streams)
+        h = self.norm(self.hc_head(streams))
+        return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
