@@ -15,7 +15,7 @@ import torch
 
 from convert.arch import family_for
 from convert.errors import InputError
-from runner.cache import LatentCache
+from runner.cache import LatentCache, TokenHistory
 from runner.dist import Dist
 from runner.generate import greedy
 from runner.weights import load_rank
@@ -26,25 +26,34 @@ RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and t
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
+    """-> (model, its config, new_cache(capacity_tokens) -> the cache its forward takes)."""
     config = manifest["model"]["config"]
     family = family_for(config)
-    if family.name not in ("deepseek_v3", "deepseek_v32"):
-        raise InputError(f"dsrun runs deepseek_v3 / deepseek_v32 shards; {family.name} is not supported yet")
-    from runner.model_v3 import DeepseekV3, cache_fields
-
+    if family.name not in ("deepseek_v3", "deepseek_v32", "deepseek_v4"):
+        raise InputError(f"dsrun runs deepseek_v3 / deepseek_v32 / deepseek_v4 shards; {family.name} is not "
+                         f"supported yet")
     cfg = family.parse_config(config)
-    model = DeepseekV3(cfg, load_rank(shards, manifest, rank), dist, dtype)
-    return model, cfg, cache_fields(cfg)
+    weights = load_rank(shards, manifest, rank)
+    if family.name in ("deepseek_v3", "deepseek_v32"):
+        from runner.model_v3 import DeepseekV3, cache_fields
+
+        model = DeepseekV3(cfg, weights, dist, dtype)
+        return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
+                                                      cache_fields(cfg), dtype)
+    from runner.model_v4 import DeepseekV4
+
+    # no decode caches yet: every step recomputes each sequence's history (see runner/model_v4.py)
+    return DeepseekV4(cfg, weights, dist, dtype), cfg, TokenHistory
 
 
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
               dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     dist = Dist.from_layout(manifest["layout"]) if torch.distributed.is_initialized() else Dist.single()
-    model, cfg, fields = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
+    model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
     dp, dp_index = manifest["layout"]["dp"], rank // manifest["layout"]["attn_tp"]
     mine = [i for i in range(len(prompts)) if i % dp == dp_index]
-    cache = LatentCache(cfg.num_hidden_layers, -(-cache_tokens // BLOCK_SIZE), BLOCK_SIZE, fields, DTYPES[dtype])
+    cache = new_cache(cache_tokens)
 
     printer = _Streamer(stream_tokenizer) if rank == 0 and stream_tokenizer else None
     steps: list[float] = []

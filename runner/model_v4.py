@@ -12,9 +12,11 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
 - MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
   on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
 
-This is a one-sequence prefill only: `forward_full` computes the whole sequence at once, with dense [T, T]
-attention scores masked to the window. Decode caches (the sliding window plus the compressors' running
-windows and emitted entries) are future work, as is attention TP.
+There are no decode caches yet (the sliding window plus the compressors' running windows and emitted
+entries): `forward_full` computes one whole sequence at once, with dense [T, T] attention scores masked to the
+window, and the step function `forward` recomputes every sequence's whole token history with that prefill
+path at every step, keeping only the rows it is asked for. Correct, but O(n^2) per generated token: a
+stopgap until the caches exist. Attention TP is also future work.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from convert.arch_v4 import AttnType, MlpType, V4Config
 from kernels.linear import linear, quantize_activations, w8a8_linear, w8a8_linear_quantized
 from kernels.moe import swiglu
 from kernels.rope import rope_inv_freq
+from runner.cache import StepMeta, TokenHistory
 from runner.dist import Dist
 from runner.model_v3 import Proj
 from runner.weights import RankWeights
@@ -345,9 +348,15 @@ class Block:
         self.ffn_norm = RMSNorm(w.take(f"{p}.ffn_norm.weight"), cfg.rms_norm_eps)
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 
-    def __call__(self, streams, tokens, positions) -> torch.Tensor:
+    def __call__(self, streams, tokens, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """spans: the (start, stop) rows of each sequence, every one a whole sequence from position 0. Attention
+        runs per sequence (none sees another's rows); everything else, the MoE's EP exchange included, runs
+        once over all rows."""
         post, comb, x = self.hc_attn(streams)
-        streams = HyperConnection.merge(streams, post, comb, self.attn(self.attn_norm(x), positions))
+        x = self.attn_norm(x)
+        attn = [self.attn(x[start:stop], torch.arange(stop - start)) for start, stop in spans if stop > start]
+        attn_out = torch.cat(attn) if attn else torch.zeros_like(x)  # a rank without tokens: zero rows
+        streams = HyperConnection.merge(streams, post, comb, attn_out)
         post, comb, x = self.hc_ffn(streams)
         return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
 
@@ -373,12 +382,40 @@ class DeepseekV4:
         """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
 
         hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
+        return self.forward_sequences(tokens, [(0, tokens.shape[0])], None, hidden_out)
+
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: TokenHistory,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
+        says -> logits [len(rows) or T, vocab] of those rows.
+
+        Without decode caches, each sequence's whole history (cache holds the tokens, this step's are added
+        here) is recomputed from position 0: O(history) work per new token. All sequences go through one
+        forward_sequences call, so every rank enters each layer's EP exchange and the lm_head gather exactly
+        once per step, whatever its number of sequences (zero included)."""
+        histories, spans, new_rows, start = [], [], [], 0
+        for seq in meta.seqs:
+            history = cache.append(seq.seq_id, tokens[seq.start:seq.stop])  # [context_len]
+            histories.append(history)
+            spans.append((start, start + history.shape[0]))
+            # the new tokens are the last query_len rows of the sequence's recomputed span
+            new_rows.append(torch.arange(start + history.shape[0] - seq.query_len, start + history.shape[0]))
+            start += history.shape[0]
+        empty = torch.empty(0, dtype=torch.long)
+        keep = torch.cat(new_rows) if new_rows else empty  # [T]: meta row -> recomputed row
+        return self.forward_sequences(torch.cat(histories) if histories else empty, spans,
+                                      keep if rows is None else keep[rows])
+
+    def forward_sequences(self, tokens: torch.Tensor, spans: list[tuple[int, int]], keep: torch.Tensor | None,
+                          hidden_out: list | None = None) -> torch.Tensor:
+        """tokens [T]: whole sequences from position 0, back to back at `spans` -> logits [len(keep) or T, vocab]."""
         x = F.embedding(tokens, self.embed).to(self.dtype)  # [T, D]
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
-        positions = torch.arange(tokens.shape[0])
         for block in self.layers:
-            streams = block(streams, tokens, positions)
+            streams = block(streams, tokens, spans)
             if hidden_out is not None:
                 hidden_out.append(streams)
+        if keep is not None:
+            streams = streams[keep]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
-        return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
+        return self.dist.lm_head_logits(h, self.head)  # [rows, vocab]: lm_head TP, gathered to full vocabulary

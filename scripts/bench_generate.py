@@ -27,7 +27,6 @@ from comm.launch import launch  # noqa: E402
 from convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from runner.cli import collect  # noqa: E402
 from runner.engine import BLOCK_SIZE, build_model  # noqa: E402
-from runner.cache import LatentCache  # noqa: E402
 from runner.dist import Dist  # noqa: E402
 from runner.generate import greedy  # noqa: E402
 from runner.weights import load_manifest  # noqa: E402
@@ -48,10 +47,10 @@ def shards_for(src: Path, out: Path, layout: Layout) -> Path:
 
 def dsrun_decode_tps(shards: Path, prompt: list[int], new_tokens: int) -> float:
     manifest = load_manifest(shards)
-    model, cfg, fields = build_model(shards, manifest, 0, Dist.single(), torch.bfloat16)
+    model, _, new_cache = build_model(shards, manifest, 0, Dist.single(), torch.bfloat16)
     best = 0.0
     for _ in range(REPEATS):
-        cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, fields, torch.bfloat16)
+        cache = new_cache(64 * BLOCK_SIZE)
         stamps = []
         with torch.no_grad():
             greedy(model, cache, [prompt], new_tokens, None, lambda s, t: stamps.append(time.perf_counter()))

@@ -1,20 +1,30 @@
-"""The V4 runner's one-sequence prefill against transformers' DeepseekV4ForCausalLM on the same weights."""
+"""The V4 runner against transformers' DeepseekV4ForCausalLM on the same weights: the one-sequence prefill,
+greedy tokens through the step function (which recomputes every history, no decode caches yet), and the same
+tokens sharded over 16 ranks."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from convert.arch_v4 import AttnType, parse_config
+from convert.errors import InputError
+from runner.cache import TokenHistory
 from runner.dist import Dist
+from runner.generate import greedy
 from runner.model_v4 import DeepseekV4
 from runner.weights import load_manifest, load_rank
 from shard.layout import Layout
+from tests.test_runner_dist import NEW_TOKENS as DIST_NEW_TOKENS, run
 from tests.test_shard import shard
 
 COSINE_MIN = 0.999
 # The tiny config's sliding_window is 16, its compress rates 4 and 128, its index_topk 8: 300 tokens cross
 # 18 windows, give CSA layers 75 entries to choose 8 from and HCA layers 2 complete windows
 PROMPT_LEN = 300
+# Generation: 48 + 20 tokens still cross the sliding window and 17 CSA entries (index_topk 8 must choose), but
+# no HCA entry completes; the recomputed histories keep the test short
+GEN_PROMPT_LEN = 48
+NEW_TOKENS = 20
 
 
 def cosine(a, b):
@@ -30,17 +40,17 @@ def pair(tiny_source, tmp_path_factory):
     manifest = load_manifest(shards)
     cfg = parse_config(manifest["model"]["config"])
     model = DeepseekV4(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
-    return model, cfg, reference
+    return model, cfg, reference, shards
 
 
 def test_fixture_schedule_has_every_attention_type(pair):
-    _, cfg, _ = pair
+    _, cfg, _, _ = pair
     assert set(cfg.attn_types) == set(AttnType)
     assert PROMPT_LEN > cfg.hca_compress_rate * 2 and PROMPT_LEN // cfg.csa_compress_rate > cfg.index_topk
 
 
 def test_prefill_hidden_states_and_logits(pair):
-    model, cfg, reference = pair
+    model, cfg, reference, _ = pair
     ids = torch.randint(2, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = reference(ids[None], output_hidden_states=True)
@@ -67,3 +77,48 @@ def test_mtp_tensors_are_dropped_and_nothing_is_left(tiny_source, tmp_path):
     assert any(name.startswith("mtp.") for name in weights.tensors)
     DeepseekV4(parse_config(manifest["model"]["config"]), weights, Dist.single(), torch.float32)
     assert not weights.tensors
+
+
+def prompt(vocab, n, seed):
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate(pair):
+    model, cfg, reference, _ = pair
+    ids = prompt(cfg.vocab_size, GEN_PROMPT_LEN, seed=1)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = greedy(model, TokenHistory(256), [ids], NEW_TOKENS, eos_id=None)[0]
+    assert got == expected
+
+
+def test_batched_step_equals_each_sequence_alone(pair):
+    model, cfg, _, _ = pair
+    prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (5, 23, 40)]
+    with torch.no_grad():
+        alone = [greedy(model, TokenHistory(256), [p], 6, eos_id=None)[0] for p in prompts]
+        assert greedy(model, TokenHistory(256), prompts, 6, eos_id=None) == alone
+        meta = TokenHistory(16).step([])  # a rank without sequences still runs the step, with zero rows
+        assert model.forward(torch.empty(0, dtype=torch.long), meta, TokenHistory(16)).shape == (0, cfg.vocab_size)
+
+
+def test_token_history_capacity():
+    history = TokenHistory(10)
+    history.step([(0, 6)])
+    with pytest.raises(InputError, match="holds 10 tokens; sequence 1 needs 5"):
+        history.step([(1, 5)])
+
+
+def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
+    """EP16 + lm_head TP16 through dsrun's rank_main, three prompts of different lengths on different attention-DP
+    ranks (13 ranks have none and run zero-token steps)."""
+    model, cfg, _, _ = pair
+    prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (5, 37, 20)]
+    shards = tmp_path / "w16"
+    shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
+    got = run(shards, tmp_path, prompts)
+    with torch.no_grad():
+        want = greedy(model, TokenHistory(256), prompts, DIST_NEW_TOKENS, eos_id=None)
+    assert all(len(t) == DIST_NEW_TOKENS for t in want)
+    assert got == want
