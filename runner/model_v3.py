@@ -16,11 +16,12 @@ import torch.nn.functional as F
 
 from convert.arch_v3 import V3Config
 from kernels.attention import attention
-from kernels.linear import linear, quantize_activations, w8a8_linear, w8a8_linear_quantized
+from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin
 from runner.cache import LatentCache, StepMeta
 from runner.dist import Dist
+from runner.moe import expert_parallel
 from runner.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
@@ -194,28 +195,7 @@ class MoE:
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        k = experts.shape[1]
-        flat = experts.flatten()  # [T*k] one row per (token, expert) pair
-        order = torch.argsort(flat // self.per_rank, stable=True)  # grouped by owning EP rank
-        send_counts = torch.bincount(flat // self.per_rank, minlength=self.dist.ep)
-        rows, local = x[order // k], flat[order] % self.per_rank
-        int8 = self.experts[0].int8
-        # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get
-        # INT8 activations and their per-token scales, quantized once here (what the expert would compute)
-        columns = [*quantize_activations(rows), local] if int8 else [rows, local]
-        received, recv_counts = self.dist.ep_dispatch(columns, send_counts)
-        recv_local = received[-1]
-        out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
-        by_expert = torch.argsort(recv_local, stable=True)  # received rows grouped by local expert
-        counts = torch.bincount(recv_local, minlength=self.per_rank).tolist()
-        for expert, rows_e in zip(self.experts, by_expert.split(counts)):  # experts without rows are skipped
-            if rows_e.numel():
-                out[rows_e] = (expert.quantized(received[0][rows_e], received[1][rows_e], x.dtype) if int8
-                               else expert(received[0][rows_e]))
-        back = self.dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, same order
-        combined = torch.empty_like(back)
-        combined[order] = back
-        return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
+        return expert_parallel(x, experts, weights, self.experts, self.per_rank, self.dist)
 
 
 class DeepseekV3:

@@ -1,0 +1,38 @@
+"""The expert-parallel step both model families share: (token, expert) pairs travel to the experts' owner
+ranks, this rank's experts run on what arrives, the results travel back and are summed with the routing
+weights. Every rank calls it once per MoE layer, with zero rows if it has no tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.linear import quantize_activations
+from runner.dist import Dist
+
+
+def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local_experts: list,
+                    per_rank: int, dist: Dist) -> torch.Tensor:
+    """x [T, H]; experts, weights [T, k] from the router; local_experts: this rank's experts, each callable
+    on float rows and, when `int8`, on INT8 rows via `quantized(x_q, x_scale, dtype)` -> [T, H]."""
+    k = experts.shape[1]
+    flat = experts.flatten()  # [T*k] one row per (token, expert) pair
+    order = torch.argsort(flat // per_rank, stable=True)  # grouped by owning EP rank
+    send_counts = torch.bincount(flat // per_rank, minlength=dist.ep)
+    rows, local = x[order // k], flat[order] % per_rank
+    int8 = local_experts[0].int8
+    # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get INT8
+    # activations and their per-token scales, quantized once here (what the expert itself would compute)
+    columns = [*quantize_activations(rows), local] if int8 else [rows, local]
+    received, recv_counts = dist.ep_dispatch(columns, send_counts)
+    recv_local = received[-1]
+    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
+    by_expert = torch.argsort(recv_local, stable=True)  # received rows grouped by local expert
+    counts = torch.bincount(recv_local, minlength=per_rank).tolist()
+    for expert, rows_e in zip(local_experts, by_expert.split(counts)):  # experts without rows are skipped
+        if rows_e.numel():
+            out[rows_e] = (expert.quantized(received[0][rows_e], received[1][rows_e], x.dtype) if int8
+                           else expert(received[0][rows_e]))
+    back = dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, in the same order
+    combined = torch.empty_like(back)
+    combined[order] = back
+    return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
