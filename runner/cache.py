@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
+from kernels.attention import causal_mask
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,6 @@ class SeqStep:
     def query_len(self) -> int:
         return self.stop - self.start
 
-
-def _causal(query_len: int, context_len: int) -> torch.Tensor:
-    q_pos = torch.arange(context_len - query_len, context_len)[:, None]
-    return torch.arange(context_len)[None, :] <= q_pos
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class LatentCache:
             table.extend(self.free_blocks.pop() for _ in range(need))
             self.lengths[seq_id] = start + n_new
             context = self._slots(seq_id, 0, start + n_new)  # computed once per step, read by every layer
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, _causal(n_new, start + n_new)))
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
             positions.append(torch.arange(start, start + n_new))
             slots.append(context[start:])
             row += n_new
@@ -116,7 +113,7 @@ class TokenHistory:
                                  f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
             self.lengths[seq_id] = start + n_new
             context = torch.arange(start + n_new)
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, _causal(n_new, start + n_new)))
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
             positions.append(context[start:])
             row += n_new
         flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
