@@ -3,8 +3,8 @@
 A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence owns whole blocks listed in its
 block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
 p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe`; V3.2 adds the
-indexer's keys `index_k`. TokenHistory stands in for models whose decode caches do not exist yet: it keeps
-token ids only, for a model that recomputes each sequence at every step.
+indexer's keys `index_k`. DeepSeek-V4's state (window, compressors) is in
+cache_v4.py, on the same step protocol.
 """
 
 from __future__ import annotations
@@ -91,43 +91,4 @@ class LatentCache:
 
     def release(self, seq_id: int) -> None:
         self.free_blocks.extend(reversed(self.block_tables.pop(seq_id, [])))
-        self.lengths.pop(seq_id, None)
-
-
-class TokenHistory:
-    """For models without decode caches yet (DeepSeek-V4): each sequence's token ids, which the model
-    recomputes from position 0 at every step. Same step protocol and capacity rule as LatentCache; a
-    sequence's "slots" are simply the indices of its tokens in its own history."""
-
-    def __init__(self, capacity_tokens: int):
-        self.capacity_tokens = capacity_tokens
-        self.tokens: dict[int, torch.Tensor] = {}  # seq_id -> [tokens so far] int64
-        self.lengths: dict[int, int] = {}  # reserved by step(), filled by append()
-
-    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
-        seqs, positions, row = [], [], 0
-        for seq_id, n_new in new_tokens:
-            start = self.lengths.get(seq_id, 0)
-            if sum(self.lengths.values()) + n_new > self.capacity_tokens:
-                raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
-                                 f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
-            self.lengths[seq_id] = start + n_new
-            context = torch.arange(start + n_new)
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
-            positions.append(context[start:])
-            row += n_new
-        flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
-        return StepMeta(seqs, flat, flat)
-
-    def append(self, seq_id: int, new: torch.Tensor) -> torch.Tensor:
-        """Adds a step's tokens [n] (reserved by step()) -> the sequence's whole history [context_len]."""
-        history = torch.cat([self.tokens.get(seq_id, new.new_empty(0)), new])
-        if history.shape[0] != self.lengths.get(seq_id, 0):
-            raise ValueError(f"sequence {seq_id}: {history.shape[0]} tokens given, step() reserved "
-                             f"{self.lengths.get(seq_id, 0)}")
-        self.tokens[seq_id] = history
-        return history
-
-    def release(self, seq_id: int) -> None:
-        self.tokens.pop(seq_id, None)
         self.lengths.pop(seq_id, None)

@@ -67,7 +67,6 @@ def generate(
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     from comm.launch import launch
-    from convert.arch import family_for
     from runner.engine import DTYPES
     from runner.weights import load_manifest
 
@@ -88,9 +87,6 @@ def generate(
         if world_size is not None and world_size != world:
             raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
         config = manifest["model"]["config"]
-        if family_for(config).name == "deepseek_v4":
-            err_console.print("[yellow]DeepSeek-V4 has no decode caches yet: every step recomputes each "
-                              "sequence's whole history (correct, but O(n^2) and slow for long outputs).[/]")
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         prompts = [_encode(tokenizer, p, not no_chat, config["vocab_size"]) for p in prompt]
         longest = max(len(p) for p in prompts) + max_new_tokens

@@ -15,7 +15,7 @@ import torch
 
 from convert.arch import family_for
 from convert.errors import InputError
-from runner.cache import LatentCache, TokenHistory
+from runner.cache import LatentCache
 from runner.dist import Dist
 from runner.generate import greedy
 from runner.weights import load_rank
@@ -40,10 +40,10 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
         model = DeepseekV3(cfg, weights, dist, dtype)
         return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
                                                       cache_fields(cfg), dtype)
+    from runner.cache_v4 import V4Cache
     from runner.model_v4 import DeepseekV4
 
-    # no decode caches yet: every step recomputes each sequence's history (see runner/model_v4.py)
-    return DeepseekV4(cfg, weights, dist, dtype), cfg, TokenHistory
+    return DeepseekV4(cfg, weights, dist, dtype), cfg, lambda tokens: V4Cache(cfg, tokens, dtype)
 
 
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,

@@ -12,11 +12,9 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
 - MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
   on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
 
-There are no decode caches yet (the sliding window plus the compressors' running windows and emitted
-entries): `forward_full` computes one whole sequence at once, with dense [T, T] attention scores masked to the
-window, and the step function `forward` recomputes every sequence's whole token history with that prefill
-path at every step, keeping only the rows it is asked for. Correct, but O(n^2) per generated token: a
-stopgap until the caches exist. Attention TP is also future work.
+Decode continues from per-request state (runner/cache_v4.py): the sliding window's keys, each compressor's
+emitted entries and unfinished window, the indexer's keys. Prefill is the same code with an empty state, so a
+prompt and the tokens after it go through one path. Attention TP is future work (attention runs DP).
 """
 
 from __future__ import annotations
@@ -28,7 +26,8 @@ from convert.arch_v4 import AttnType, MlpType, V4Config
 from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
 from kernels.moe import swiglu
 from kernels.rope import rope_inv_freq
-from runner.cache import StepMeta, TokenHistory
+from runner.cache import StepMeta
+from runner.cache_v4 import CompressorState, LayerState, V4Cache
 from runner.dist import Dist
 from runner.moe import expert_parallel
 from runner.model_v3 import Proj
@@ -117,24 +116,30 @@ class Compressor:
         self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
         self.norm = RMSNorm(w.take(f"{prefix}.norm.weight"), cfg.rms_norm_eps)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T // ratio, head_dim]."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """x [T, hidden] at consecutive positions, the state's next -> every entry so far [n, head_dim].
+
+        The new rows join the unfinished window; each window they complete is pooled into one entry."""
         ratio, d = self.ratio, self.head_dim
-        n = x.shape[0] // ratio
+        kv = torch.cat([state.kv, self.wkv(x)])
+        gate = torch.cat([state.gate, self.wgate(x).float() + self.ape[positions % ratio]])
+        n = kv.shape[0] // ratio
+        state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
         if n == 0:
-            return x.new_zeros(0, d)
-        kv = self.wkv(x[:n * ratio]).view(n, ratio, -1)
-        gate = self.wgate(x[:n * ratio]).view(n, ratio, -1).float() + self.ape
+            return state.entries
+        kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
         if self.overlap:
-            # slots [n, 2 * ratio, d]: the previous window's first series, then this window's second series;
-            # window 0 has no previous window (zero values, gate -inf: softmax weight 0)
-            prev_kv = torch.cat([kv.new_zeros(1, ratio, d), kv[:-1, :, :d]])
-            prev_gate = torch.cat([gate.new_full((1, ratio, d), float("-inf")), gate[:-1, :, :d]])
+            # slots [n, 2 * ratio, d]: the previous window's first series, then this window's second series
+            prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
+            prev_gate = torch.cat([state.prev_gate[None], gate[:-1, :, :d]])
+            state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
-        cos, sin = self.rope(torch.arange(n) * ratio)
-        return rope_tail(self.norm(pooled), cos, sin)
+        first = state.entries.shape[0]
+        cos, sin = self.rope(torch.arange(first, first + n) * ratio)
+        state.entries = torch.cat([state.entries, rope_tail(self.norm(pooled), cos, sin)])
+        return state.entries
 
 
 class Indexer:
@@ -147,16 +152,18 @@ class Indexer:
         self.compressor = Compressor(cfg, w, f"{prefix}.compressor", cfg.csa_compress_rate, cfg.index_head_dim,
                                      True, rope, dtype)
 
-    def select(self, x, q_resid, complete: torch.Tensor, cos, sin) -> torch.Tensor:
+    def select(self, x, q_resid, complete: torch.Tensor, cos, sin, positions, state: CompressorState) -> torch.Tensor:
         """complete [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
         cfg = self.cfg
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        keys = self.compressor(x)  # [n, dim]
+        keys = self.compressor(x, positions, state)  # [n, dim]
         q = rope_tail(self.wq_b(q_resid).view(-1, heads, dim), cos[:, None], sin[:, None])
         scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
         head_weights = self.weights_proj(x).float() * heads**-0.5  # [T, heads]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
-        top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
+        # relu leaves ties (often several entries at exactly 0): a stable sort breaks them by entry order, so
+        # the choice does not depend on how many queries or entries this call holds (topk's order is unspecified)
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
@@ -181,7 +188,8 @@ class Attention:
         if attn_type is AttnType.CSA:
             self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
+        """x [T, hidden]: one sequence's new rows at consecutive positions, continuing `state` -> [T, hidden]."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -190,14 +198,17 @@ class Attention:
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
 
-        offset = positions[:, None] - positions[None, :]  # [T, T] query minus key position
+        kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
+        key_positions = torch.arange(int(positions[-1]) + 1 - kv.shape[0], int(positions[-1]) + 1)
+        state.window = kv[-cfg.sliding_window:].clone()
+        offset = positions[:, None] - key_positions[None, :]  # [T, K] query minus key position
         allowed = (offset >= 0) & (offset < cfg.sliding_window)
         if self.compressor is not None:
-            entries = self.compressor(x)  # [n, head_dim]
+            entries = self.compressor(x, positions, state.compressor)  # [n, head_dim]
             # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
             complete = torch.arange(entries.shape[0])[None, :] < ((positions + 1) // self.ratio)[:, None]
             if self.indexer is not None:
-                complete = self.indexer.select(x, q_resid, complete, cos, sin)
+                complete = self.indexer.select(x, q_resid, complete, cos, sin, positions, state.indexer)
             kv = torch.cat([kv, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
 
@@ -329,13 +340,13 @@ class Block:
         self.ffn_norm = RMSNorm(w.take(f"{p}.ffn_norm.weight"), cfg.rms_norm_eps)
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 
-    def __call__(self, streams, tokens, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """spans: the (start, stop) rows of each sequence, every one a whole sequence from position 0. Attention
-        runs per sequence (none sees another's rows); everything else, the MoE's EP exchange included, runs
-        once over all rows."""
+    def __call__(self, streams, tokens, meta: StepMeta, states: list[LayerState]) -> torch.Tensor:
+        """Attention runs per sequence on its rows and state (none sees another's); everything else, the MoE's
+        EP exchange included, runs once over all rows."""
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
-        attn = [self.attn(x[start:stop], torch.arange(stop - start)) for start, stop in spans if stop > start]
+        attn = [self.attn(x[seq.start:seq.stop], meta.positions[seq.start:seq.stop], state)
+                for seq, state in zip(meta.seqs, states)]
         attn_out = torch.cat(attn) if attn else torch.zeros_like(x)  # a rank without tokens: zero rows
         streams = HyperConnection.merge(streams, post, comb, attn_out)
         post, comb, x = self.hc_ffn(streams)
@@ -363,40 +374,23 @@ class DeepseekV4:
         """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
 
         hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
-        return self.forward_sequences(tokens, [(0, tokens.shape[0])], None, hidden_out)
+        cache = V4Cache(self.cfg, tokens.shape[0], self.dtype)
+        return self.forward(tokens, cache.step([(0, tokens.shape[0])]), cache, hidden_out=hidden_out)
 
-    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: TokenHistory,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
+                hidden_out: list | None = None) -> torch.Tensor:
         """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
-        says -> logits [len(rows) or T, vocab] of those rows.
+        says, each sequence continuing its state in `cache` -> logits [len(rows) or T, vocab] of those rows.
 
-        Without decode caches, each sequence's whole history (cache holds the tokens, this step's are added
-        here) is recomputed from position 0: O(history) work per new token. All sequences go through one
-        forward_sequences call, so every rank enters each layer's EP exchange and the lm_head gather exactly
-        once per step, whatever its number of sequences (zero included)."""
-        histories, spans, new_rows, start = [], [], [], 0
-        for seq in meta.seqs:
-            history = cache.append(seq.seq_id, tokens[seq.start:seq.stop])  # [context_len]
-            histories.append(history)
-            spans.append((start, start + history.shape[0]))
-            # the new tokens are the last query_len rows of the sequence's recomputed span
-            new_rows.append(torch.arange(start + history.shape[0] - seq.query_len, start + history.shape[0]))
-            start += history.shape[0]
-        empty = torch.empty(0, dtype=torch.long)
-        keep = torch.cat(new_rows) if new_rows else empty  # [T]: meta row -> recomputed row
-        return self.forward_sequences(torch.cat(histories) if histories else empty, spans,
-                                      keep if rows is None else keep[rows])
-
-    def forward_sequences(self, tokens: torch.Tensor, spans: list[tuple[int, int]], keep: torch.Tensor | None,
-                          hidden_out: list | None = None) -> torch.Tensor:
-        """tokens [T]: whole sequences from position 0, back to back at `spans` -> logits [len(keep) or T, vocab]."""
+        Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
+        its number of sequences (zero included)."""
         x = F.embedding(tokens, self.embed).to(self.dtype)  # [T, D]
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
-        for block in self.layers:
-            streams = block(streams, tokens, spans)
+        for layer, block in enumerate(self.layers):
+            streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])
             if hidden_out is not None:
                 hidden_out.append(streams)
-        if keep is not None:
-            streams = streams[keep]  # the rest of the head is per row
+        if rows is not None:
+            streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
         return self.dist.lm_head_logits(h, self.head)  # [rows, vocab]: lm_head TP, gathered to full vocabulary

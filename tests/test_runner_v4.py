@@ -1,6 +1,6 @@
 """The V4 runner against transformers' DeepseekV4ForCausalLM on the same weights: the one-sequence prefill,
-greedy tokens through the step function (which recomputes every history, no decode caches yet), and the same
-tokens sharded over 16 ranks."""
+greedy tokens through the step function and its decode state, steps of any size against one whole forward,
+and the same tokens sharded over 16 ranks."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from convert.arch_v4 import AttnType, parse_config
 from convert.errors import InputError
-from runner.cache import TokenHistory
+from runner.cache_v4 import V4Cache
 from runner.dist import Dist
 from runner.generate import greedy
 from runner.model_v4 import DeepseekV4
@@ -21,9 +21,9 @@ COSINE_MIN = 0.999
 # The tiny config's sliding_window is 16, its compress rates 4 and 128, its index_topk 8: 300 tokens cross
 # 18 windows, give CSA layers 75 entries to choose 8 from and HCA layers 2 complete windows
 PROMPT_LEN = 300
-# Generation: 48 + 20 tokens still cross the sliding window and 17 CSA entries (index_topk 8 must choose), but
-# no HCA entry completes; the recomputed histories keep the test short
-GEN_PROMPT_LEN = 48
+# Generation: a 240-token prompt holds 15 sliding windows, 60 CSA entries and one HCA entry; the 20 decoded
+# tokens cross another window and complete the second HCA entry (at 256) and 5 CSA entries
+GEN_PROMPT_LEN = 240
 NEW_TOKENS = 20
 
 
@@ -89,25 +89,46 @@ def test_greedy_tokens_equal_transformers_generate(pair):
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        got = greedy(model, TokenHistory(256), [ids], NEW_TOKENS, eos_id=None)[0]
+        got = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
+    assert GEN_PROMPT_LEN < 2 * cfg.hca_compress_rate <= GEN_PROMPT_LEN + NEW_TOKENS
     assert got == expected
+
+
+def test_steps_of_any_size_equal_one_whole_forward(pair):
+    """A sequence fed in uneven chunks (one token, a partial window, several whole windows) continues its
+    decode state exactly: each chunk's logits equal the same rows of one forward over the whole sequence."""
+    model, cfg, _, _ = pair
+    ids = torch.tensor(prompt(cfg.vocab_size, 2 * cfg.hca_compress_rate + 5, seed=3))
+    chunks = [1, 3, 2 * cfg.csa_compress_rate + 1, cfg.sliding_window + 7, cfg.hca_compress_rate, 1, 1]
+    chunks.append(ids.shape[0] - sum(chunks))
+    cache = V4Cache(cfg, ids.shape[0], torch.float32)
+    with torch.no_grad():
+        whole = model.forward_full(ids)
+        stepped = []
+        for start, n in zip(torch.tensor([0, *chunks]).cumsum(0).tolist(), chunks):
+            stepped.append(model.forward(ids[start:start + n], cache.step([(0, n)]), cache))
+    assert torch.allclose(torch.cat(stepped), whole, atol=1e-4, rtol=0)
 
 
 def test_batched_step_equals_each_sequence_alone(pair):
     model, cfg, _, _ = pair
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (5, 23, 40)]
     with torch.no_grad():
-        alone = [greedy(model, TokenHistory(256), [p], 6, eos_id=None)[0] for p in prompts]
-        assert greedy(model, TokenHistory(256), prompts, 6, eos_id=None) == alone
-        meta = TokenHistory(16).step([])  # a rank without sequences still runs the step, with zero rows
-        assert model.forward(torch.empty(0, dtype=torch.long), meta, TokenHistory(16)).shape == (0, cfg.vocab_size)
+        alone = [greedy(model, V4Cache(cfg, 256, torch.float32), [p], 6, eos_id=None)[0] for p in prompts]
+        assert greedy(model, V4Cache(cfg, 256, torch.float32), prompts, 6, eos_id=None) == alone
+        cache = V4Cache(cfg, 16, torch.float32)
+        meta = cache.step([])  # a rank without sequences still runs the step, with zero rows
+        assert model.forward(torch.empty(0, dtype=torch.long), meta, cache).shape == (0, cfg.vocab_size)
 
 
-def test_token_history_capacity():
-    history = TokenHistory(10)
-    history.step([(0, 6)])
+def test_cache_capacity_and_release(pair):
+    _, cfg, _, _ = pair
+    cache = V4Cache(cfg, 10, torch.float32)
+    cache.step([(0, 6)])
     with pytest.raises(InputError, match="holds 10 tokens; sequence 1 needs 5"):
-        history.step([(1, 5)])
+        cache.step([(1, 5)])
+    cache.release(0)
+    cache.step([(1, 5)])
 
 
 def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
@@ -119,6 +140,6 @@ def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
     shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
     got = run(shards, tmp_path, prompts)
     with torch.no_grad():
-        want = greedy(model, TokenHistory(256), prompts, DIST_NEW_TOKENS, eos_id=None)
+        want = greedy(model, V4Cache(cfg, 256, torch.float32), prompts, DIST_NEW_TOKENS, eos_id=None)
     assert all(len(t) == DIST_NEW_TOKENS for t in want)
     assert got == want

@@ -1,0 +1,91 @@
+"""DeepSeek-V4's decode state, per request and layer: what attention needs from earlier steps, bounded by
+the sliding window and the compression ratios rather than by the history.
+
+- `window`: the last `sliding_window` keys (= values, already rotated) [<= window, head_dim]; older rows are
+  dropped, no query can reach them.
+- per compressor (the attention's on CSA and HCA layers, the indexer's on CSA layers):
+  `entries` it has emitted [n, dim]; the projected rows and gates of the window still filling
+  [< ratio, series * dim], which the next steps complete; and for the overlapping (CSA) compressors the last
+  complete window's first series with its gates [ratio, dim], which the next entry pools.
+
+`model_v4` reads and advances this state; here it is only held. The step protocol is LatentCache's: `step`
+reserves the new tokens and returns the step's metadata, `release` drops a finished request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from convert.arch_v4 import AttnType, V4Config
+from convert.errors import InputError
+from kernels.attention import causal_mask
+from runner.cache import SeqStep, StepMeta
+
+
+@dataclass
+class CompressorState:
+    entries: torch.Tensor  # [n, dim] emitted entries, normalized and rotated
+    kv: torch.Tensor  # [pending < ratio, series * dim] projected rows of the unfinished window
+    gate: torch.Tensor  # [pending, series * dim] float32: their gates, slot bias `ape` added
+    prev_kv: torch.Tensor | None  # [ratio, dim] overlap only: the last complete window's first series
+    prev_gate: torch.Tensor | None  # [ratio, dim] float32; -inf before the first window (weight 0)
+
+    @classmethod
+    def empty(cls, ratio: int, dim: int, overlap: bool, dtype: torch.dtype) -> CompressorState:
+        width = (2 if overlap else 1) * dim
+        return cls(torch.zeros(0, dim, dtype=dtype), torch.zeros(0, width, dtype=dtype),
+                   torch.zeros(0, width, dtype=torch.float32),
+                   torch.zeros(ratio, dim, dtype=dtype) if overlap else None,
+                   torch.full((ratio, dim), float("-inf")) if overlap else None)
+
+
+@dataclass
+class LayerState:
+    window: torch.Tensor  # [<= sliding_window, head_dim]
+    compressor: CompressorState | None  # CSA and HCA layers
+    indexer: CompressorState | None  # CSA layers: the indexer's own compressed keys
+
+    @classmethod
+    def empty(cls, cfg: V4Config, attn_type: AttnType, dtype: torch.dtype) -> LayerState:
+        compressor = indexer = None
+        if attn_type is not AttnType.SLIDING:
+            compressor = CompressorState.empty(cfg.compress_rate(attn_type), cfg.head_dim,
+                                               attn_type is AttnType.CSA, dtype)
+        if attn_type is AttnType.CSA:
+            indexer = CompressorState.empty(cfg.csa_compress_rate, cfg.index_head_dim, True, dtype)
+        return cls(torch.zeros(0, cfg.head_dim, dtype=dtype), compressor, indexer)
+
+
+class V4Cache:
+    def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype):
+        self.cfg, self.capacity_tokens, self.dtype = cfg, capacity_tokens, dtype
+        self.lengths: dict[int, int] = {}
+        self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
+
+    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
+        """Reserve (seq_id, n_new) tokens, in order -> the step's metadata (a sequence's slots are its
+        positions: V4 keeps no paged token cache)."""
+        seqs, positions, row = [], [], 0
+        for seq_id, n_new in new_tokens:
+            start = self.lengths.get(seq_id, 0)
+            if sum(self.lengths.values()) + n_new > self.capacity_tokens:
+                raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
+                                 f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
+            if seq_id not in self.states:
+                self.states[seq_id] = [LayerState.empty(self.cfg, t, self.dtype) for t in self.cfg.attn_types]
+            self.lengths[seq_id] = start + n_new
+            context = torch.arange(start + n_new)
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
+            positions.append(context[start:])
+            row += n_new
+        flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+        return StepMeta(seqs, flat, flat)
+
+    def layer(self, seq_id: int, layer: int) -> LayerState:
+        return self.states[seq_id][layer]
+
+    def release(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+        self.lengths.pop(seq_id, None)
