@@ -35,11 +35,15 @@ class Recipe:
 RECIPES = {
     r.name: r
     for r in (
+        # msModelSlim's DeepSeek-V3.2 recipes (lab_practice/deepseek_v3_2/deepseek_w8a8.yaml, deepseek_w4a8.yaml)
+        # exclude "*wq_b", "*wk", "*weights_proj" from linear_quant: the whole Lightning indexer stays BF16 (its
+        # output is a discrete top-k choice, which INT8 error flips). Their per-token W8A8 attention group
+        # (deepseek_w4a8.yaml) also excludes q_a_proj, kv_a_proj_with_mqa and kv_b_proj; deepseek_w8a8.yaml
+        # quantizes q_a/kv_a only with calibrated per-tensor activation scales, which this converter has not.
         Recipe("v3", ("deepseek_v3", "deepseek_v32"),
-               frozenset({Role.ATTN_Q_B, Role.ATTN_O, Role.INDEXER_Q_B, Role.DENSE_W1, Role.DENSE_W2, Role.DENSE_W3}
-                         | _EXPERTS),
-               "q_b_proj, o_proj, indexer wq_b, routed + shared experts, dense MLP (the calibration-free "
-               "Ascend recipe); q_a/kv_a/kv_b, indexer wk/weights_proj, router, embed, head stay BF16"),
+               frozenset({Role.ATTN_Q_B, Role.ATTN_O, Role.DENSE_W1, Role.DENSE_W2, Role.DENSE_W3} | _EXPERTS),
+               "q_b_proj, o_proj, routed + shared experts, dense MLP (msModelSlim's per-token Ascend recipe); "
+               "q_a/kv_a/kv_b, the V3.2 indexer (wq_b, wk, weights_proj), router, embed, head stay BF16"),
         Recipe("v4", ("deepseek_v4",),
                frozenset({Role.ATTN_Q_A, Role.ATTN_Q_B, Role.ATTN_KV, Role.INDEXER_Q_B} | _EXPERTS),
                "wq_a, wq_b, wkv, indexer wq_b, routed + shared experts (msModelSlim's recipe without "

@@ -115,6 +115,5 @@ def test_recipes_pick_the_documented_linears(tiny_source, family):
         assert not any(n.endswith(suffix) for n in int8), suffix
     assert not int8 & set(expect_float_top)
     assert not any(item.weight.spec.mtp for item in plan.items if item.action == "int8")
-    if family == "deepseek_v32":
-        assert any(n.endswith(".indexer.wq_b.weight") for n in int8)
-        assert not any(n.endswith((".indexer.wk.weight", ".indexer.weights_proj.weight")) for n in int8)
+    if family == "deepseek_v32":  # msModelSlim keeps the whole Lightning indexer float
+        assert not any(".indexer." in n for n in int8)
