@@ -1,6 +1,6 @@
 """The built-in demos: tiny DeepSeek checkpoints with random weights in the real hub format (FP8 block
 scales; FP4 experts for V4; the real 129280-token vocabulary), built once into a cache so the tools run on
-a fresh machine. `dsconv quantize` demos V4; `dsrun generate` demos the V3 runner on W8A8 shards."""
+a fresh machine. `dsconv quantize` demos the V4 converter; `dsrun generate` the V4 runner on W8A8 shards."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 from convert.tiny_checkpoint import make_tiny_checkpoint
 
 DEMO_FAMILY = "deepseek_v4"
-RUNNER_DEMO_FAMILY = "deepseek_v3"
-DEMO_VERSION = 1  # bump when a demo's contents change, so stale caches are rebuilt
+DEMO_VERSION = 2  # bump when a demo's contents change, so stale caches are rebuilt
 
 
 def cache_dir() -> Path:
@@ -40,7 +39,7 @@ def demo_output(name: str, family: str = DEMO_FAMILY) -> Path:
     return cache_dir() / f"demo-{family}-v{DEMO_VERSION}-{name}"
 
 
-def demo_shards(family: str = RUNNER_DEMO_FAMILY) -> Path:
+def demo_shards(family: str = DEMO_FAMILY) -> Path:
     """The demo checkpoint quantized to W8A8 (ascend layout) and sharded for 16 ranks (EP16, lm_head TP16)."""
     from convert.quantize import build_plan, run_quantize
     from shard.layout import Layout

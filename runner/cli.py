@@ -78,8 +78,8 @@ def generate(
         if shards is None:
             from convert.demo import demo_shards
 
-            err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V3 model "
-                              "with RANDOM weights (the text is noise), quantized to W8A8 and sharded for 16 "
+            err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V4 model "
+                              "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), quantized to W8A8 and sharded for 16 "
                               "ranks.[/]")
             shards = demo_shards()
         manifest = load_manifest(shards)  # refuses shards that fail `dsconv verify`
