@@ -1,9 +1,9 @@
 """Benchmark generation on one fixture in one run: dsrun's decode vs transformers' `generate`, and the 16-rank
 step split into compute and communication.
 
-    python scripts/bench_generate.py [--family deepseek_v3] [--new-tokens 64] [--work DIR]
+    python scripts/bench_generate.py [--family deepseek_v3|deepseek_v32|deepseek_v4] [--new-tokens 64] [--work DIR]
 
-(1) world size 1, in process, BF16: decode tokens/s of dsrun's model vs transformers' DeepseekV3ForCausalLM
+(1) world size 1, in process, BF16: decode tokens/s of dsrun's model vs transformers' DeepseekV3/V32/V4ForCausalLM
     `generate` on the same weights and prompt (decode = generation after the first token; target >= 5x).
 (2) 16 local ranks (EP16, lm_head TP16, gloo on this machine's cores): per decode step, the wall time and the
     part spent inside collectives, as rank 0 and as the slowest rank saw it.
@@ -94,7 +94,7 @@ def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: P
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
+    parser.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32", "deepseek_v4"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--work", type=Path, default=Path("/tmp/dsrun-bench"))
     args = parser.parse_args()
