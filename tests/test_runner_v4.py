@@ -133,9 +133,10 @@ def test_cache_capacity_and_release(pair):
 
 def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
     """EP16 + lm_head TP16 through dsrun's rank_main, three prompts of different lengths on different attention-DP
-    ranks (13 ranks have none and run zero-token steps)."""
+    ranks (13 ranks have none and run zero-token steps); the longest completes an HCA entry and crosses 8
+    sliding windows, the shortest no CSA window before decoding."""
     model, cfg, _, _ = pair
-    prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (5, 37, 20)]
+    prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (3, cfg.hca_compress_rate + 2, 20)]
     shards = tmp_path / "w16"
     shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
     got = run(shards, tmp_path, prompts)
