@@ -33,12 +33,12 @@ class CompressorState:
     prev_gate: torch.Tensor | None  # [ratio, dim] float32; -inf before the first window (weight 0)
 
     @classmethod
-    def empty(cls, ratio: int, dim: int, overlap: bool, dtype: torch.dtype) -> CompressorState:
+    def empty(cls, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
         width = (2 if overlap else 1) * dim
-        return cls(torch.zeros(0, dim, dtype=dtype), torch.zeros(0, width, dtype=dtype),
-                   torch.zeros(0, width, dtype=torch.float32),
-                   torch.zeros(ratio, dim, dtype=dtype) if overlap else None,
-                   torch.full((ratio, dim), float("-inf")) if overlap else None)
+        return cls(torch.zeros(0, dim, dtype=dtype, device=device), torch.zeros(0, width, dtype=dtype, device=device),
+                   torch.zeros(0, width, dtype=torch.float32, device=device),
+                   torch.zeros(ratio, dim, dtype=dtype, device=device) if overlap else None,
+                   torch.full((ratio, dim), float("-inf"), device=device) if overlap else None)
 
 
 @dataclass
@@ -48,19 +48,19 @@ class LayerState:
     indexer: CompressorState | None  # CSA layers: the indexer's own compressed keys
 
     @classmethod
-    def empty(cls, cfg: V4Config, attn_type: AttnType, dtype: torch.dtype) -> LayerState:
+    def empty(cls, cfg: V4Config, attn_type: AttnType, dtype: torch.dtype, device: torch.device) -> LayerState:
         compressor = indexer = None
         if attn_type is not AttnType.SLIDING:
             compressor = CompressorState.empty(cfg.compress_rate(attn_type), cfg.head_dim,
-                                               attn_type is AttnType.CSA, dtype)
+                                               attn_type is AttnType.CSA, dtype, device)
         if attn_type is AttnType.CSA:
-            indexer = CompressorState.empty(cfg.csa_compress_rate, cfg.index_head_dim, True, dtype)
-        return cls(torch.zeros(0, cfg.head_dim, dtype=dtype), compressor, indexer)
+            indexer = CompressorState.empty(cfg.csa_compress_rate, cfg.index_head_dim, True, dtype, device)
+        return cls(torch.zeros(0, cfg.head_dim, dtype=dtype, device=device), compressor, indexer)
 
 
 class V4Cache:
-    def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype):
-        self.cfg, self.capacity_tokens, self.dtype = cfg, capacity_tokens, dtype
+    def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.cfg, self.capacity_tokens, self.dtype, self.device = cfg, capacity_tokens, dtype, torch.device(device)
         self.lengths: dict[int, int] = {}
         self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
 
@@ -74,13 +74,15 @@ class V4Cache:
                 raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
                                  f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
             if seq_id not in self.states:
-                self.states[seq_id] = [LayerState.empty(self.cfg, t, self.dtype) for t in self.cfg.attn_types]
+                self.states[seq_id] = [LayerState.empty(self.cfg, t, self.dtype, self.device)
+                                        for t in self.cfg.attn_types]
             self.lengths[seq_id] = start + n_new
-            context = torch.arange(start + n_new)
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
+            context = torch.arange(start + n_new, device=self.device)
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context,
+                                causal_mask(n_new, start + n_new, self.device)))
             positions.append(context[start:])
             row += n_new
-        flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+        flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long, device=self.device)
         return StepMeta(seqs, flat, flat)
 
     def layer(self, seq_id: int, layer: int) -> LayerState:

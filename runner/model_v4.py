@@ -63,7 +63,7 @@ class Rope:
         self.inv_freq, self.attention_scaling = rope_inv_freq(dim, theta, yarn)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq
+        angles = positions[..., None].float() * self.inv_freq.to(positions.device)
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
 
@@ -137,7 +137,7 @@ class Compressor:
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
         first = state.entries.shape[0]
-        cos, sin = self.rope(torch.arange(first, first + n) * ratio)
+        cos, sin = self.rope(torch.arange(first, first + n, device=x.device) * ratio)
         state.entries = torch.cat([state.entries, rope_tail(self.norm(pooled), cos, sin)])
         return state.entries
 
@@ -199,14 +199,15 @@ class Attention:
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
 
         kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
-        key_positions = torch.arange(int(positions[-1]) + 1 - kv.shape[0], int(positions[-1]) + 1)
+        last = int(positions[-1])
+        key_positions = torch.arange(last + 1 - kv.shape[0], last + 1, device=positions.device)
         state.window = kv[-cfg.sliding_window:].clone()
         offset = positions[:, None] - key_positions[None, :]  # [T, K] query minus key position
         allowed = (offset >= 0) & (offset < cfg.sliding_window)
         if self.compressor is not None:
             entries = self.compressor(x, positions, state.compressor)  # [n, head_dim]
             # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
-            complete = torch.arange(entries.shape[0])[None, :] < ((positions + 1) // self.ratio)[:, None]
+            complete = torch.arange(entries.shape[0], device=positions.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
             if self.indexer is not None:
                 complete = self.indexer.select(x, q_resid, complete, cos, sin, positions, state.indexer)
             kv = torch.cat([kv, entries])
