@@ -22,7 +22,9 @@ def causal_mask(query_len: int, key_len: int, device: torch.device | str = "cpu"
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B?, H, S, D], k [B?, H, T, D], v [B?, H, T, Dv] -> [B?, H, S, Dv] in q's dtype.
+    """q [B?, H, S, D], k [B?, H, T, D], v [B?, H, T, Dv] -> [B?, H, S, Dv] in q's dtype. k and v may drop
+    their leading axes ([T, D], [T, Dv]) when every head attends over the same keys, as MLA's absorbed decode
+    does over the latent: one matmul for all heads, no per-head copies.
 
     mask: None (every key allowed), or [S, T] / [B, S, T], bool (True = allowed) or additive float.
     A query row must allow at least one key (a fully masked row gives NaN).

@@ -89,6 +89,12 @@ def rope_cos_sin(config_like, positions: torch.Tensor) -> tuple[torch.Tensor, to
     """
     inv_freq, attention_scaling = rope_inv_freq(config_like.qk_rope_head_dim, config_like.rope_theta,
                                                 config_like.rope_scaling)
+    return cos_sin_at(inv_freq, attention_scaling, positions)
+
+
+def cos_sin_at(inv_freq: torch.Tensor, attention_scaling: float,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin from rope_inv_freq's result, which a model computes once rather than at every step."""
     angles = positions[..., None].to(torch.float32) * inv_freq.to(positions.device)
     return angles.cos() * attention_scaling, angles.sin() * attention_scaling
 

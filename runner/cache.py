@@ -2,9 +2,9 @@
 
 A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence owns whole blocks listed in its
 block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
-p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe`; V3.2 adds the
-indexer's keys `index_k`. DeepSeek-V4's state (window, compressors) is in
-cache_v4.py, on the same step protocol.
+p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe` side by side in one
+field, `c_kv_k_pe`, so decode gathers a token's latent key with one read; V3.2 adds the indexer's keys
+`index_k`. DeepSeek-V4's state (window, compressors) is in cache_v4.py, on the same step protocol.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from convert.arch_v3 import V3Config
 from kernels.attention import attention
 from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
-from kernels.rope import apply_rope, rope_cos_sin
+from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq
 from runner.cache import LatentCache, StepMeta
 from runner.dist import Dist
 from runner.moe import expert_parallel
@@ -86,10 +86,10 @@ class Attention:
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         c_kv, k_pe = self.wkv_a(x).split([lora, rope], dim=-1)
-        c_kv = self.kv_norm(c_kv)  # [T, lora]
-        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], interleaved=True)
-        k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # [T, rope]: one rope key shared by all heads
-        cache.write(layer, meta.slots, c_kv=c_kv, k_pe=k_pe)
+        # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
+        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos[:, None], sin[:, None], interleaved=True)
+        q_pe, k_pe = pe[:, :heads], pe[:, heads]
+        cache.write(layer, meta.slots, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
         if self.indexer is not None:
             self.indexer.write_keys(x, cos, sin, cache, layer, meta)
 
@@ -97,22 +97,24 @@ class Attention:
         out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
         for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
             rows = slice(seq.start, seq.stop)
-            ctx_c, ctx_pe = cache.read(layer, seq, "c_kv", "k_pe")  # [C, lora], [C, rope]
+            (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
+            ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
             allowed = seq.causal  # [S, C] True where a query may look
             if self.indexer is not None:
                 allowed = allowed & self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq,
                                                          allowed)  # a new mask: seq.causal is shared by layers
+            elif seq.query_len == 1:
+                allowed = None  # one query, the context's last position: it sees the whole context
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
                 k_nope = torch.einsum("cl,hnl->hcn", ctx_c, w_uk)
                 values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
-                keys = torch.cat([k_nope, ctx_pe[None].expand(heads, -1, -1)], dim=-1)
+                keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
                 query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
                 out[rows] = attention(query, keys, values, scale, allowed).transpose(0, 1)
             else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
                 q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk)  # [heads, 1, lora]
-                query = torch.cat([q_lat, q_pe[rows].transpose(0, 1)], dim=-1)
-                keys = torch.cat([ctx_c, ctx_pe], dim=-1)[None].expand(heads, -1, -1)
-                o_lat = attention(query, keys, ctx_c[None].expand(heads, -1, -1), scale, allowed)
+                query = torch.cat([q_lat, q_pe[rows].transpose(0, 1)], dim=-1)  # [heads, 1, lora + rope]
+                o_lat = attention(query, ctx, ctx_c, scale, allowed)  # keys and values shared by all heads
                 out[rows] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [1, heads, v]
         o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
@@ -167,8 +169,9 @@ class DenseMLP:
 class MoE:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
         self.cfg, self.dist = cfg, dist
-        self.router = w.take(f"{prefix}.gate.weight")
-        self.bias = w.take(f"{prefix}.gate.e_score_correction_bias")
+        # routing runs in float32, as transformers' gate does: converted once here, not at every step
+        self.router = w.take(f"{prefix}.gate.weight").float()
+        self.bias = w.take(f"{prefix}.gate.e_score_correction_bias").float()
         self.per_rank = cfg.n_routed_experts // dist.ep
         first = dist.ep_rank * self.per_rank
         self.experts = [DenseMLP(w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
@@ -177,12 +180,12 @@ class MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.router.float()).sigmoid()  # [T, E]
-        choice = scores + self.bias.float()
-        groups = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        scores = F.linear(x.float(), self.router).sigmoid()  # [T, E]
+        groups = (scores + self.bias).view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
         group_score = groups.topk(ROUTER_GROUP_TOPK, dim=-1).values.sum(-1)  # [T, n_group]
-        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, 1)
-        choice = choice.masked_fill(~keep.bool().repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        best_groups = group_score.topk(cfg.topk_group, dim=-1).indices
+        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, best_groups, False)  # [T, n_group]
+        choice = groups.masked_fill(dropped[..., None], float("-inf")).view(-1, cfg.n_routed_experts)
         experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
         weights = scores.gather(1, experts)
         if cfg.norm_topk_prob:
@@ -214,14 +217,14 @@ class DeepseekV3:
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.take(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()
-        self.cos_sin = lambda positions: rope_cos_sin(cfg, positions)
+        self.inv_freq, self.rope_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = _softmax_scale(cfg)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = F.embedding(tokens, self.embed).to(self.dtype)
-        cos, sin = self.cos_sin(meta.positions)
+        cos, sin = cos_sin_at(self.inv_freq, self.rope_scaling, meta.positions)  # [T, rope / 2] float32
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))
@@ -253,8 +256,9 @@ def _softmax_scale(cfg: V3Config) -> float:
 
 
 def cache_fields(cfg: V3Config) -> dict[str, int]:
-    """What MLA caches per token and layer: the normalized latent, the rotated shared key, V3.2's index keys."""
-    fields = {"c_kv": cfg.kv_lora_rank, "k_pe": cfg.qk_rope_head_dim}
+    """What MLA caches per token and layer: the normalized latent and the rotated shared key (one row, as
+    vLLM's MLA cache keeps them), V3.2's index keys."""
+    fields = {"c_kv_k_pe": cfg.kv_lora_rank + cfg.qk_rope_head_dim}  # side by side: one gather per decode read
     if cfg.has_indexer:
         fields["index_k"] = cfg.index_head_dim
     return fields

@@ -16,7 +16,8 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     on float rows and, when `int8`, on INT8 rows via `quantized(x_q, x_scale, dtype)` -> [T, H]."""
     k = experts.shape[1]
     flat = experts.flatten()  # [T*k] one row per (token, expert) pair
-    order = torch.argsort(flat // per_rank, stable=True)  # grouped by owning EP rank
+    # sorted by expert id: grouped by owning EP rank, and within each rank's rows by its local expert
+    order = torch.argsort(flat, stable=True)
     send_counts = torch.bincount(flat // per_rank, minlength=dist.ep)
     rows, local = x[order // k], flat[order] % per_rank
     int8 = local_experts[0].int8
@@ -25,13 +26,18 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     columns = [*quantize_activations(rows), local] if int8 else [rows, local]
     received, recv_counts = dist.ep_dispatch(columns, send_counts)
     recv_local = received[-1]
-    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
-    by_expert = torch.argsort(recv_local, stable=True)  # received rows grouped by local expert
+    by_expert = torch.argsort(recv_local, stable=True)  # rows from all source ranks, grouped by local expert
     counts = torch.bincount(recv_local, minlength=per_rank).tolist()
-    for expert, rows_e in zip(local_experts, by_expert.split(counts)):  # experts without rows are skipped
-        if rows_e.numel():
-            out[rows_e] = (expert.quantized(received[0][rows_e], received[1][rows_e], x.dtype) if int8
-                           else expert(received[0][rows_e]))
+    inputs = [column[by_expert] for column in received[:-1]]  # each expert's rows are now one slice
+    outputs, start = [], 0
+    for expert, count in zip(local_experts, counts):
+        if count:  # experts without rows are skipped
+            mine = [column[start:start + count] for column in inputs]
+            outputs.append(expert.quantized(mine[0], mine[1], x.dtype) if int8 else expert(mine[0]))
+        start += count
+    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
+    if outputs:
+        out[by_expert] = torch.cat(outputs)
     back = dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, in the same order
     combined = torch.empty_like(back)
     combined[order] = back
