@@ -11,6 +11,11 @@ Quantized payloads are made directly as random codes (never by quantizing floats
 takes seconds: FP8 codes have a random sign, 3 random mantissa bits and exponent 15 - k where each of k's
 4 bits is set with probability 1/4, so every finite e4m3 value occurs, 448 in every block; block scales are
 then exactly amax/448. Scales jitter by up to an octave per block so a decoder that mixes blocks up fails.
+
+Statistics follow a trained model's initialisation, not just "unit-scale activations": each linear's decoded
+values have RMS 1/sqrt(in_features) on average over its blocks, also where scales must be powers of two, and
+the projections that write into the residual stream get 1/sqrt(2 * num_hidden_layers) of that (GPT-2 /
+Megatron's scaled residual init), so each layer nudges the residual stream instead of replacing it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ SCALE_JITTER_OCTAVES = 1.0
 DECODE_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries while decoding to BF16 stay ~64 MiB
 SAFETENSORS_METADATA = {"format": "pt"}
 
+# Linears whose output is added to the residual stream (GPT-2 / Megatron scale these by 1/sqrt(2 * layers))
+RESIDUAL_ROLES = frozenset({Role.ATTN_O, Role.ATTN_O_B, Role.DENSE_W2, Role.SHARED_W2, Role.EXPERT_W2})
 EMBED_STD = 1.0  # hidden states start near unit RMS
 NORM_JITTER = 0.05  # norm weights are 1 +- this, so a dropped norm is visible but harmless
 ROUTER_BIAS_STD = 0.01  # small next to sigmoid scores: bias nudges, does not decide, the routing
@@ -58,9 +65,9 @@ def _noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> torc
 
 
 # Values of non-quantized tensors by role: fn(spec, generator, config) -> float or int tensor of spec.shape.
-# Linears (TensorSpec.is_linear) not listed here get std 1/sqrt(in_features), which keeps activations near
-# unit scale. Another family adds its own roles here (V4: HC mixers, attention sinks, compressor APE and an
-# int tid2eid table whose entries must be valid expert ids, e.g. from config["n_routed_experts"]).
+# Linears (TensorSpec.is_linear) not listed here get `_linear_std`, which keeps activations near unit scale.
+# Another family adds its own roles here (V4: HC mixers, attention sinks, compressor APE and an int tid2eid
+# table whose entries must be valid expert ids, e.g. from config["n_routed_experts"]).
 INIT: dict[Role, Callable[[TensorSpec, np.random.Generator, dict], torch.Tensor]] = {
     Role.EMBED: lambda spec, gen, config: _noise(spec.shape, EMBED_STD, gen),
     Role.NORM: lambda spec, gen, config: 1.0 + _noise(spec.shape, NORM_JITTER, gen),
@@ -91,11 +98,18 @@ def _hash_table(spec: TensorSpec, gen: np.random.Generator, n_experts: int) -> t
     return torch.from_numpy(gen.random((vocab, n_experts), dtype=np.float32)).argsort(dim=1)[:, :topk]
 
 
+def _linear_std(spec: TensorSpec, config: dict) -> float:
+    std = spec.shape[1] ** -0.5
+    if spec.role in RESIDUAL_ROLES:
+        std *= (2 * config["num_hidden_layers"]) ** -0.5
+    return std
+
+
 def _initial_values(spec: TensorSpec, gen: np.random.Generator, config: dict) -> torch.Tensor:
     if spec.role in INIT:
         return INIT[spec.role](spec, gen, config)
     if spec.is_linear:
-        return _noise(spec.shape, spec.shape[1] ** -0.5, gen)
+        return _noise(spec.shape, _linear_std(spec, config), gen)
     raise KeyError(f"{spec.name}: no initialiser for role {spec.role.value}; add one to INIT")
 
 
@@ -139,6 +153,10 @@ def _code_rms() -> tuple[float, float]:
 
 
 FP8_CODE_RMS, FP4_CODE_RMS = _code_rms()
+# Mean of (2^jitter)^2 for jitter uniform in +-SCALE_JITTER_OCTAVES: block scales are divided by its root so
+# the jitter does not inflate a tensor's RMS (by 16% at one octave).
+_J = SCALE_JITTER_OCTAVES * math.log(4.0)
+JITTER_MEAN_SQUARE = math.sinh(_J) / _J if _J else 1.0
 
 
 @dataclass(frozen=True)
@@ -215,17 +233,24 @@ class TensorMaker:
         return torch.from_numpy(_fp8_codes(out * cols, gen)).reshape(out, cols)
 
     def _scale(self, spec: TensorSpec) -> tuple[torch.Tensor | None, torch.Tensor]:
-        # (power-of-two exponent or None, float32 scale) per block, so that decoded values have the role's std.
+        # (power-of-two exponent or None, float32 scale) per block, so that decoded values have the role's std
+        # in expectation over blocks.
         out, cols = spec.shape
         fp4 = spec.encoding == Encoding.FP4
         grid = (out, cols // FP4_GROUP) if fp4 else (-(-out // FP8_BLOCK), -(-cols // FP8_BLOCK))
-        base = cols ** -0.5 / (FP4_CODE_RMS if fp4 else FP8_CODE_RMS)
-        uniform = torch.from_numpy(self._gen(spec, "scale").random(grid))  # float64 in [0, 1)
-        jitter = (uniform * 2 - 1) * SCALE_JITTER_OCTAVES
+        base = _linear_std(spec, self.config) / (FP4_CODE_RMS if fp4 else FP8_CODE_RMS)
+        base /= math.sqrt(JITTER_MEAN_SQUARE)
+        uniform = torch.from_numpy(self._gen(spec, "scale").random(grid + (2,)))  # float64 in [0, 1)
+        log2_scale = math.log2(base) + (uniform[..., 0] * 2 - 1) * SCALE_JITTER_OCTAVES
         if fp4 or self.pow2_scales:
-            exponent = (jitter.round() + round(math.log2(base))).to(torch.int32)
+            # Round each block's log2 scale down or up at random, up with probability p where
+            # (1 - p) + 4p = 4^frac: the expected square is kept. Rounding to nearest instead biases a whole
+            # tensor by up to half an octave (q_b projections came out 1.66x, attention logits 2.5x too large).
+            low = log2_scale.floor()
+            up = uniform[..., 1] < (torch.exp2(2 * (log2_scale - low)) - 1) / 3
+            exponent = (low + up.double()).to(torch.int32)
             return exponent, torch.ldexp(torch.ones(grid, dtype=torch.float32), exponent)
-        bits = (base * torch.exp2(jitter)).float().view(torch.int32)
+        bits = torch.exp2(log2_scale).float().view(torch.int32)
         cleared = (1 << SCALE_KEPT_BITS) - 1
         return None, ((bits + (1 << (SCALE_KEPT_BITS - 1))) & ~cleared).view(torch.float32)
 
