@@ -51,15 +51,16 @@ class LatentCache:
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [length] the slots of its positions so far
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     def _slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
-        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
-        positions = torch.arange(start, stop)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        """The slots of positions start .. stop - 1, in plain ints: a decode step adds one position."""
+        table, size = self.block_tables[seq_id], self.block_size
+        return torch.tensor([table[p // size] * size + p % size for p in range(start, stop)], dtype=torch.long)
 
     def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
         """Reserve slots for (seq_id, n_new) pairs, in order; returns the step's flattened metadata."""
@@ -73,10 +74,12 @@ class LatentCache:
                                  f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
             table.extend(self.free_blocks.pop() for _ in range(need))
             self.lengths[seq_id] = start + n_new
-            context = self._slots(seq_id, 0, start + n_new)  # computed once per step, read by every layer
+            new_slots = self._slots(seq_id, start, start + n_new)
+            context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
+            self.context_slots[seq_id] = context  # extended once per step, read by every layer
             seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
             positions.append(torch.arange(start, start + n_new))
-            slots.append(context[start:])
+            slots.append(new_slots)
             row += n_new
         empty = torch.empty(0, dtype=torch.long)
         return StepMeta(seqs, torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty)
@@ -92,3 +95,4 @@ class LatentCache:
     def release(self, seq_id: int) -> None:
         self.free_blocks.extend(reversed(self.block_tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
+        self.context_slots.pop(seq_id, None)
