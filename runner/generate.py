@@ -19,6 +19,7 @@ class Sequence:
     done: bool = False
 
 
+@torch.inference_mode()  # no autograd bookkeeping on any op: generation never backpropagates
 def greedy(model, cache: LatentCache, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
            on_token: Callable[[int, int], None] | None = None, dist=None) -> list[list[int]]:
     """dist: when distributed, every rank loops until no rank has work left, running zero-token steps when
