@@ -41,13 +41,15 @@ class StepMeta:
     @property
     def last_rows(self) -> torch.Tensor:
         """The row of each sequence's last token: where its next-token logits come from."""
-        return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long)
+        return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
 
 
 class LatentCache:
-    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype):
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype) for name, dim in fields.items()}
+    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
+        self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype, device=self.device)
+                     for name, dim in fields.items()}
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -60,7 +62,8 @@ class LatentCache:
     def _slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
         """The slots of positions start .. stop - 1, in plain ints: a decode step adds one position."""
         table, size = self.block_tables[seq_id], self.block_size
-        return torch.tensor([table[p // size] * size + p % size for p in range(start, stop)], dtype=torch.long)
+        return torch.tensor([table[p // size] * size + p % size for p in range(start, stop)], dtype=torch.long,
+                            device=self.device)
 
     def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
         """Reserve slots for (seq_id, n_new) pairs, in order; returns the step's flattened metadata."""
@@ -77,11 +80,12 @@ class LatentCache:
             new_slots = self._slots(seq_id, start, start + n_new)
             context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
             self.context_slots[seq_id] = context  # extended once per step, read by every layer
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal_mask(n_new, start + n_new)))
-            positions.append(torch.arange(start, start + n_new))
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context,
+                                causal_mask(n_new, start + n_new, self.device)))
+            positions.append(torch.arange(start, start + n_new, device=self.device))
             slots.append(new_slots)
             row += n_new
-        empty = torch.empty(0, dtype=torch.long)
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
         return StepMeta(seqs, torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty)
 
     def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:

@@ -96,7 +96,8 @@ def generate(
         results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
         args = {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": max_new_tokens,
                 "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-                "result_dir": str(results), "stream_tokenizer": None if json_output else str(tokenizer_path)}
+                "result_dir": str(results), "stream_tokenizer": None if json_output else str(tokenizer_path),
+                "device": device}
         started = time.perf_counter()
         code = launch("runner.engine:rank_main", args, world_size=world, device=device, timeout_s=timeout,
                       log_dir=results / "logs")

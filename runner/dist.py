@@ -27,6 +27,7 @@ class Dist:
     ep: int = 1
     ep_rank: int = 0
     tp: int = 1
+    device: torch.device = torch.device("cpu")  # where the collectives' buffers live (gloo: cpu)
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
     steps: int = 0
@@ -36,13 +37,13 @@ class Dist:
         return cls()
 
     @classmethod
-    def from_layout(cls, layout: dict) -> "Dist":
+    def from_layout(cls, layout: dict, device: torch.device) -> "Dist":
         """After init_process_group: this rank's groups from the manifest's layout (called on every rank)."""
         from comm.groups import make_groups
 
         groups = make_groups(layout)
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
-                   ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, groups=groups)
+                   ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, device=device, groups=groups)
 
     @contextmanager
     def _timed(self):
@@ -58,7 +59,7 @@ class Dist:
         if self.groups is None or self.groups.world.size == 1:
             return active
         with self._timed():
-            return bool(all_reduce_sum(torch.tensor([int(active)]), self.groups.world).item())
+            return bool(all_reduce_sum(torch.tensor([int(active)], device=self.device), self.groups.world).item())
 
     def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Heads split over attention TP: sum the partial o_proj outputs."""
@@ -116,7 +117,7 @@ class Dist:
             return linear(h, head)
         group = self.groups.tp
         with self._timed():
-            counts = all_gather_cat(torch.tensor([h.shape[0]]), group, dim=0)  # [tp] rows per rank
+            counts = all_gather_cat(torch.tensor([h.shape[0]], device=h.device), group, dim=0)  # [tp] rows per rank
             most = int(counts.max())
             padded = F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
             everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order

@@ -33,23 +33,32 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
         raise InputError(f"dsrun runs deepseek_v3 / deepseek_v32 / deepseek_v4 shards; {family.name} is not "
                          f"supported yet")
     cfg = family.parse_config(config)
-    weights = load_rank(shards, manifest, rank)
+    weights = load_rank(shards, manifest, rank, dist.device)
     if family.name in ("deepseek_v3", "deepseek_v32"):
         from runner.model_v3 import DeepseekV3, cache_fields
 
         model = DeepseekV3(cfg, weights, dist, dtype)
         return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
-                                                      cache_fields(cfg), dtype)
+                                                      cache_fields(cfg), dtype, dist.device)
     from runner.cache_v4 import V4Cache
     from runner.model_v4 import DeepseekV4
 
-    return DeepseekV4(cfg, weights, dist, dtype), cfg, lambda tokens: V4Cache(cfg, tokens, dtype)
+    return DeepseekV4(cfg, weights, dist, dtype), cfg, lambda tokens: V4Cache(cfg, tokens, dtype, dist.device)
+
+
+def rank_device(device: str) -> torch.device:
+    """The device this rank computes on: the launcher has already selected its accelerator (set_device)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
 
 
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None) -> None:
+              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
+              device: str = "cpu") -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    dist = Dist.from_layout(manifest["layout"]) if torch.distributed.is_initialized() else Dist.single()
+    dist = Dist.from_layout(manifest["layout"], rank_device(device)) if torch.distributed.is_initialized() \
+        else Dist(device=rank_device(device))
     model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
     dp, dp_index = manifest["layout"]["dp"], rank // manifest["layout"]["attn_tp"]
     mine = [i for i in range(len(prompts)) if i % dp == dp_index]

@@ -28,7 +28,8 @@ def greedy(model, cache: LatentCache, prompts: list[list[int]], max_new_tokens: 
     pending = [(s.seq_id, s.prompt) for s in seqs]  # what each sequence feeds this step
     while dist.any_active(bool(pending)) if dist is not None else pending:
         meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in pending])
-        tokens = torch.tensor([t for _, toks in pending for t in toks], dtype=torch.long)
+        tokens = torch.tensor([t for _, toks in pending for t in toks], dtype=torch.long,
+                              device=meta.positions.device)
         logits = model.forward(tokens, meta, cache, rows=meta.last_rows)  # [len(pending), vocab]
         chosen = logits.argmax(dim=-1).tolist()
         next_pending = []

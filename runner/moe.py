@@ -35,7 +35,7 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
             mine = [column[start:start + count] for column in inputs]
             outputs.append(expert.quantized(mine[0], mine[1], x.dtype) if int8 else expert(mine[0]))
         start += count
-    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype)
+    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     if outputs:
         out[by_expert] = torch.cat(outputs)
     back = dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, in the same order

@@ -1,7 +1,8 @@
 """One rank's weights, memory-mapped from the shard set the manifest describes.
 
 Each file is mapped once, read-only, and every tensor is a zero-copy view into it (the sharder aligns each
-tensor to its element size), so start-up costs page-table entries, not copies. The model pops what it
+tensor to its element size), so start-up costs page-table entries, not copies. On an accelerator each tensor is
+copied to the device as the model takes it, one at a time, straight from the map. The model pops what it
 uses; `finish()` proves that nothing it needed was missing and nothing mapped for this rank was left over.
 """
 
@@ -27,15 +28,16 @@ class RankWeights:
     manifest: dict
     tensors: dict[str, torch.Tensor]  # name -> this rank's tensor (its slice, when split)
     splits: dict[str, dict | None]  # name -> {dim, start, stop} of the source tensor, or None
+    device: torch.device = torch.device("cpu")  # where take() delivers: a CPU tensor stays the mapped view
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
             raise InputError(f"rank {self.rank}: shard set has no tensor {name} for this rank")
-        return self.tensors.pop(name)
+        return self.tensors.pop(name).to(self.device)
 
     def take_optional(self, name: str) -> torch.Tensor | None:
-        return self.tensors.pop(name, None)
+        return self.take(name) if name in self.tensors else None
 
     def finish(self) -> None:
         if self.tensors:
@@ -54,12 +56,12 @@ def load_manifest(shards: Path, check: bool = True) -> dict:
     return json.loads((shards / MANIFEST_NAME).read_text())
 
 
-def load_rank(shards: Path, manifest: dict, rank: int) -> RankWeights:
+def load_rank(shards: Path, manifest: dict, rank: int, device: torch.device | str = "cpu") -> RankWeights:
     world = manifest["layout"]["world_size"]
     if not 0 <= rank < world:
         raise InputError(f"rank {rank} is outside the manifest's world size {world}")
     mine = [t for t in manifest["tensors"] if rank in t["ranks"]]
-    weights = RankWeights(rank, manifest, {}, {})
+    weights = RankWeights(rank, manifest, {}, {}, torch.device(device))
     by_file: dict[str, list[dict]] = {}
     for t in mine:
         by_file.setdefault(t["file"], []).append(t)
