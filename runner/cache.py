@@ -23,13 +23,14 @@ class SeqStep:
     start: int  # this sequence's rows in the flattened step
     stop: int
     context_len: int  # tokens cached for the sequence once this step's tokens are written
-    context_slots: torch.Tensor  # [context_len] the cache slots of positions 0 .. context_len - 1
-    causal: torch.Tensor  # [query_len, context_len] True where query i (position context_len - query_len + i) may look
+    # paged caches only (DeepSeek-V4's state needs neither):
+    context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
+    causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
+    #                                     query_len + i) may look
 
     @property
     def query_len(self) -> int:
         return self.stop - self.start
-
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class StepMeta:
     def last_rows(self) -> torch.Tensor:
         """The row of each sequence's last token: where its next-token logits come from."""
         return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
+
+
+def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
+    return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
+                      f"--cache-tokens or shorten the prompt)")
 
 
 class LatentCache:
@@ -73,8 +79,7 @@ class LatentCache:
             table = self.block_tables.setdefault(seq_id, [])
             need = -(-(start + n_new) // self.block_size) - len(table)
             if need > len(self.free_blocks):
-                raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
-                                 f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
+                raise cache_full(self.capacity_tokens, seq_id, start + n_new)
             table.extend(self.free_blocks.pop() for _ in range(need))
             self.lengths[seq_id] = start + n_new
             new_slots = self._slots(seq_id, start, start + n_new)

@@ -1,5 +1,6 @@
-"""DeepSeek-V4's decode state, per request and layer: what attention needs from earlier steps, bounded by
-the sliding window and the compression ratios rather than by the history.
+"""DeepSeek-V4's decode state, per request and layer: what attention needs from earlier steps. It grows by
+one compressed entry per `ratio` tokens (CSA: history / 4, HCA: history / 128, plus the indexer's keys); the
+rest is fixed in size (the window, the unfinished windows).
 
 - `window`: the last `sliding_window` keys (= values, already rotated) [<= window, head_dim]; older rows are
   dropped, no query can reach them.
@@ -19,14 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from convert.arch_v4 import AttnType, V4Config
-from convert.errors import InputError
-from kernels.attention import causal_mask
-from runner.cache import SeqStep, StepMeta
+from runner.cache import SeqStep, StepMeta, cache_full
 
 
 @dataclass
 class CompressorState:
-    entries: torch.Tensor  # [n, dim] emitted entries, normalized and rotated
+    buffer: torch.Tensor  # [capacity, dim] emitted entries (normalized and rotated) in the first `count` rows
+    count: int
     kv: torch.Tensor  # [pending < ratio, series * dim] projected rows of the unfinished window
     gate: torch.Tensor  # [pending, series * dim] float32: their gates, slot bias `ape` added
     prev_kv: torch.Tensor | None  # [ratio, dim] overlap only: the last complete window's first series
@@ -35,10 +35,26 @@ class CompressorState:
     @classmethod
     def empty(cls, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
         width = (2 if overlap else 1) * dim
-        return cls(torch.zeros(0, dim, dtype=dtype, device=device), torch.zeros(0, width, dtype=dtype, device=device),
-                   torch.zeros(0, width, dtype=torch.float32, device=device),
-                   torch.zeros(ratio, dim, dtype=dtype, device=device) if overlap else None,
-                   torch.full((ratio, dim), float("-inf"), device=device) if overlap else None)
+        return cls(buffer=torch.zeros(0, dim, dtype=dtype, device=device), count=0,
+                   kv=torch.zeros(0, width, dtype=dtype, device=device),
+                   gate=torch.zeros(0, width, dtype=torch.float32, device=device),
+                   prev_kv=torch.zeros(ratio, dim, dtype=dtype, device=device) if overlap else None,
+                   prev_gate=torch.full((ratio, dim), float("-inf"), device=device) if overlap else None)
+
+    @property
+    def entries(self) -> torch.Tensor:
+        return self.buffer[:self.count]
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        """Adds entries [n, dim] -> every entry so far. The buffer doubles when full, so appending an entry
+        every `ratio` tokens copies the history O(1) times amortized, not once per entry."""
+        if self.count + new.shape[0] > self.buffer.shape[0]:
+            grown = self.buffer.new_empty(max(2 * self.buffer.shape[0], self.count + new.shape[0]), new.shape[1])
+            grown[:self.count] = self.entries
+            self.buffer = grown
+        self.buffer[self.count:self.count + new.shape[0]] = new
+        self.count += new.shape[0]
+        return self.entries
 
 
 @dataclass
@@ -71,16 +87,13 @@ class V4Cache:
         for seq_id, n_new in new_tokens:
             start = self.lengths.get(seq_id, 0)
             if sum(self.lengths.values()) + n_new > self.capacity_tokens:
-                raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs "
-                                 f"{start + n_new} (raise --cache-tokens or shorten the prompt)")
+                raise cache_full(self.capacity_tokens, seq_id, start + n_new)
             if seq_id not in self.states:
                 self.states[seq_id] = [LayerState.empty(self.cfg, t, self.dtype, self.device)
                                         for t in self.cfg.attn_types]
             self.lengths[seq_id] = start + n_new
-            context = torch.arange(start + n_new, device=self.device)
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context,
-                                causal_mask(n_new, start + n_new, self.device)))
-            positions.append(context[start:])
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
+            positions.append(torch.arange(start, start + n_new, device=self.device))
             row += n_new
         flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long, device=self.device)
         return StepMeta(seqs, flat, flat)

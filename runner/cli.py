@@ -79,8 +79,8 @@ def generate(
             from convert.demo import demo_shards
 
             err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V4 model "
-                              "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), quantized to W8A8 and sharded for 16 "
-                              "ranks.[/]")
+                              "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
+                              "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
         manifest = load_manifest(shards)  # refuses shards that fail `dsconv verify`
         world = manifest["layout"]["world_size"]
@@ -89,10 +89,11 @@ def generate(
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         prompts = [_encode(tokenizer, p, not no_chat, config["vocab_size"]) for p in prompt]
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        if longest > cache_tokens:
-            raise InputError(f"prompt + --max-new-tokens = {longest} tokens exceed the KV cache "
-                             f"(--cache-tokens {cache_tokens})")
+        dp = manifest["layout"]["dp"]  # prompt i runs on attention-DP index i % dp, all of its prompts at once
+        need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
+        if need > cache_tokens:
+            raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
+                             f"exceed the KV cache (--cache-tokens {cache_tokens})")
         results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
         args = {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": max_new_tokens,
                 "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,

@@ -73,8 +73,7 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
             printer.add(token)
 
     started = time.perf_counter()
-    with torch.no_grad():
-        outputs = greedy(model, cache, [prompts[i] for i in mine], max_new_tokens, eos_id, on_token, dist)
+    outputs = greedy(model, cache, [prompts[i] for i in mine], max_new_tokens, eos_id, on_token, dist)
     if printer is not None:
         printer.close()
     first = steps[0] if steps else started

@@ -39,7 +39,9 @@ def greedy(model, cache: LatentCache, prompts: list[list[int]], max_new_tokens: 
             if on_token is not None:
                 on_token(seq_id, token)
             seq.done = token == eos_id or len(seq.generated) >= max_new_tokens
-            if not seq.done:
+            if seq.done:
+                cache.release(seq_id)  # its cache room goes back to the sequences still running
+            else:
                 next_pending.append((seq_id, [token]))
         pending = next_pending
     return [s.generated for s in seqs]

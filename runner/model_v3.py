@@ -215,16 +215,17 @@ class DeepseekV3:
         self.norm = Norm(w.take("model.norm.weight"), cfg.rms_norm_eps)
         self.head = w.take("lm_head.weight").to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
-            w.take(name)  # the MTP layer serves speculative decoding, which this runner does not do
+            w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()
-        self.inv_freq, self.rope_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = inv_freq.to(dist.device)  # once, not at every step
         self.scale = _softmax_scale(cfg)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = F.embedding(tokens, self.embed).to(self.dtype)
-        cos, sin = cos_sin_at(self.inv_freq, self.rope_scaling, meta.positions)  # [T, rope / 2] float32
+        cos, sin = cos_sin_at(self.inv_freq, self.attention_scaling, meta.positions)  # [T, rope / 2] float32
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from convert.arch_v4 import AttnType, MlpType, V4Config
 from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
 from kernels.moe import swiglu
-from kernels.rope import rope_inv_freq
+from kernels.rope import cos_sin_at, rope_inv_freq
 from runner.cache import StepMeta
 from runner.cache_v4 import CompressorState, LayerState, V4Cache
 from runner.dist import Dist
@@ -59,12 +59,12 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 class Rope:
     """cos, sin float32 [..., rope_dim // 2] for integer positions: plain, or YaRN (no cos/sin mscale in V4)."""
 
-    def __init__(self, dim: int, theta: float, yarn: dict | None):
-        self.inv_freq, self.attention_scaling = rope_inv_freq(dim, theta, yarn)
+    def __init__(self, dim: int, theta: float, yarn: dict | None, device: torch.device):
+        inv_freq, self.attention_scaling = rope_inv_freq(dim, theta, yarn)
+        self.inv_freq = inv_freq.to(device)  # once, not at every call
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq.to(positions.device)
-        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return cos_sin_at(self.inv_freq, self.attention_scaling, positions)
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,10 +136,8 @@ class Compressor:
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
-        first = state.entries.shape[0]
-        cos, sin = self.rope(torch.arange(first, first + n, device=x.device) * ratio)
-        state.entries = torch.cat([state.entries, rope_tail(self.norm(pooled), cos, sin)])
-        return state.entries
+        cos, sin = self.rope(torch.arange(state.count, state.count + n, device=x.device) * ratio)
+        return state.append(rope_tail(self.norm(pooled), cos, sin))
 
 
 class Indexer:
@@ -189,7 +187,8 @@ class Attention:
             self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """x [T, hidden]: one sequence's new rows at consecutive positions, continuing `state` -> [T, hidden]."""
+        """x [T >= 1, hidden]: one sequence's new rows at consecutive positions, continuing `state` ->
+        [T, hidden]. positions [T] on the device; the state's window holds the positions just before them."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -199,17 +198,20 @@ class Attention:
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
 
         kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
-        last = int(positions[-1])
-        key_positions = torch.arange(last + 1 - kv.shape[0], last + 1, device=positions.device)
+        key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
         state.window = kv[-cfg.sliding_window:].clone()
         offset = positions[:, None] - key_positions[None, :]  # [T, K] query minus key position
         allowed = (offset >= 0) & (offset < cfg.sliding_window)
         if self.compressor is not None:
             entries = self.compressor(x, positions, state.compressor)  # [n, head_dim]
             # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
-            complete = torch.arange(entries.shape[0], device=positions.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+            entry = torch.arange(entries.shape[0], device=positions.device)
+            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [T, n]
             if self.indexer is not None:
                 complete = self.indexer.select(x, q_resid, complete, cos, sin, positions, state.indexer)
+                if T == 1:  # decode: attend over the chosen index_topk entries only, not all history / 4
+                    entries = entries[complete[0]]
+                    complete = complete[:, complete[0]]
             kv = torch.cat([kv, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
 
@@ -347,7 +349,7 @@ class Block:
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
         attn = [self.attn(x[seq.start:seq.stop], meta.positions[seq.start:seq.stop], state)
-                for seq, state in zip(meta.seqs, states)]
+                for seq, state in zip(meta.seqs, states) if seq.query_len]
         attn_out = torch.cat(attn) if attn else torch.zeros_like(x)  # a rank without tokens: zero rows
         streams = HyperConnection.merge(streams, post, comb, attn_out)
         post, comb, x = self.hc_ffn(streams)
@@ -359,8 +361,8 @@ class DeepseekV4:
         if dist.attn_tp != 1:
             raise ValueError(f"attn_tp={dist.attn_tp}: DeepSeek-V4 attention TP is not implemented yet")
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
-        ropes = {"main": Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None),
-                 "compress": Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, _yarn_dict(cfg))}
+        ropes = {"main": Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, dist.device),
+                 "compress": Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, _yarn_dict(cfg), dist.device)}
         self.embed = w.take("embed.weight")
         self.layers = [Block(cfg, w, layer, ropes, dist, dtype) for layer in range(cfg.num_hidden_layers)]
         self.hc_head = HyperHead(cfg, w)
@@ -368,14 +370,14 @@ class DeepseekV4:
         head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
         self.head = head.to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
         for name in [n for n in w.tensors if n.startswith("mtp.")]:
-            w.take(name)  # the MTP layers serve speculative decoding, which this runner does not do
+            w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
         w.finish()
 
     def forward_full(self, tokens: torch.Tensor, hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
 
         hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
-        cache = V4Cache(self.cfg, tokens.shape[0], self.dtype)
+        cache = V4Cache(self.cfg, tokens.shape[0], self.dtype, tokens.device)
         return self.forward(tokens, cache.step([(0, tokens.shape[0])]), cache, hidden_out=hidden_out)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,

@@ -16,7 +16,7 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     on float rows and, when `int8`, on INT8 rows via `quantized(x_q, x_scale, dtype)` -> [T, H]."""
     k = experts.shape[1]
     flat = experts.flatten()  # [T*k] one row per (token, expert) pair
-    # sorted by expert id: grouped by owning EP rank, and within each rank's rows by its local expert
+    # grouped by owning EP rank (sorting by expert id also groups each destination's rows by expert)
     order = torch.argsort(flat, stable=True)
     send_counts = torch.bincount(flat // per_rank, minlength=dist.ep)
     rows, local = x[order // k], flat[order] % per_rank

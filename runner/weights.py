@@ -36,6 +36,11 @@ class RankWeights:
             raise InputError(f"rank {self.rank}: shard set has no tensor {name} for this rank")
         return self.tensors.pop(name).to(self.device)
 
+    def discard(self, name: str) -> None:
+        """Marks a tensor as deliberately unused (e.g. MTP layers), without copying it to the device."""
+        if self.tensors.pop(name, None) is None:
+            raise InputError(f"rank {self.rank}: shard set has no tensor {name} for this rank")
+
     def take_optional(self, name: str) -> torch.Tensor | None:
         return self.take(name) if name in self.tensors else None
 

@@ -110,6 +110,38 @@ def test_steps_of_any_size_equal_one_whole_forward(pair):
     assert torch.allclose(torch.cat(stepped), whole, atol=1e-4, rtol=0)
 
 
+def test_sequences_with_different_chunks_in_the_same_steps(pair):
+    """Two sequences share every step, each with its own chunk sizes and state (one of them idle for a step):
+    each one's logits equal its own whole forward."""
+    model, cfg, _, _ = pair
+    ids = [torch.tensor(prompt(cfg.vocab_size, n, seed=n)) for n in (37, cfg.hca_compress_rate + 22)]
+    chunks = [(30, 3), (1, cfg.hca_compress_rate), (0, 2), (6, 17)]  # (first, second) new tokens per step
+    cache = V4Cache(cfg, 512, torch.float32)
+    got, done = [[], []], [0, 0]
+    with torch.no_grad():
+        for step in chunks:
+            meta = cache.step([(seq, n) for seq, n in enumerate(step)])
+            tokens = torch.cat([ids[seq][done[seq]:done[seq] + n] for seq, n in enumerate(step)])
+            logits = model.forward(tokens, meta, cache)
+            for seq, n in enumerate(step):
+                got[seq].append(logits[meta.seqs[seq].start:meta.seqs[seq].stop])
+                done[seq] += n
+        for seq in range(2):
+            assert done[seq] == ids[seq].shape[0]
+            assert torch.allclose(torch.cat(got[seq]), model.forward_full(ids[seq]), atol=1e-4, rtol=0)
+
+
+def test_finished_sequences_give_their_room_back(pair):
+    """Generation releases a sequence's state when it stops, so the cache only has to hold what is running."""
+    model, cfg, _, _ = pair
+    cache = V4Cache(cfg, 64, torch.float32)
+    with torch.no_grad():
+        first = greedy(model, cache, [prompt(cfg.vocab_size, 40, seed=4)], 8, eos_id=None)
+        assert not cache.states and not cache.lengths
+        greedy(model, cache, [prompt(cfg.vocab_size, 50, seed=5)], 8, eos_id=None)  # 58 of 64 fits only now
+    assert len(first[0]) == 8
+
+
 def test_batched_step_equals_each_sequence_alone(pair):
     model, cfg, _, _ = pair
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (5, 23, 40)]
