@@ -13,7 +13,7 @@ takes seconds: FP8 codes have a random sign, 3 random mantissa bits and exponent
 then exactly amax/448. Scales jitter by up to an octave per block so a decoder that mixes blocks up fails.
 
 Statistics follow a trained model's initialisation, not just "unit-scale activations": each linear's decoded
-values have RMS 1/sqrt(in_features) on average over its blocks, also where scales must be powers of two, and
+values have RMS 1/sqrt(in_features) in expectation over its blocks' random scales, also where scales must be powers of two, and
 the projections that write into the residual stream get 1/sqrt(2 * num_hidden_layers) of that (GPT-2 /
 Megatron's scaled residual init), so each layer nudges the residual stream instead of replacing it.
 """
