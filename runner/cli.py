@@ -55,7 +55,8 @@ def generate(
     shards: Annotated[Optional[Path], typer.Option(help="A `dsconv shard` output directory. Omit it to run "
                                                         "the built-in demo (tiny model, RANDOM weights).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Stop each sequence after this many tokens (or EOS).")] = 64,
-    device: Annotated[str, typer.Option(help="cpu (gloo), cuda (nccl) or npu (hccl, needs torch_npu).")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu (gloo), cuda (nccl) or npu (hccl, needs torch_npu); cuda and "
+                                             "npu have not been run in CI.")] = "cpu",
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (token ids, text, timings) "
                                                              "instead of streaming text.")] = False,
