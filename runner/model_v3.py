@@ -18,7 +18,7 @@ from convert.arch_v3 import V3Config
 from kernels.attention import attention
 from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
-from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq
+from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq, softmax_scale
 from runner.cache import LatentCache, StepMeta
 from runner.dist import Dist
 from runner.moe import expert_parallel
@@ -219,7 +219,7 @@ class DeepseekV3:
         w.finish()
         inv_freq, self.attention_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(dist.device)  # once, not at every step
-        self.scale = _softmax_scale(cfg)
+        self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
                 hidden_out: list | None = None) -> torch.Tensor:
@@ -241,19 +241,6 @@ class DeepseekV3:
 def _is_mtp(name: str, cfg: V3Config) -> bool:
     parts = name.split(".")
     return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers
-
-
-def _softmax_scale(cfg: V3Config) -> float:
-    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek's configs ask."""
-    import math
-
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    yarn = cfg.rope_scaling or {}
-    factor, mscale_all_dim = yarn.get("factor", 1.0), yarn.get("mscale_all_dim", 0)
-    if mscale_all_dim and factor > 1:
-        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
-        scale *= mscale * mscale
-    return scale
 
 
 def cache_fields(cfg: V3Config) -> dict[str, int]:

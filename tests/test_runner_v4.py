@@ -148,6 +148,11 @@ def test_batched_step_equals_each_sequence_alone(pair):
     with torch.no_grad():
         alone = [greedy(model, V4Cache(cfg, 256, torch.float32), [p], 6, eos_id=None)[0] for p in prompts]
         assert greedy(model, V4Cache(cfg, 256, torch.float32), prompts, 6, eos_id=None) == alone
+        cache = V4Cache(cfg, 256, torch.float32)  # the prefill logits too, not only the argmax
+        meta = cache.step([(i, len(p)) for i, p in enumerate(prompts)])
+        batched = model.forward(torch.tensor(sum(prompts, [])), meta, cache)
+        assert torch.allclose(batched, torch.cat([model.forward_full(torch.tensor(p)) for p in prompts]), atol=1e-4,
+                              rtol=0)
         cache = V4Cache(cfg, 16, torch.float32)
         meta = cache.step([])  # a rank without sequences still runs the step, with zero rows
         assert model.forward(torch.empty(0, dtype=torch.long), meta, cache).shape == (0, cfg.vocab_size)
