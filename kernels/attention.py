@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.device import is_npu
+from kernels.linear import matmul
 
 
 def causal_mask(query_len: int, key_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -30,28 +31,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     A query row must allow at least one key (a fully masked row gives NaN).
 
     Prefill runs torch's SDPA, equal to the reference within float rounding (it does not round the scores
-    to BF16 before the softmax). Decode (S = 1) runs the reference, faster there. Measured on the 2-core CI
+    to BF16 before the softmax). Decode (S = 1) runs the reference's formula, faster there, with
+    kernels.linear's matmul (float32 products of BF16 inputs on CPU, rounded where the reference rounds). Measured on the 2-core CI
     CPU, H=16, BF16: prefill S=T=512, D=192: reference 790 ms, SDPA 69 ms; decode T=2048, D=576: reference
     58 ms, SDPA 131 ms. On NPU the reference runs too (plain matmul/softmax ops): the fused
     npu_fused_infer_attention_score is not wired in yet (its MLA form takes the rope part as separate
     query_rope/key_rope inputs).
     """
     mask = _head_broadcast(mask, q)
-    if q.shape[-2] == 1 or is_npu(q):
+    if is_npu(q):
         return attention_reference(q, k, v, scale, mask)
+    if q.shape[-2] == 1:
+        return _attention_formula(q, k, v, scale, mask, matmul)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         mask: torch.Tensor | None = None) -> torch.Tensor:
-    mask = _head_broadcast(mask, q)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B?, H, S, T] in q's dtype
+    return _attention_formula(q, k, v, scale, _head_broadcast(mask, q), torch.matmul)
+
+
+def _attention_formula(q, k, v, scale, mask, product) -> torch.Tensor:
+    """The reference's steps with `product` for its two matmuls: torch.matmul (the reference) or kernels.linear's
+    matmul (decode: the same rounding points, float32 products on CPU)."""
+    scores = product(q, k.transpose(-1, -2)) * scale  # [B?, H, S, T] in q's dtype
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return product(probs, v)
 
 
 def _head_broadcast(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:

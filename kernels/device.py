@@ -27,3 +27,9 @@ def require_torch_npu() -> ModuleType:
             "an NPU kernel was requested but torch_npu cannot be imported; install the torch_npu build that "
             f"matches torch {torch.__version__} (pip install 'dsconv[npu]')"
         ) from e
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, returning x itself when it already is: the check costs far less than a no-op `.to()` call
+    through the dispatcher, and a decode step makes hundreds of them."""
+    return x if x.dtype == dtype else x.to(dtype)

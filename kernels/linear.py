@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.device import is_npu, require_torch_npu
+from kernels.device import cast, is_npu, require_torch_npu
 from kernels.int8 import INT8_MAX, quantize_rows_, quantize_rows_reference
 
 # float32 holds every integer of magnitude below 2**24 exactly. A dot product over K int8 pairs never exceeds
@@ -22,11 +22,32 @@ EXACT_FLOAT32_K = 2**24 // INT8_MAX**2  # 1040
 # npu_quant_matmul rejects k or n above this (REFERENCE.md section 4): an unsharded 129280-row lm_head cannot
 # use it, it has to be split over TP or kept in BF16.
 NPU_QUANT_MATMUL_MAX_DIM = 65535
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A float (BF16) projection computed in the weight's dtype; the result comes back in x's dtype."""
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return cast(F.linear(cast(x, weight.dtype), weight, bias), x.dtype)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (torch.matmul's broadcasting), returned in a's dtype, for products of two activations or of an activation
+    and a weight copy made at load (attention scores, absorbed MLA projections).
+
+    On CPU, BF16/FP16 operands are multiplied as float32 and the product rounded back once: the values of a
+    half-precision GEMM with float32 accumulation, as torch's own computes, up to the order of the sums. The
+    CI CPU (AVX2) has no BF16 instructions, and there torch's BF16 batched and [1, k] @ [k, n] products are
+    3-8x slower than the upcast: measured on 2 cores, [8, 1, 128] @ [8, 128, 128] 172 us vs 45 us with both
+    upcasts, [8, 1, 96] @ [96, 128] 164 us vs ~15 us. Other devices multiply in the inputs' dtype.
+    """
+    product_dtype = matmul_dtype(a)
+    return cast(torch.matmul(cast(a, product_dtype), cast(b, product_dtype)), a.dtype)
+
+
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype `matmul` multiplies t in. An operand converted to it beforehand is not converted again: a
+    weight copy made at load (then twice the bytes of a BF16 copy on CPU), a context read by two products."""
+    return torch.float32 if t.device.type == "cpu" and t.dtype in HALF_DTYPES else t.dtype
 
 
 def w8a8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from kernels.device import cast
+
 # YaRN paper defaults, used by transformers when a config leaves beta_fast / beta_slow out
 YARN_BETA_FAST = 32
 YARN_BETA_SLOW = 1
@@ -101,7 +103,7 @@ def cos_sin_at(inv_freq: torch.Tensor, attention_scaling: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [..., d]; cos, sin broadcastable to [..., d // 2]. Computed in x's dtype, like transformers."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = cast(cos, x.dtype), cast(sin, x.dtype)  # a model converts them once per step: no-ops then
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -15,6 +15,7 @@ import torch
 
 from convert.errors import InputError
 from kernels.attention import causal_mask
+from kernels.device import cast
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class LatentCache:
 
     def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
         for name, value in values.items():
-            self.data[name][layer].index_copy_(0, slots, value.to(self.data[name].dtype))
+            self.data[name][layer].index_copy_(0, slots, cast(value, self.data[name].dtype))
 
     def read(self, layer: int, seq: SeqStep, *names: str) -> list[torch.Tensor]:
         """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""

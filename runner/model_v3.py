@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from convert.arch_v3 import V3Config
+from convert.errors import InputError
 from kernels.attention import attention
-from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
+from kernels.device import cast
+from kernels.linear import linear, matmul_dtype, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq, softmax_scale
 from runner.cache import LatentCache, StepMeta
@@ -42,10 +44,27 @@ class Proj:
         if self.scale is None and self.weight.dtype != dtype:
             self.weight = self.weight.to(dtype)
 
+    @classmethod
+    def merged(cls, weights: RankWeights, names: list[str], dtype: torch.dtype) -> "Proj":
+        """Projections of the same input as one, their output rows stacked in `names` order: one GEMM (and
+        under W8A8 one activation quantization) instead of several, as vLLM merges gate/up and q_a/kv_a. The
+        stacked weight is a copy made at load; the recipes give each such pair one type (convert.recipes)."""
+        parts = [cls(weights, name, dtype) for name in names]
+        if len({part.scale is None for part in parts}) != 1:
+            raise InputError(f"{names} mix INT8 and float weights; convert with a recipe that keeps them alike")
+        merged = cls.__new__(cls)
+        merged.weight = torch.cat([part.weight for part in parts])
+        merged.scale = None if parts[0].scale is None else torch.cat([part.scale for part in parts])
+        return merged
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return linear(x, self.weight)
         return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
+
+    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The INT8 projection of activations quantized by the sender (W8A8 experts behind the EP exchange)."""
+        return w8a8_linear_quantized(x_q, x_scale, self.weight, self.scale, dtype)
 
     def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
@@ -66,14 +85,16 @@ class Attention:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
         self.cfg = cfg
         self.heads = cfg.num_attention_heads // dist.attn_tp  # this rank's heads
-        self.wq_a, self.wq_b = Proj(w, f"{prefix}.q_a_proj", dtype), Proj(w, f"{prefix}.q_b_proj", dtype)
+        # q_a and kv_a both read the layer input: one merged projection, [q_lora | kv_lora + rope] output columns
+        self.wqkv_a = Proj.merged(w, [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"], dtype)
+        self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
         self.q_norm = Norm(w.take(f"{prefix}.q_a_layernorm.weight"), cfg.rms_norm_eps)
-        self.wkv_a = Proj(w, f"{prefix}.kv_a_proj_with_mqa", dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK [heads, nope, lora] and
         # W_UV [heads, v, lora]: prefill expands the latent with them, decode absorbs them (a BF16 copy if INT8)
         kv_b = Proj(w, f"{prefix}.kv_b_proj", dtype).float_weight(dtype).view(self.heads, -1, cfg.kv_lora_rank)
-        self.w_uk = kv_b[:, :cfg.qk_nope_head_dim].contiguous()
-        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].contiguous()
+        product_dtype = matmul_dtype(kv_b)  # copies in the dtype decode's matmul multiplies in
+        self.w_uk = kv_b[:, :cfg.qk_nope_head_dim].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
         self.kv_norm = Norm(w.take(f"{prefix}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
         self.wo = Proj(w, f"{prefix}.o_proj", dtype)
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
@@ -82,10 +103,10 @@ class Attention:
     def __call__(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         cfg, heads = self.cfg, self.heads
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q_resid = self.q_norm(self.wq_a(x))
+        q_a, c_kv, k_pe = self.wqkv_a(x).split([cfg.q_lora_rank, lora, rope], dim=-1)
+        q_resid = self.q_norm(q_a)
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
-        c_kv, k_pe = self.wkv_a(x).split([lora, rope], dim=-1)
         # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
         pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos[:, None], sin[:, None], interleaved=True)
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
@@ -106,16 +127,20 @@ class Attention:
             elif seq.query_len == 1:
                 allowed = None  # one query, the context's last position: it sees the whole context
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
-                k_nope = torch.einsum("cl,hnl->hcn", ctx_c, w_uk)
-                values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
+                k_nope = torch.einsum("cl,hnl->hcn", ctx_c, cast(w_uk, ctx_c.dtype))
+                values = torch.einsum("cl,hvl->hcv", ctx_c, cast(w_uv, ctx_c.dtype))
                 keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
                 query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
                 out[rows] = attention(query, keys, values, scale, allowed).transpose(0, 1)
             else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
-                q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk)  # [heads, 1, lora]
-                query = torch.cat([q_lat, q_pe[rows].transpose(0, 1)], dim=-1)  # [heads, 1, lora + rope]
-                o_lat = attention(query, ctx, ctx_c, scale, allowed)  # keys and values shared by all heads
-                out[rows] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [1, heads, v]
+                # in the dtype matmul multiplies in (float32 on CPU, where the BF16 products are slow), rounded
+                # to the compute dtype once, when written to `out`
+                product_dtype = w_uk.dtype
+                q_lat = torch.matmul(cast(q_nope[rows].transpose(0, 1), product_dtype), w_uk)  # [heads, 1, lora]
+                query = torch.cat([q_lat, cast(q_pe[rows].transpose(0, 1), product_dtype)], dim=-1)
+                ctx = cast(ctx, product_dtype)  # [heads, 1, lora + rope] against keys and values shared by all heads
+                o_lat = attention(query, ctx, ctx[:, :lora], scale, allowed)
+                out[rows] = torch.matmul(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [1, heads, v]
         o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
@@ -153,17 +178,21 @@ class Indexer:
 
 class DenseMLP:
     def __init__(self, w: RankWeights, prefix: str, dtype: torch.dtype):
-        self.w1, self.w2, self.w3 = (Proj(w, f"{prefix}.{n}", dtype) for n in ("gate_proj", "down_proj", "up_proj"))
-        self.int8 = self.w1.scale is not None and self.w3.scale is not None  # gate/up always share a type
+        self.gate_up = Proj.merged(w, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], dtype)  # [2 * inter, hidden]
+        self.down = Proj(w, f"{prefix}.down_proj", dtype)
+        self.int8 = self.gate_up.scale is not None
 
     def __call__(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.down(silu_and_mul(self.gate_up(x)))
 
     def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
-        gate = w8a8_linear_quantized(x_q, x_scale, self.w1.weight, self.w1.scale, dtype)
-        up = w8a8_linear_quantized(x_q, x_scale, self.w3.weight, self.w3.scale, dtype)
-        return self.w2(F.silu(gate) * up)
+        return self.down(silu_and_mul(self.gate_up.quantized(x_q, x_scale, dtype)))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MoE:
@@ -225,7 +254,8 @@ class DeepseekV3:
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = F.embedding(tokens, self.embed).to(self.dtype)
-        cos, sin = cos_sin_at(self.inv_freq, self.attention_scaling, meta.positions)  # [T, rope / 2] float32
+        # [T, rope / 2] in the compute dtype, converted once for every layer (transformers does the same)
+        cos, sin = (t.to(self.dtype) for t in cos_sin_at(self.inv_freq, self.attention_scaling, meta.positions))
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))

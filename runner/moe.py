@@ -26,18 +26,22 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     columns = [*quantize_activations(rows), local] if int8 else [rows, local]
     received, recv_counts = dist.ep_dispatch(columns, send_counts)
     recv_local = received[-1]
-    by_expert = torch.argsort(recv_local, stable=True)  # rows from all source ranks, grouped by local expert
+    # rows from several source ranks are regrouped by local expert; from this rank alone (EP 1) they already are
+    by_expert = torch.argsort(recv_local, stable=True) if dist.ep > 1 else None
     counts = torch.bincount(recv_local, minlength=per_rank).tolist()
-    inputs = [column[by_expert] for column in received[:-1]]  # each expert's rows are now one slice
+    inputs = received[:-1] if by_expert is None else [column[by_expert] for column in received[:-1]]
     outputs, start = [], 0
     for expert, count in zip(local_experts, counts):
         if count:  # experts without rows are skipped
             mine = [column[start:start + count] for column in inputs]
             outputs.append(expert.quantized(mine[0], mine[1], x.dtype) if int8 else expert(mine[0]))
         start += count
-    out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    if outputs:
-        out[by_expert] = torch.cat(outputs)
+    if by_expert is None:
+        out = torch.cat(outputs) if outputs else x.new_empty(0, x.shape[1])
+    else:
+        out = torch.empty(recv_local.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        if outputs:
+            out[by_expert] = torch.cat(outputs)
     back = dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, in the same order
     combined = torch.empty_like(back)
     combined[order] = back
