@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.device import is_npu
+from kernels.device import cast, is_npu
 from kernels.linear import matmul
 
 
@@ -59,7 +59,7 @@ def _attention_formula(q, k, v, scale, mask, product) -> torch.Tensor:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), q.dtype)
     return product(probs, v)
 
 

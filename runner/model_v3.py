@@ -9,8 +9,6 @@ exchange is written out in `moe()`; lm_head is vocabulary-sharded and its logits
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -72,10 +70,11 @@ class Proj:
         return (self.weight.to(torch.float32) * self.scale).to(dtype)
 
 
-@dataclass
 class Norm:
-    weight: torch.Tensor
-    eps: float
+    """RMSNorm with its weight in the compute dtype (a float32 run converts the BF16 weight once, at load)."""
+
+    def __init__(self, weights: RankWeights, name: str, eps: float, dtype: torch.dtype):
+        self.weight, self.eps = cast(weights.take(name), dtype), eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -88,14 +87,14 @@ class Attention:
         # q_a and kv_a both read the layer input: one merged projection, [q_lora | kv_lora + rope] output columns
         self.wqkv_a = Proj.merged(w, [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"], dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
-        self.q_norm = Norm(w.take(f"{prefix}.q_a_layernorm.weight"), cfg.rms_norm_eps)
+        self.q_norm = Norm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK [heads, nope, lora] and
         # W_UV [heads, v, lora]: prefill expands the latent with them, decode absorbs them (a BF16 copy if INT8)
         kv_b = Proj(w, f"{prefix}.kv_b_proj", dtype).float_weight(dtype).view(self.heads, -1, cfg.kv_lora_rank)
         product_dtype = matmul_dtype(kv_b)  # copies in the dtype decode's matmul multiplies in
         self.w_uk = kv_b[:, :cfg.qk_nope_head_dim].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
-        self.kv_norm = Norm(w.take(f"{prefix}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
+        self.kv_norm = Norm(w, f"{prefix}.kv_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         self.wo = Proj(w, f"{prefix}.o_proj", dtype)
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
         self.dist = dist
@@ -108,18 +107,17 @@ class Attention:
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
-        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos[:, None], sin[:, None], interleaved=True)
+        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos, sin, interleaved=True)
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
         cache.write(layer, meta.slots, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
         if self.indexer is not None:
             self.indexer.write_keys(x, cos, sin, cache, layer, meta)
 
         w_uk, w_uv = self.w_uk, self.w_uv  # [heads, nope, lora], [heads, v, lora]
-        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
+        outs = []  # [S, heads, v] per sequence, in row order
         for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
             rows = slice(seq.start, seq.stop)
             (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
-            ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
             allowed = seq.causal  # [S, C] True where a query may look
             if self.indexer is not None:
                 allowed = allowed & self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq,
@@ -127,20 +125,22 @@ class Attention:
             elif seq.query_len == 1:
                 allowed = None  # one query, the context's last position: it sees the whole context
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
+                ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
                 k_nope = torch.einsum("cl,hnl->hcn", ctx_c, cast(w_uk, ctx_c.dtype))
                 values = torch.einsum("cl,hvl->hcv", ctx_c, cast(w_uv, ctx_c.dtype))
                 keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
                 query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
-                out[rows] = attention(query, keys, values, scale, allowed).transpose(0, 1)
+                outs.append(attention(query, keys, values, scale, allowed).transpose(0, 1))
             else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
                 # in the dtype matmul multiplies in (float32 on CPU, where the BF16 products are slow), rounded
-                # to the compute dtype once, when written to `out`
+                # to the compute dtype once, at the end
                 product_dtype = w_uk.dtype
                 q_lat = torch.matmul(cast(q_nope[rows].transpose(0, 1), product_dtype), w_uk)  # [heads, 1, lora]
                 query = torch.cat([q_lat, cast(q_pe[rows].transpose(0, 1), product_dtype)], dim=-1)
                 ctx = cast(ctx, product_dtype)  # [heads, 1, lora + rope] against keys and values shared by all heads
                 o_lat = attention(query, ctx, ctx[:, :lora], scale, allowed)
-                out[rows] = torch.matmul(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [1, heads, v]
+                outs.append(cast(torch.matmul(o_lat, w_uv.transpose(1, 2)).transpose(0, 1), x.dtype))  # [1, heads, v]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else x.new_empty(0, heads, cfg.v_head_dim)
         o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
@@ -159,7 +159,7 @@ class Indexer:
         k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight.to(x.dtype),
                          self.k_norm_bias.to(x.dtype), INDEXER_K_NORM_EPS)
         k_rot, k_pass = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
-        k = torch.cat([apply_rope(k_rot, cos, sin, interleaved=False), k_pass], dim=-1)  # half-split rope here
+        k = torch.cat([apply_rope(k_rot, cos[:, 0], sin[:, 0], interleaved=False), k_pass], dim=-1)  # half-split
         cache.write(layer, meta.slots, index_k=k)
 
     def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Indexer:
         heads, dim, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(-1, heads, dim)
         q_rot, q_pass = q.split([rope, dim - rope], dim=-1)
-        q = torch.cat([apply_rope(q_rot, cos[:, None], sin[:, None], interleaved=False), q_pass], dim=-1)
+        q = torch.cat([apply_rope(q_rot, cos, sin, interleaved=False), q_pass], dim=-1)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         scores = F.relu(torch.einsum("shd,cd->shc", q.float(), keys.float()) * dim ** -0.5)
         head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
@@ -238,10 +238,10 @@ class DeepseekV3:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
             mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else DenseMLP(w, f"{p}.mlp", dtype)
-            self.layers.append((Norm(w.take(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps),
+            self.layers.append((Norm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
                                 Attention(cfg, w, f"{p}.self_attn", dist, dtype),
-                                Norm(w.take(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps), mlp))
-        self.norm = Norm(w.take("model.norm.weight"), cfg.rms_norm_eps)
+                                Norm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), mlp))
+        self.norm = Norm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
         self.head = w.take("lm_head.weight").to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
@@ -254,8 +254,9 @@ class DeepseekV3:
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = F.embedding(tokens, self.embed).to(self.dtype)
-        # [T, rope / 2] in the compute dtype, converted once for every layer (transformers does the same)
-        cos, sin = (t.to(self.dtype) for t in cos_sin_at(self.inv_freq, self.attention_scaling, meta.positions))
+        # [T, 1, rope / 2] (broadcast over heads) in the compute dtype, made once for every layer
+        cos, sin = (t.to(self.dtype)[:, None] for t in cos_sin_at(self.inv_freq, self.attention_scaling,
+                                                                   meta.positions))
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))
