@@ -46,6 +46,13 @@ class StepMeta:
         return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
 
 
+def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.cat of int64 [n] parts, without a call for the common one-sequence step (or an empty step)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
 def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
     return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
                       f"--cache-tokens or shorten the prompt)")
@@ -91,8 +98,7 @@ class LatentCache:
             positions.append(torch.arange(start, start + n_new, device=self.device))
             slots.append(new_slots)
             row += n_new
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        return StepMeta(seqs, torch.cat(positions) if positions else empty, torch.cat(slots) if slots else empty)
+        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device))
 
     def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
         for name, value in values.items():

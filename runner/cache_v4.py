@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.arch_v4 import AttnType, V4Config
-from runner.cache import SeqStep, StepMeta, cache_full
+from runner.cache import SeqStep, StepMeta, cache_full, concat
 
 
 @dataclass
@@ -95,7 +95,7 @@ class V4Cache:
             seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
             positions.append(torch.arange(start, start + n_new, device=self.device))
             row += n_new
-        flat = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long, device=self.device)
+        flat = concat(positions, self.device)
         return StepMeta(seqs, flat, flat)
 
     def layer(self, seq_id: int, layer: int) -> LayerState:
