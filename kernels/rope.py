@@ -97,7 +97,9 @@ def rope_cos_sin(config_like, positions: torch.Tensor) -> tuple[torch.Tensor, to
 def cos_sin_at(inv_freq: torch.Tensor, attention_scaling: float,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_cos_sin from rope_inv_freq's result, which a model computes once rather than at every step."""
-    angles = positions[..., None].to(torch.float32) * inv_freq.to(positions.device)
+    if inv_freq.device != positions.device:
+        inv_freq = inv_freq.to(positions.device)
+    angles = positions[..., None].to(torch.float32) * inv_freq
     if attention_scaling == 1.0:  # DeepSeek's YaRN configs (mscale == mscale_all_dim) and plain rope
         return angles.cos(), angles.sin()
     return angles.cos() * attention_scaling, angles.sin() * attention_scaling

@@ -41,8 +41,11 @@ class StepMeta:
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
 
     @property
-    def last_rows(self) -> torch.Tensor:
-        """The row of each sequence's last token: where its next-token logits come from."""
+    def last_rows(self) -> torch.Tensor | None:
+        """The row of each sequence's last token, where its next-token logits come from; None when that is
+        every row, as in a decode step (one token per sequence)."""
+        if all(s.query_len == 1 for s in self.seqs):
+            return None
         return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
 
 

@@ -257,7 +257,7 @@ class DeepseekV3:
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
-        x = F.embedding(tokens, self.embed).to(self.dtype)
+        x = cast(F.embedding(tokens, self.embed), self.dtype)
         # [T, 1, rope / 2] (broadcast over heads) in the compute dtype, made once for every layer
         cos, sin = (t.to(self.dtype)[:, None] for t in cos_sin_at(self.inv_freq, self.attention_scaling,
                                                                    meta.positions))
