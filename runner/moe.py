@@ -50,7 +50,8 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
 
 
-def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local_experts: list) -> torch.Tensor:
+def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     local_experts: list) -> torch.Tensor:
     """EP 1 and one token, a single sequence's decode step: nothing to exchange or group, so the token's k
     experts run on it in turn. The same values as the general path (same expert inputs, same weighted sum)
     with a third of its calls."""

@@ -14,8 +14,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from kernels.attention import attention, attention_reference, causal_mask
 from kernels.device import require_torch_npu
 from kernels.int8 import INT8_MAX, quantize_rows_reference
-from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, w8a8_linear,
-                            w8a8_linear_reference)
+from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, matmul, matmul_dtype,
+                            w8a8_linear, w8a8_linear_reference)
 from kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, softmax_scale
@@ -99,6 +99,23 @@ def test_linear_computes_in_weight_dtype_returns_input_dtype():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_matmul_is_a_half_precision_product_rounded_once():
+    """BF16 operands multiply as float32 on CPU: the exact products summed in float32, rounded to BF16 once,
+    which is what a BF16 GEMM with float32 accumulation computes, up to the order of the sums."""
+    gen = torch.Generator().manual_seed(8)
+    a = torch.randn(8, 1, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(8, 96, 40, generator=gen).to(torch.bfloat16)
+    out = matmul(a, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 1, 40)
+    exact = torch.matmul(a.double(), b.double())
+    torch.testing.assert_close(out.double(), exact, rtol=2.0**-8, atol=1e-5)  # one rounding to BF16 (8 bits)
+    torch.testing.assert_close(out, torch.matmul(a, b), atol=0, rtol=2.0**-7)  # torch's own BF16 product
+    assert matmul_dtype(a) == torch.float32 and matmul_dtype(a.float()) == torch.float32
+    assert matmul_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+    b32 = b.float()  # an operand already in matmul_dtype is used as is: same result
+    assert torch.equal(matmul(a, b32), out)
+
+
 def test_require_torch_npu_says_why():
     with pytest.raises(RuntimeError, match="torch_npu"):
         require_torch_npu()

@@ -5,10 +5,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from convert.arch_v3 import parse_config
+from convert.errors import InputError
 from runner.cache import LatentCache
 from runner.dist import Dist
 from runner.generate import greedy
-from runner.model_v3 import DeepseekV3, cache_fields
+from runner.model_v3 import DeepseekV3, Proj, cache_fields
 from runner.weights import load_manifest, load_rank
 from shard.layout import Layout
 from tests.test_shard import shard
@@ -42,6 +43,7 @@ def pair(family, tiny_source, tmp_path_factory):
         cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
         return model, cache, cfg
 
+    ours.shards = shards
     return ours, reference
 
 
@@ -120,3 +122,39 @@ def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
         want = greedy(bf16_model, bf16_cache, [ids], NEW_TOKENS, eos_id=None)[0]
     agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
     print(f"{family} W8A8 greedy tokens equal to BF16 for the first {agree} of {NEW_TOKENS}")
+
+
+# V3 measured 0.99997. V3.2 measured 0.985 both before and after the float32 decode products: BF16 rounding
+# reorders some of the indexer's top-8-of-40 choices on this random fixture (see the W8A8 test below)
+BF16_DECODE_COSINE_MIN = {"deepseek_v3": 0.999, "deepseek_v32": 0.98}
+
+
+def test_bf16_decode_steps_close_to_float32(family, pair):
+    """The BF16 decode path (absorbed MLA in float32 products on CPU, the one-token MoE path) against the same
+    model in float32, step by step on the same tokens."""
+    ours, _ = pair
+    model32, cache32, cfg = ours()
+    manifest = load_manifest(ours.shards)
+    model16 = DeepseekV3(cfg, load_rank(ours.shards, manifest, 0), Dist.single(), torch.bfloat16)
+    cache16 = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.bfloat16)
+    ids = prompt(cfg.vocab_size, seed=3)
+    tokens = torch.tensor(ids)
+    worst = 1.0
+    with torch.inference_mode():
+        for step in range(6):  # the prompt, then one token per step fed back from the float32 model
+            logits32 = model32.forward(tokens, cache32.step([(0, len(tokens))]), cache32)[-1]
+            logits16 = model16.forward(tokens, cache16.step([(0, len(tokens))]), cache16)[-1]
+            if step:
+                worst = min(worst, cosine(logits16.float(), logits32))
+            tokens = logits32.argmax()[None]
+    print(f"BF16 vs float32 decode logits cosine, worst of 5 steps: {worst:.5f}")
+    assert worst >= BF16_DECODE_COSINE_MIN[family]
+
+
+def test_merged_projection_refuses_mixed_types(pair):
+    ours, _ = pair
+    weights = load_rank(ours.shards, load_manifest(ours.shards), 0)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa"
+    weights.tensors[f"{name}.weight_scale"] = torch.ones(weights.tensors[f"{name}.weight"].shape[0], 1)
+    with pytest.raises(InputError, match="mix INT8 and float"):
+        Proj.merged(weights, ["model.layers.0.self_attn.q_a_proj", name], torch.float32)
