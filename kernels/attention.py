@@ -34,9 +34,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     to BF16 before the softmax). Decode (S = 1) runs the reference's formula, faster there, with
     kernels.linear's matmul (float32 products of BF16 inputs on CPU, rounded where the reference rounds).
     Measured on the 2-core CI CPU, H=16, BF16: prefill S=T=512, D=192: reference 790 ms, SDPA 69 ms; decode
-    T=2048, D=576: reference 58 ms, SDPA 131 ms; float32, H=8, T=64: reference 72 us, SDPA 99 us. On NPU the reference runs too (plain matmul/softmax ops): the fused
-    npu_fused_infer_attention_score is not wired in yet (its MLA form takes the rope part as separate
-    query_rope/key_rope inputs).
+    T=2048, D=576: reference 58 ms, SDPA 131 ms; float32, H=8, T=64: reference 72 us, SDPA 99 us. On NPU the
+    reference runs too (plain matmul/softmax ops): the fused npu_fused_infer_attention_score is not wired in
+    yet (its MLA form takes the rope part as separate query_rope/key_rope inputs).
     """
     mask = _head_broadcast(mask, q)
     if is_npu(q):

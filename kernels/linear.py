@@ -31,8 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (torch.matmul's broadcasting), returned in a's dtype, for products of two activations or of an activation
-    and a weight copy made at load (attention scores, absorbed MLA projections).
+    """a @ b (torch.matmul's broadcasting), returned in a's dtype, for products of two activations or of an
+    activation and a weight copy made at load (attention scores and values).
 
     On CPU, BF16/FP16 operands are multiplied as float32 and the product rounded back once: the values of a
     half-precision GEMM with float32 accumulation, as torch's own computes, up to the order of the sums. The
