@@ -155,13 +155,15 @@ class Indexer:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
         self.cfg = cfg
         self.wq_b, self.wk = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.wk", dtype)
-        self.k_norm_weight, self.k_norm_bias = w.take(f"{prefix}.k_norm.weight"), w.take(f"{prefix}.k_norm.bias")
+        # the LayerNorm's parameters in the compute dtype, once (F.layer_norm wants them in the input's dtype)
+        self.k_norm_weight = cast(w.take(f"{prefix}.k_norm.weight"), dtype)
+        self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
         self.weights_proj = Proj(w, f"{prefix}.weights_proj", dtype)
 
     def write_keys(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta) -> None:
         cfg = self.cfg
-        k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight.to(x.dtype),
-                         self.k_norm_bias.to(x.dtype), INDEXER_K_NORM_EPS)
+        k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias,
+                         INDEXER_K_NORM_EPS)
         k_rot, k_pass = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
         k = torch.cat([apply_rope(k_rot, cos[:, 0], sin[:, 0], interleaved=False), k_pass], dim=-1)  # half-split
         cache.write(layer, meta.slots, index_k=k)

@@ -4,7 +4,9 @@ step split into compute and communication.
     python scripts/bench_generate.py [--family deepseek_v3|deepseek_v32|deepseek_v4] [--new-tokens 64] [--work DIR]
 
 (1) world size 1, in process, BF16: decode tokens/s of dsrun's model vs transformers' DeepseekV3/V32/V4ForCausalLM
-    `generate` on the same weights and prompt (decode = generation after the first token; target >= 5x).
+    `generate` on the same weights and prompt (decode = generation after the first token; target >= 5x). After
+    a warm-up each, the two alternate for REPEATS rounds; each side's best round counts, and every round's
+    ratio is printed too.
 (2) 16 local ranks (EP16, lm_head TP16, gloo on this machine's cores): per decode step, the wall time and the
     part spent inside collectives, as rank 0 and as the slowest rank saw it.
 """
@@ -82,7 +84,7 @@ def transformers_decoder(src_bf16: Path, prompt: list[int], new_tokens: int):
     return run
 
 
-def interleaved_best(runs: dict, repeats: int) -> dict[str, list[float]]:
+def interleaved_rounds(runs: dict, repeats: int) -> dict[str, list[float]]:
     """One warm-up of each, then `repeats` rounds of one run each, alternating: the machine's load changes
     over seconds, and alternating exposes both sides to the same spells of it. -> every round's tokens/s."""
     for run in runs.values():
@@ -127,7 +129,7 @@ def main() -> int:
 
     runs = {"dsrun": dsrun_decoder(shards_for(src, work / "shards-w1", Layout(1, 1, 1, 1)), prompt, args.new_tokens),
             "transformers": transformers_decoder(src_bf16, prompt, args.new_tokens)}
-    rounds = interleaved_best(runs, REPEATS)
+    rounds = interleaved_rounds(runs, REPEATS)
     ours, theirs = max(rounds["dsrun"]), max(rounds["transformers"])
     per_round = ", ".join(f"{a / b:.2f}x" for a, b in zip(rounds["dsrun"], rounds["transformers"]))
     print(f"world 1, BF16: dsrun decode {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s (best of "
