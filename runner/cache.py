@@ -27,7 +27,7 @@ class SeqStep:
     # paged caches only (DeepSeek-V4's state needs neither):
     context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
     causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
-    #                                     query_len + i) may look
+    #                                     query_len + i) may look; None for one query, which sees everything
 
     @property
     def query_len(self) -> int:
@@ -96,8 +96,8 @@ class LatentCache:
             new_slots = self._slots(seq_id, start, start + n_new)
             context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
             self.context_slots[seq_id] = context  # extended once per step, read by every layer
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context,
-                                causal_mask(n_new, start + n_new, self.device)))
+            causal = causal_mask(n_new, start + n_new, self.device) if n_new > 1 else None
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal))
             positions.append(torch.arange(start, start + n_new, device=self.device))
             slots.append(new_slots)
             row += n_new

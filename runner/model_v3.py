@@ -122,12 +122,10 @@ class Attention:
         for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
             rows = slice(seq.start, seq.stop)
             (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
-            allowed = seq.causal  # [S, C] True where a query may look
+            allowed = seq.causal  # [S, C] True where a query may look; None: one query, which sees everything
             if self.indexer is not None:
-                allowed = allowed & self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq,
-                                                         allowed)  # a new mask: seq.causal is shared by layers
-            elif seq.query_len == 1:
-                allowed = None  # one query, the context's last position: it sees the whole context
+                chosen = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
+                allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
                 ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
                 k_nope = torch.einsum("cl,hln->hcn", ctx_c, cast(w_uk_t, ctx_c.dtype))
@@ -177,9 +175,11 @@ class Indexer:
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         scores = F.relu(torch.einsum("shd,cd->shc", q.float(), keys.float()) * dim ** -0.5)
         head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
-        index = torch.einsum("sh,shc->sc", head_weights, scores).masked_fill(~allowed, float("-inf"))
+        index = torch.einsum("sh,shc->sc", head_weights, scores)  # [S, C]
+        if allowed is not None:
+            index = index.masked_fill(~allowed, float("-inf"))
         top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
-        return torch.zeros_like(allowed).scatter_(-1, top, True)
+        return torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
 
 
 class DenseMLP:
