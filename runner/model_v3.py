@@ -16,7 +16,7 @@ from convert.arch_v3 import V3Config
 from convert.errors import InputError
 from kernels.attention import attention
 from kernels.device import cast
-from kernels.linear import linear, matmul_dtype, w8a8_linear, w8a8_linear_quantized
+from kernels.linear import linear_t, matmul_dtype, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq, softmax_scale
 from runner.cache import LatentCache, StepMeta
@@ -37,10 +37,13 @@ class Proj:
     """
 
     def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
-        self.weight = weights.take(f"{name}.weight")
-        self.scale = weights.take_optional(f"{name}.weight_scale")
-        if self.scale is None and self.weight.dtype != dtype:
-            self.weight = self.weight.to(dtype)
+        weight = weights.take(f"{name}.weight")
+        scale = weights.take_optional(f"{name}.weight_scale")
+        self._set(weight.to(dtype) if scale is None else weight, scale)
+
+    def _set(self, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+        self.weight, self.scale = weight, scale
+        self.weight_t = weight.t() if scale is None else None  # a view, once: what kernels.linear.linear_t takes
 
     @classmethod
     def merged(cls, weights: RankWeights, names: list[str], dtype: torch.dtype) -> "Proj":
@@ -51,13 +54,13 @@ class Proj:
         if len({part.scale is None for part in parts}) != 1:
             raise InputError(f"{names} mix INT8 and float weights; convert with a recipe that keeps them alike")
         merged = cls.__new__(cls)
-        merged.weight = torch.cat([part.weight for part in parts])
-        merged.scale = None if parts[0].scale is None else torch.cat([part.scale for part in parts])
+        merged._set(torch.cat([part.weight for part in parts]),
+                    None if parts[0].scale is None else torch.cat([part.scale for part in parts]))
         return merged
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return linear(x, self.weight)
+            return linear_t(x, self.weight_t)
         return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
 
     def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

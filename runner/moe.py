@@ -47,7 +47,8 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     back = dist.ep_combine(out, recv_counts, send_counts)  # rows return to their senders, in the same order
     combined = torch.empty_like(back)
     combined[order] = back
-    return (combined.view(-1, k, x.shape[1]).float() * weights[..., None]).sum(1).to(x.dtype)
+    # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
+    return torch.bmm(weights[:, None], combined.view(-1, k, x.shape[1]).float())[:, 0].to(x.dtype)
 
 
 def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -59,4 +60,4 @@ def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     x_q, x_scale = quantize_activations(x) if int8 else (None, None)
     outputs = [local_experts[e].quantized(x_q, x_scale, x.dtype) if int8 else local_experts[e](x)
                for e in experts[0].tolist()]
-    return (torch.stack(outputs, dim=1).float() * weights[..., None]).sum(1).to(x.dtype)  # [1, k, H] -> [1, H]
+    return torch.mm(weights, torch.cat(outputs).float()).to(x.dtype)  # [1, k] @ [k, H]: the weighted sum
