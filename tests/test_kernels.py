@@ -14,8 +14,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from kernels.attention import attention, attention_reference, causal_mask
 from kernels.device import require_torch_npu
 from kernels.int8 import INT8_MAX, quantize_rows_reference
-from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, matmul, matmul_dtype,
-                            w8a8_linear, w8a8_linear_reference)
+from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
+                            matmul_dtype, w8a8_linear, w8a8_linear_reference)
 from kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, softmax_scale
@@ -96,6 +96,17 @@ def test_linear_computes_in_weight_dtype_returns_input_dtype():
     out = linear(x, w)
     assert out.dtype == torch.float32
     assert torch.equal(out, F.linear(x.to(torch.bfloat16), w).float())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lead", [(1,), (4,), (2, 3)], ids=["decode-row", "rows", "3d"])
+def test_linear_t_equals_linear(lead, x_dtype):
+    """The projection path from a transposed view made at load gives linear's values and dtype exactly."""
+    w = torch.randn(48, 40).to(torch.bfloat16)
+    x = torch.randn(*lead, 40).to(x_dtype)
+    out = linear_t(x, w.t())
+    assert out.dtype == x_dtype and out.shape == (*lead, 48)
+    assert torch.equal(out, linear(x, w))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
