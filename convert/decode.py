@@ -1,4 +1,4 @@
-"""Source encodings decoded to float32, one row range at a time.
+"""Source encodings decoded to float32, one row range (and, for a column split, one column range) at a time.
 
 Dispatch is on the stored dtypes, never on config strings: a float8_e4m3fn weight needs a block scale
 (float32 `weight_scale_inv` in V3/V3.2, e8m0 `scale` in V4); an int8 weight next to an e8m0 scale is
@@ -131,4 +131,33 @@ def decode_rows(value_rows: torch.Tensor, scales: torch.Tensor | None, encoding:
         return decode_fp8_rows(value_rows, scales, block, row_start)
     if encoding == "fp4":
         return decode_fp4_rows(value_rows, scales)
+    raise InputError(f"cannot decode encoding {encoding}")
+
+
+def decode_columns(value_rows: torch.Tensor, scales: torch.Tensor | None, encoding: str,
+                   block: tuple[int, int] | None, row_start: int, cols: tuple[int, int]) -> torch.Tensor:
+    """Columns [cols[0], cols[1]) of `decode_rows(...)`, decoding only those columns when the range starts and
+    ends on a scale block (a column split over attention TP does; each of its ranks would otherwise decode
+    every column of every row). Decoding is elementwise, so the values are those of decoding whole rows."""
+    start, stop = cols
+    total = decoded_shape(tuple(value_rows.shape), encoding)[1]
+    if encoding == "float":
+        return value_rows[:, start:stop].to(torch.float32).contiguous()
+    unit = _scale_columns(encoding, block, total, scales)
+    if start % unit or (stop % unit and stop != total):  # a block straddles the edge: decode it all
+        return decode_rows(value_rows, scales, encoding, block, row_start)[:, start:stop].contiguous()
+    scale_slice = scales[:, start // unit:-(-stop // unit)]
+    if encoding == "fp4":
+        value_slice = value_rows[:, start // FP4_PER_BYTE:stop // FP4_PER_BYTE]
+    else:
+        value_slice = value_rows[:, start:stop]
+    return decode_rows(value_slice, scale_slice, encoding, block, row_start)
+
+
+def _scale_columns(encoding: str, block: tuple[int, int] | None, total: int, scales: torch.Tensor) -> int:
+    """Weight columns per scale column."""
+    if encoding == "fp8":
+        return block[1]
+    if encoding == "fp4":
+        return total // scales.shape[1]
     raise InputError(f"cannot decode encoding {encoding}")

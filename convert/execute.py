@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from convert.decode import decode_rows, scale_rows
+from convert.decode import decode_columns, decode_rows, scale_rows
 from convert.errors import InputError
 from convert.plan import KEEP, PART_METADATA, TO_BF16, TO_INT8, Item, Part
 from convert.safetensors_io import fsync_dir, header_bytes, pread, read_rows
@@ -148,9 +148,10 @@ def _run_task(task: Task, files: SourceFiles, fd: int, offsets: dict[str, int], 
     if weight.scale is not None:
         s0, s1 = scale_rows(weight.encoding, block, task.start, task.stop)
         scales = read_rows(files.fd(weight.scale.path), weight.scale.path, weight.scale.entry, s0, s1)
-    x = decode_rows(values, scales, weight.encoding, block, task.start)  # [rows, cols] float32
-    if item.cols is not None:
-        x = x[:, item.cols[0]:item.cols[1]].contiguous()
+    if item.cols is None:
+        x = decode_rows(values, scales, weight.encoding, block, task.start)  # [rows, cols] float32
+    else:  # a column split: only this shard's columns
+        x = decode_columns(values, scales, weight.encoding, block, task.start, item.cols)
     if item.action == TO_BF16:
         _check_finite(name, x, f"rows {task.start}-{task.stop}")
         _pwrite(fd, x.to(torch.bfloat16), offsets[out.name] + out_row * out.nbytes // out.shape[0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from convert.decode import decode_rows, scale_rows
+from convert.decode import decode_columns, decode_rows, scale_rows
 
 BLOCK = (128, 128)
 FP4_GROUP = 32
@@ -49,6 +49,29 @@ def test_fp4_matches_transformers(chunk):
     scale = scale.to(torch.float8_e8m0fnu)
     ours = decode_in_chunks(packed, scale, "fp4", chunk)
     assert torch.equal(ours, transformers_dequant(packed, scale))
+
+
+@pytest.mark.parametrize("cols", [(0, 128), (128, 256), (256, 300), (0, 300), (64, 192), (100, 290)])
+def test_fp8_column_slice_equals_slice_of_whole_rows(cols):
+    # 300 columns: the last 128-column block is ragged; (64, 192) and (100, 290) do not start on a block
+    gen = torch.Generator().manual_seed(3)
+    q, scale = random_fp8(384, 300, gen), torch.rand(3, 3, generator=gen) + 1e-3
+    start, stop = 37, 300  # a row chunk that starts inside a block row
+    s0, s1 = scale_rows("fp8", BLOCK, start, stop)
+    whole = decode_rows(q[start:stop], scale[s0:s1], "fp8", BLOCK, start)
+    ours = decode_columns(q[start:stop], scale[s0:s1], "fp8", BLOCK, start, cols)
+    assert ours.is_contiguous() and torch.equal(ours, whole[:, cols[0]:cols[1]])
+
+
+@pytest.mark.parametrize("cols", [(0, 64), (64, 256), (96, 160), (16, 48)])
+def test_fp4_and_float_column_slices_equal_slice_of_whole_rows(cols):
+    gen = torch.Generator().manual_seed(4)
+    packed = torch.randint(-128, 128, (8, 128), generator=gen, dtype=torch.int8)
+    scale = torch.exp2(torch.randint(-10, 3, (8, 256 // FP4_GROUP), generator=gen).float()).to(torch.float8_e8m0fnu)
+    whole = transformers_dequant(packed, scale)
+    assert torch.equal(decode_columns(packed, scale, "fp4", None, 0, cols), whole[:, cols[0]:cols[1]])
+    bf16 = whole.to(torch.bfloat16)
+    assert torch.equal(decode_columns(bf16, None, "float", None, 0, cols), bf16[:, cols[0]:cols[1]].float())
 
 
 def test_fp4_nibble_order():
