@@ -126,7 +126,9 @@ class Attention:
             rows = slice(seq.start, seq.stop)
             (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
             allowed = seq.causal  # [S, C] True where a query may look; None: one query, which sees everything
-            if self.indexer is not None:
+            # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
+            # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
+            if self.indexer is not None and seq.context_len > cfg.index_topk:
                 chosen = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
                 allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values

@@ -77,6 +77,20 @@ def test_greedy_tokens_equal_transformers_generate(pair):
     assert got == expected
 
 
+def test_context_shorter_than_index_topk_equals_transformers_generate(pair):
+    # V3.2 skips the indexer while the context is no longer than index_topk (it would keep every position);
+    # 4 prompt tokens and 8 new ones cross the fixture's index_topk of 8 mid-generation
+    ours, reference = pair
+    model, cache, cfg = ours()
+    ids = prompt(cfg.vocab_size, n=4, seed=5)
+    if cfg.has_indexer:
+        assert len(ids) < cfg.index_topk < len(ids) + 8
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+        assert greedy(model, cache, [ids], 8, eos_id=None)[0] == expected
+
+
 def test_batch_of_different_lengths_equals_each_alone(pair):
     ours, _ = pair
     model, _, cfg = ours()
