@@ -178,9 +178,10 @@ class Indexer:
         q_rot, q_pass = q.split([rope, dim - rope], dim=-1)
         q = torch.cat([apply_rope(q_rot, cos, sin, interleaved=False), q_pass], dim=-1)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
-        scores = F.relu(torch.einsum("shd,cd->shc", q.float(), keys.float()) * dim ** -0.5)
+        # matmul rather than the equivalent einsum: the same products, without einsum's ~30 us of setup per call
+        scores = F.relu(torch.matmul(q.float(), keys.float().t()) * dim ** -0.5)  # [S, heads, C]
         head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
-        index = torch.einsum("sh,shc->sc", head_weights, scores)  # [S, C]
+        index = torch.matmul(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
         if allowed is not None:
             index = index.masked_fill(~allowed, float("-inf"))
         top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
