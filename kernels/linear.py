@@ -58,7 +58,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype `matmul` multiplies t in. An operand converted to it beforehand is not converted again: a
     weight copy made at load (then twice the bytes of a BF16 copy on CPU), a context read by two products."""
-    return torch.float32 if t.device.type == "cpu" and t.dtype in HALF_DTYPES else t.dtype
+    return matmul_dtype_for(t.dtype, t.device)
+
+
+def matmul_dtype_for(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """matmul_dtype for a tensor of this dtype on this device."""
+    return torch.float32 if torch.device(device).type == "cpu" and dtype in HALF_DTYPES else dtype
 
 
 def w8a8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,

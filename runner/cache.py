@@ -4,7 +4,10 @@ A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence own
 block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
 p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe` side by side in one
 field, `c_kv_k_pe`, so decode gathers a token's latent key with one read; V3.2 adds the indexer's keys
-`index_k`. DeepSeek-V4's state (window, compressors) is in cache_v4.py, on the same step protocol.
+`index_k`. A sequence whose blocks are consecutive (as a sequence running alone gets them) reads its context
+as a view of the cache, and a step whose slots form one range writes into a view: no gather, no scatter, no
+copy of the context per layer and step; otherwise reads gather through the sequence's slots. DeepSeek-V4's
+state (window, compressors) is in cache_v4.py, on the same step protocol.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class SeqStep:
     context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
     causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
     #                                     query_len + i) may look; None for one query, which sees everything
+    first_slot: int | None = None  # set when context_slots are first_slot .. first_slot + context_len - 1, i.e.
+    #                                the block table is consecutive blocks: the context is then read as a view
 
     @property
     def query_len(self) -> int:
@@ -39,6 +44,7 @@ class StepMeta:
     seqs: list[SeqStep]
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
+    first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
 
     @property
     def last_rows(self) -> torch.Tensor | None:
@@ -76,15 +82,14 @@ class LatentCache:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
+    def _slots(self, seq_id: int, start: int, stop: int) -> list[int]:
         """The slots of positions start .. stop - 1, in plain ints: a decode step adds one position."""
         table, size = self.block_tables[seq_id], self.block_size
-        return torch.tensor([table[p // size] * size + p % size for p in range(start, stop)], dtype=torch.long,
-                            device=self.device)
+        return [table[p // size] * size + p % size for p in range(start, stop)]
 
     def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
         """Reserve slots for (seq_id, n_new) pairs, in order; returns the step's flattened metadata."""
-        seqs, positions, slots, row = [], [], [], 0
+        seqs, positions, slots, step_slots, row = [], [], [], [], 0
         for seq_id, n_new in new_tokens:
             start = self.lengths.get(seq_id, 0)
             table = self.block_tables.setdefault(seq_id, [])
@@ -93,22 +98,34 @@ class LatentCache:
                 raise cache_full(self.capacity_tokens, seq_id, start + n_new)
             table.extend(self.free_blocks.pop() for _ in range(need))
             self.lengths[seq_id] = start + n_new
-            new_slots = self._slots(seq_id, start, start + n_new)
+            slot_list = self._slots(seq_id, start, start + n_new)
+            step_slots += slot_list
+            new_slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
             context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
             self.context_slots[seq_id] = context  # extended once per step, read by every layer
             causal = causal_mask(n_new, start + n_new, self.device) if n_new > 1 else None
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal))
+            consecutive = table == list(range(table[0], table[0] + len(table)))
+            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal,
+                                table[0] * self.block_size if consecutive else None))
             positions.append(torch.arange(start, start + n_new, device=self.device))
             slots.append(new_slots)
             row += n_new
-        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device))
+        one_range = bool(step_slots) and step_slots == list(range(step_slots[0], step_slots[0] + len(step_slots)))
+        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device),
+                        step_slots[0] if one_range else None)
 
-    def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
+    def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
+        """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""
         for name, value in values.items():
-            self.data[name][layer].index_copy_(0, slots, cast(value, self.data[name].dtype))
+            if meta.first_slot is not None:  # one range (every decode step of one sequence): a copy into a view
+                self.data[name][layer].narrow(0, meta.first_slot, value.shape[0]).copy_(value)
+            else:
+                self.data[name][layer].index_copy_(0, meta.slots, cast(value, self.data[name].dtype))
 
     def read(self, layer: int, seq: SeqStep, *names: str) -> list[torch.Tensor]:
         """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""
+        if seq.first_slot is not None:  # consecutive blocks: a view, no gather (a single sequence's usual case)
+            return [self.data[name][layer].narrow(0, seq.first_slot, seq.context_len) for name in names]
         # index_select rather than tensor[index]: the same gather without advanced indexing's per-call setup
         return [torch.index_select(self.data[name][layer], 0, seq.context_slots) for name in names]
 

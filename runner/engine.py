@@ -39,7 +39,7 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
 
         model = DeepseekV3(cfg, weights, dist, dtype)
         return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
-                                                      cache_fields(cfg), dtype, dist.device)
+                                                      cache_fields(cfg), model.cache_dtype, dist.device)
     from runner.cache_v4 import V4Cache
     from runner.model_v4 import DeepseekV4
 

@@ -16,7 +16,7 @@ from convert.arch_v3 import V3Config
 from convert.errors import InputError
 from kernels.attention import attention
 from kernels.device import cast
-from kernels.linear import linear_t, matmul_dtype, w8a8_linear, w8a8_linear_quantized
+from kernels.linear import linear_t, matmul_dtype, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq, softmax_scale
 from runner.cache import LatentCache, StepMeta
@@ -117,7 +117,7 @@ class Attention:
         # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
         pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos, sin, interleaved=True)
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
-        cache.write(layer, meta.slots, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
+        cache.write(layer, meta, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
         if self.indexer is not None:
             self.indexer.write_keys(x, cos, sin, cache, layer, meta)
 
@@ -133,6 +133,7 @@ class Attention:
                 chosen = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
                 allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
+                ctx = cast(ctx, x.dtype)  # the cache may hold it in decode's product dtype (float32 on CPU)
                 ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
                 k_nope = torch.einsum("cl,hln->hcn", ctx_c, cast(w_uk_t, ctx_c.dtype))
                 values = torch.einsum("cl,hvl->hcv", ctx_c, cast(w_uv, ctx_c.dtype))
@@ -170,7 +171,7 @@ class Indexer:
                          INDEXER_K_NORM_EPS)
         k_rot, k_pass = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
         k = torch.cat([apply_rope(k_rot, cos[:, 0], sin[:, 0], interleaved=False), k_pass], dim=-1)  # half-split
-        cache.write(layer, meta.slots, index_k=k)
+        cache.write(layer, meta, index_k=k)
 
     def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
         cfg = self.cfg
@@ -262,6 +263,9 @@ class DeepseekV3:
         inv_freq, self.attention_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(dist.device)  # once, not at every step
         self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
+        # the cache holds its BF16 entries in the dtype decode multiplies them in (float32 on CPU, exact: BF16 values
+        # convert losslessly), so a decode step reads the context as is instead of converting it in every layer
+        self.cache_dtype = matmul_dtype_for(dtype, dist.device)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
                 hidden_out: list | None = None) -> torch.Tensor:

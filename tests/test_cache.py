@@ -1,0 +1,49 @@
+"""The paged latent cache: what a sequence reads back is what it wrote, position by position, whether its
+blocks are consecutive (read as a view of the cache) or scattered (gathered through its slots)."""
+
+import torch
+
+from runner.cache import LatentCache
+
+BLOCK = 4
+DIM = 3
+
+
+def row(seq_id: int, position: int) -> list[float]:
+    return [seq_id, position, seq_id * 1000 + position]
+
+
+def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks():
+    cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
+    lengths = {0: 0, 1: 0, 2: 0, 3: 0}
+    consecutive_seen, scattered_seen = set(), set()
+    # a prefill alone (a range write of 6 rows), a batched prefill, decode steps of three sequences interleaved
+    # (their blocks end up scattered), steps of sequence 2 alone (one token: a range write), a multi-token step
+    steps = [[(3, 6)], [(0, 3), (1, 6), (2, 9)]] + [[(0, 1), (1, 1), (2, 1)]] * 6 + [[(2, 1)]] * 3 + [[(0, 5)]]
+    for new_tokens in steps:
+        meta = cache.step(new_tokens)
+        values = torch.tensor([row(seq_id, lengths[seq_id] + i) for seq_id, n in new_tokens for i in range(n)],
+                              dtype=torch.float32)
+        for layer in range(2):
+            cache.write(layer, meta, a=values + layer)
+        for seq_id, n in new_tokens:
+            lengths[seq_id] += n
+        for seq in meta.seqs:
+            (consecutive_seen if seq.first_slot is not None else scattered_seen).add(seq.seq_id)
+            expected = torch.tensor([row(seq.seq_id, p) for p in range(seq.context_len)], dtype=torch.float32)
+            for layer in range(2):
+                (got,) = cache.read(layer, seq, "a")
+                assert torch.equal(got, expected + layer), (new_tokens, seq.seq_id, layer)
+    assert consecutive_seen and scattered_seen  # both read paths ran
+
+
+def test_first_slot_only_for_consecutive_ranges():
+    cache = LatentCache(layers=1, num_blocks=8, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
+    meta = cache.step([(0, 2), (1, 2)])  # blocks 0 and 1: the step's slots 0, 1, 4, 5 are not one range
+    assert meta.first_slot is None
+    assert [s.first_slot for s in meta.seqs] == [0, BLOCK]
+    meta = cache.step([(1, 1)])  # one token: always one range
+    assert meta.first_slot == BLOCK + 2
+    for _ in range(3):  # sequence 0 grows past its block into block 2, after sequence 1's
+        meta = cache.step([(0, 1)])
+    assert meta.seqs[0].first_slot is None
