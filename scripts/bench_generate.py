@@ -1,12 +1,13 @@
 """Benchmark generation on one fixture in one run: dsrun's decode vs transformers' `generate`, and the 16-rank
 step split into compute and communication.
 
-    python scripts/bench_generate.py [--family deepseek_v3|deepseek_v32|deepseek_v4] [--new-tokens 64] [--work DIR]
+    python scripts/bench_generate.py [--family deepseek_v3|deepseek_v32|deepseek_v4] [--new-tokens 64] [--rounds 10]
+                                     [--work DIR]
 
 (1) world size 1, in process, BF16: decode tokens/s of dsrun's model vs transformers' DeepseekV3/V32/V4ForCausalLM
     `generate` on the same weights and prompt (decode = generation after the first token; target >= 5x). After
-    a warm-up each, the two alternate for REPEATS rounds; each side's best round counts, and every round's
-    ratio is printed too.
+    a warm-up each, the two alternate for --rounds rounds; each side's best round counts, and every round's
+    ratio and the median round's are printed too.
 (2) 16 local ranks (EP16, lm_head TP16, gloo on this machine's cores): per decode step, the wall time and the
     part spent inside collectives, as rank 0 and as the slowest rank saw it.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,8 +39,10 @@ from shard.shard import make_shard_plan, run_shard  # noqa: E402
 
 PROMPT_LEN = 32
 DECODE_TARGET = 5.0
-REPEATS = 5  # rounds, best of, on each side: on a shared 2-core machine a run's speed can change by 1.5x from
-#             one second to the next (other tenants), so one run each would measure the machine, not the code
+ROUNDS = 10  # best of, on each side. This shared 2-core VM's speed changes by up to 1.6x over seconds (other
+#            tenants), so one run each would measure the machine, not the code. A slow spell can outlast a 5-round
+#            window: one such run had every round at 3.7-4.9x, dsrun 34% and transformers 21% slower than in the
+#            run after it (6.05x); more rounds give both sides more chances at a quiet spell
 
 
 def shards_for(src: Path, out: Path, layout: Layout) -> Path:
@@ -114,6 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32", "deepseek_v4"])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds; each side's best counts")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dsrun-bench"))
     args = parser.parse_args()
     work = args.work / args.family
@@ -129,12 +134,13 @@ def main() -> int:
 
     runs = {"dsrun": dsrun_decoder(shards_for(src, work / "shards-w1", Layout(1, 1, 1, 1)), prompt, args.new_tokens),
             "transformers": transformers_decoder(src_bf16, prompt, args.new_tokens)}
-    rounds = interleaved_rounds(runs, REPEATS)
+    rounds = interleaved_rounds(runs, args.rounds)
     ours, theirs = max(rounds["dsrun"]), max(rounds["transformers"])
-    per_round = ", ".join(f"{a / b:.2f}x" for a, b in zip(rounds["dsrun"], rounds["transformers"]))
+    ratios = [a / b for a, b in zip(rounds["dsrun"], rounds["transformers"])]
+    per_round = ", ".join(f"{r:.2f}x" for r in ratios)
     print(f"world 1, BF16: dsrun decode {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s (best of "
-          f"{REPEATS} alternating rounds each): {ours / theirs:.2f}x (target >= {DECODE_TARGET}x); round by round: "
-          f"{per_round}", flush=True)
+          f"{args.rounds} alternating rounds each): {ours / theirs:.2f}x (target >= {DECODE_TARGET}x); round by "
+          f"round: {per_round} (median round {statistics.median(ratios):.2f}x)", flush=True)
 
     records = sixteen_rank_split(shards_for(src, work / "shards-w16", Layout()), prompt, args.new_tokens, work)
     steps = records[0]["steps"]
