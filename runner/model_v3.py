@@ -130,8 +130,13 @@ class Attention:
             # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
             # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
             if self.indexer is not None and seq.context_len > cfg.index_topk:
-                chosen = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
-                allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
+                top = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
+                if seq.query_len == 1:  # decode: attend over the chosen positions only, [index_topk, lora + rope]
+                    ctx = ctx.index_select(0, top[0])
+                else:  # prefill: each query has its own choice, a mask over the whole context
+                    chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
+                    chosen.scatter_(-1, top, True)
+                    allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
                 ctx = cast(ctx, x.dtype)  # the cache may hold it in decode's product dtype (float32 on CPU)
                 ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
@@ -174,6 +179,7 @@ class Indexer:
         cache.write(layer, meta, index_k=k)
 
     def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
+        """-> [S, k] per query the context positions of its top k = min(index_topk, C) index scores."""
         cfg = self.cfg
         heads, dim, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(-1, heads, dim)
@@ -186,8 +192,7 @@ class Indexer:
         index = torch.matmul(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
         if allowed is not None:
             index = index.masked_fill(~allowed, float("-inf"))
-        top = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
-        return torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
+        return index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices  # [S, k] context positions
 
 
 class DenseMLP:
