@@ -9,6 +9,8 @@ exchange is written out in `moe()`; lm_head is vocabulary-sharded and its logits
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,8 @@ from kernels.attention import attention
 from kernels.device import cast
 from kernels.linear import linear_t, matmul_dtype, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
 from kernels.norm import rms_norm
-from kernels.rope import apply_rope, cos_sin_at, rope_inv_freq, softmax_scale
+from kernels.rope import (apply_rope, apply_rope_prefix, cos_sin_at, half_split_tables, rope_inv_freq,
+                          softmax_scale)
 from runner.cache import LatentCache, StepMeta
 from runner.dist import Dist
 from runner.moe import expert_parallel
@@ -27,6 +30,15 @@ from runner.weights import RankWeights
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
 ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)
 ROUTER_NORM_EPS = 1e-20
+
+
+@dataclass(frozen=True)
+class StepRope:
+    """One step's rotary tables, made once for every layer, in the compute dtype (as transformers multiplies)."""
+    cos: torch.Tensor  # [T, 1, rope / 2], broadcast over heads: MLA's interleaved q_pe / k_pe (kernels.rope.apply_rope)
+    sin: torch.Tensor
+    index_cos: torch.Tensor | None = None  # [T, 1, index_head_dim]: V3.2's indexer (kernels.rope.apply_rope_prefix)
+    index_sin: torch.Tensor | None = None
 
 
 class Proj:
@@ -107,7 +119,7 @@ class Attention:
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
         self.dist = dist
 
-    def __call__(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
+    def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         cfg, heads = self.cfg, self.heads
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         q_a, c_kv, k_pe = self.wqkv_a(x).split([cfg.q_lora_rank, lora, rope], dim=-1)
@@ -115,11 +127,11 @@ class Attention:
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
-        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), cos, sin, interleaved=True)
+        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step_rope.cos, step_rope.sin, interleaved=True)
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
         cache.write(layer, meta, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
         if self.indexer is not None:
-            self.indexer.write_keys(x, cos, sin, cache, layer, meta)
+            self.indexer.write_keys(x, step_rope, cache, layer, meta)
 
         w_uk_t, w_uv = self.w_uk_t, self.w_uv  # [heads, lora, nope], [heads, v, lora]
         outs = []  # [S, heads, v] per sequence, in row order
@@ -130,7 +142,8 @@ class Attention:
             # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
             # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
             if self.indexer is not None and seq.context_len > cfg.index_topk:
-                top = self.indexer.select(q_resid[rows], x[rows], cos[rows], sin[rows], cache, layer, seq, allowed)
+                top = self.indexer.select(q_resid[rows], x[rows], step_rope.index_cos[rows], step_rope.index_sin[rows],
+                                          cache, layer, seq, allowed)
                 if seq.query_len == 1:  # decode: attend over the chosen positions only, [index_topk, lora + rope]
                     ctx = ctx.index_select(0, top[0])
                 else:  # prefill: each query has its own choice, a mask over the whole context
@@ -170,21 +183,18 @@ class Indexer:
         self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
         self.weights_proj = Proj(w, f"{prefix}.weights_proj", dtype)
 
-    def write_keys(self, x, cos, sin, cache: LatentCache, layer: int, meta: StepMeta) -> None:
+    def write_keys(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
         cfg = self.cfg
         k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias,
                          INDEXER_K_NORM_EPS)
-        k_rot, k_pass = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
-        k = torch.cat([apply_rope(k_rot, cos[:, 0], sin[:, 0], interleaved=False), k_pass], dim=-1)  # half-split
+        k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
         cache.write(layer, meta, index_k=k)
 
     def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
         """-> [S, k] per query the context positions of its top k = min(index_topk, C) index scores."""
         cfg = self.cfg
-        heads, dim, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        q = self.wq_b(q_resid).view(-1, heads, dim)
-        q_rot, q_pass = q.split([rope, dim - rope], dim=-1)
-        q = torch.cat([apply_rope(q_rot, cos, sin, interleaved=False), q_pass], dim=-1)
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        q = apply_rope_prefix(self.wq_b(q_resid).view(-1, heads, dim), cos, sin, cfg.qk_rope_head_dim)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         # matmul rather than the equivalent einsum: the same products, without einsum's ~30 us of setup per call
         scores = F.relu(torch.matmul(q.float(), keys.float().t()) * dim ** -0.5)  # [S, heads, C]
@@ -276,16 +286,21 @@ class DeepseekV3:
                 hidden_out: list | None = None) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = cast(F.embedding(tokens, self.embed), self.dtype)
-        # [T, 1, rope / 2] (broadcast over heads) in the compute dtype, made once for every layer
-        cos, sin = (t.to(self.dtype)[:, None] for t in cos_sin_at(self.inv_freq, self.attention_scaling,
-                                                                   meta.positions))
+        step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
-            x = x + attn(attn_norm(x), cos, sin, cache, layer, meta, self.scale)
+            x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))
             if hidden_out is not None:
                 hidden_out.append(x)
         h = self.norm(x)
         return self.logits(h if rows is None else h[rows])
+
+    def step_rope(self, positions: torch.Tensor) -> StepRope:
+        # cos, sin [T, 1, rope / 2] (broadcast over heads) in the compute dtype, as transformers multiplies in
+        cos, sin = (t.to(self.dtype)[:, None] for t in cos_sin_at(self.inv_freq, self.attention_scaling, positions))
+        if not self.cfg.has_indexer:
+            return StepRope(cos, sin)
+        return StepRope(cos, sin, *half_split_tables(cos, sin, self.cfg.index_head_dim))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary

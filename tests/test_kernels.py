@@ -18,7 +18,7 @@ from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference,
                             matmul_dtype, w8a8_linear, w8a8_linear_reference)
 from kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
 from kernels.norm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, rope_cos_sin, softmax_scale
+from kernels.rope import apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, softmax_scale
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -230,6 +230,28 @@ def test_apply_rope_equals_transformers(dtype, interleaved):
     cos, sin = rope_cos_sin(ours, POSITIONS[0])  # [S, D/2] float32
     assert torch.equal(apply_rope(q, cos, sin, interleaved), hf_q)
     assert torch.equal(apply_rope(k, cos, sin, interleaved), hf_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("passed", [0, 64], ids=["rotated-only", "with-passthrough"])
+def test_apply_rope_prefix_equals_transformers_indexer(dtype, passed):
+    # V3.2's indexer q / k: index_head_dim wide, half-split rope on the first qk_rope_head_dim dims, the rest
+    # passed through, as transformers' DeepseekV32Indexer splits, rotates and concatenates them
+    gen = torch.Generator().manual_seed(3)
+    ours, theirs = _rope_configs(YARN)
+    heads, tokens, dim = 3, POSITIONS.shape[1], ROPE_DIM + passed
+    q = (4 * torch.randn(1, heads, tokens, dim, generator=gen)).to(dtype)
+    k = (4 * torch.randn(1, 1, tokens, dim, generator=gen)).to(dtype)
+    hf_cos, hf_sin = hf_v3.DeepseekV3RotaryEmbedding(theirs)(q, POSITIONS)
+    hf_q_rot, hf_k_rot = hf_v32.apply_rotary_pos_emb(q[..., :ROPE_DIM], k[..., :ROPE_DIM], hf_cos, hf_sin)
+    cos, sin = rope_cos_sin(ours, POSITIONS[0])  # [S, D/2] float32
+    cos_full, sin_full = half_split_tables(cos.to(dtype), sin.to(dtype), dim)
+    for x, hf_rot in ((q, hf_q_rot), (k, hf_k_rot)):
+        got = apply_rope_prefix(x, cos_full, sin_full, ROPE_DIM)
+        assert torch.equal(got[..., :ROPE_DIM], hf_rot)
+        assert torch.equal(got[..., ROPE_DIM:], x[..., ROPE_DIM:])
+    with pytest.raises(ValueError, match="do not fit"):
+        half_split_tables(cos, sin, ROPE_DIM - 2)
 
 
 # --- attention ------------------------------------------------------------------------------------------------
