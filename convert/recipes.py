@@ -1,8 +1,9 @@
 """Which weights become INT8. A recipe is a set of roles; everything else keeps a float dtype.
 
-Pairs that engines fuse (gate/up, V3's q_a/kv_a) always share a type, MTP layers always stay float, and
-routers, embeddings and lm_head are never INT8: vllm-ascend fuses those pairs per layer and refuses a
-quantized kv_b_proj, and the router/embed/head are small next to their effect on accuracy.
+Projections that are fused into one matmul (gate/up, V3's q_a/kv_a, and in dsrun V3.2's indexer wk/weights_proj
+with those two) always share a type, MTP layers always stay float, and routers, embeddings and lm_head are never
+INT8: vllm-ascend fuses those pairs per layer and refuses a quantized kv_b_proj, and the router/embed/head are
+small next to their effect on accuracy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ _NEVER = {Role.EMBED, Role.HEAD, Role.ROUTER, Role.ROUTER_BIAS, Role.ROUTER_TID2
           Role.ATTN_SINK, Role.COMPRESSOR_APE, Role.INDEXER_K_NORM_BIAS}
 # Engines fuse these into one matmul, so one recipe must give both the same type.
 FUSED_PAIRS = ((Role.EXPERT_W1, Role.EXPERT_W3), (Role.SHARED_W1, Role.SHARED_W3), (Role.DENSE_W1, Role.DENSE_W3))
-MLA_FUSED_PAIR = (Role.ATTN_Q_A, Role.ATTN_KV_A)  # V3/V3.2 only: V4 has a single wkv and no kv_a
+# V3/V3.2 only (V4 has a single wkv and no kv_a): q_a and kv_a, which engines fuse, and V3.2's indexer wk and
+# weights_proj, which read the same layer input and which dsrun runs in the same merged projection
+MLA_FUSED = (Role.ATTN_Q_A, Role.ATTN_KV_A, Role.INDEXER_K, Role.INDEXER_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,10 @@ DEFAULT_RECIPE = {"deepseek_v3": "v3", "deepseek_v32": "v3", "deepseek_v4": "v4"
 
 for _recipe in RECIPES.values():
     _mla = any(f in ("deepseek_v3", "deepseek_v32") for f in _recipe.families)
-    for _a, _b in FUSED_PAIRS + ((MLA_FUSED_PAIR,) if _mla else ()):
-        if (_a in _recipe.int8_roles) != (_b in _recipe.int8_roles):
-            raise AssertionError(f"recipe {_recipe.name} quantizes {_a.value} but not {_b.value}; engines fuse them")
+    for _group in FUSED_PAIRS + ((MLA_FUSED,) if _mla else ()):
+        if len({role in _recipe.int8_roles for role in _group}) != 1:
+            raise AssertionError(f"recipe {_recipe.name} quantizes some of {[r.value for r in _group]} but not all; "
+                                 "they are fused into one matmul")
 
 
 def recipe_for(name: str | None, model_type: str) -> Recipe:

@@ -99,8 +99,14 @@ class Attention:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
         self.cfg = cfg
         self.heads = cfg.num_attention_heads // dist.attn_tp  # this rank's heads
-        # q_a and kv_a both read the layer input: one merged projection, [q_lora | kv_lora + rope] output columns
-        self.wqkv_a = Proj.merged(w, [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"], dtype)
+        # q_a, kv_a and V3.2's indexer wk and weights_proj all read the layer input: one merged projection, output
+        # columns [q_lora | kv_lora + rope | index_head_dim | index_n_heads] (convert.recipes gives them one type)
+        names = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
+        self.split = [cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim]
+        if cfg.has_indexer:
+            names += [f"{prefix}.indexer.wk", f"{prefix}.indexer.weights_proj"]
+            self.split += [cfg.index_head_dim, cfg.index_n_heads]
+        self.wqkv_a = Proj.merged(w, names, dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
         self.q_norm = Norm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
@@ -122,7 +128,7 @@ class Attention:
     def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         cfg, heads = self.cfg, self.heads
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q_a, c_kv, k_pe = self.wqkv_a(x).split([cfg.q_lora_rank, lora, rope], dim=-1)
+        q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.split, dim=-1)  # V3.2: + indexer key, head weights
         q_resid = self.q_norm(q_a)
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
@@ -131,7 +137,7 @@ class Attention:
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
         cache.write(layer, meta, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
         if self.indexer is not None:
-            self.indexer.write_keys(x, step_rope, cache, layer, meta)
+            self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
 
         w_uk_t, w_uv = self.w_uk_t, self.w_uv  # [heads, lora, nope], [heads, v, lora]
         outs = []  # [S, heads, v] per sequence, in row order
@@ -142,8 +148,8 @@ class Attention:
             # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
             # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
             if self.indexer is not None and seq.context_len > cfg.index_topk:
-                top = self.indexer.select(q_resid[rows], x[rows], step_rope.index_cos[rows], step_rope.index_sin[rows],
-                                          cache, layer, seq, allowed)
+                top = self.indexer.select(q_resid[rows], index_k_w[1][rows], step_rope.index_cos[rows],
+                                          step_rope.index_sin[rows], cache, layer, seq, allowed)
                 if seq.query_len == 1:  # decode: attend over the chosen positions only, [index_topk, lora + rope]
                     ctx = ctx.index_select(0, top[0])
                 else:  # prefill: each query has its own choice, a mask over the whole context
@@ -177,28 +183,28 @@ class Indexer:
 
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
         self.cfg = cfg
-        self.wq_b, self.wk = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.wk", dtype)
+        self.wq_b = Proj(w, f"{prefix}.wq_b", dtype)  # wk and weights_proj are merged into Attention.wqkv_a
         # the LayerNorm's parameters in the compute dtype, once (F.layer_norm wants them in the input's dtype)
         self.k_norm_weight = cast(w.take(f"{prefix}.k_norm.weight"), dtype)
         self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
-        self.weights_proj = Proj(w, f"{prefix}.weights_proj", dtype)
 
-    def write_keys(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
+    def write_keys(self, k, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
+        """k [T, index_head_dim]: wk of the layer input, normed, rotated and cached here."""
         cfg = self.cfg
-        k = F.layer_norm(self.wk(x), (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias,
-                         INDEXER_K_NORM_EPS)
+        k = F.layer_norm(k, (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias, INDEXER_K_NORM_EPS)
         k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
         cache.write(layer, meta, index_k=k)
 
-    def select(self, q_resid, x, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
-        """-> [S, k] per query the context positions of its top k = min(index_topk, C) index scores."""
+    def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
+        """head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k] per query the context
+        positions of its top k = min(index_topk, C) index scores."""
         cfg = self.cfg
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         q = apply_rope_prefix(self.wq_b(q_resid).view(-1, heads, dim), cos, sin, cfg.qk_rope_head_dim)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         # matmul rather than the equivalent einsum: the same products, without einsum's ~30 us of setup per call
         scores = F.relu(torch.matmul(q.float(), keys.float().t()) * dim ** -0.5)  # [S, heads, C]
-        head_weights = self.weights_proj(x).float() * heads ** -0.5  # [S, heads]
+        head_weights = head_weights.float() * heads ** -0.5  # [S, heads]
         index = torch.matmul(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
         if allowed is not None:
             index = index.masked_fill(~allowed, float("-inf"))
