@@ -117,24 +117,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 def half_split_tables(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., r / 2] -> the [..., dim] tables `apply_rope_prefix` takes for vectors of `dim` whose first
-    r dims rotate, the rest passing through: [cos, cos, 1 ...] and [sin, sin, 0 ...]. A model makes them once
+    r dims rotate, the rest passing through: [cos, cos, 1 ...] and [-sin, sin, 0 ...]. A model makes them once
     per step."""
     rest = dim - 2 * cos.shape[-1]
     if rest < 0:
         raise ValueError(f"{2 * cos.shape[-1]} rotated dims do not fit in dim={dim}")
     ones = torch.ones(*cos.shape[:-1], rest, dtype=cos.dtype, device=cos.device)
-    return torch.cat([cos, cos, ones], dim=-1), torch.cat([sin, sin, torch.zeros_like(ones)], dim=-1)
+    return torch.cat([cos, cos, ones], dim=-1), torch.cat([-sin, sin, torch.zeros_like(ones)], dim=-1)
 
 
 def apply_rope_prefix(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Half-split rope on x's first rope_dim dims, the rest passed through (V3.2's indexer q and k), in x's dtype.
 
-    On the rotated dims this is transformers' x * cos + rotate_half(x) * sin, op for op (bit-equal); on the rest
-    x * 1 + x * 0 = x exactly. Five calls for the whole vector, where splitting off the rotated part, rotating it
-    (`apply_rope`) and concatenating the rest back takes about ten (hot loop on the 2-core CI CPU: 0.6-0.7 of
-    the time). cos_full, sin_full from `half_split_tables`, broadcastable to x, in x's dtype."""
+    On the rotated dims this is transformers' x * cos + rotate_half(x) * sin with the same roundings (its
+    rotate_half negates x's second half; here the table's first half is -sin instead, and a product's sign flips
+    exactly), so bit-equal; on the rest x * 1 + x * 0 = x exactly. Four calls for the whole vector, where
+    splitting off the rotated part, rotating it (`apply_rope`) and concatenating the rest back takes about ten
+    (hot loop on the 2-core CI CPU: 0.6-0.7 of the time). cos_full, sin_full from `half_split_tables`,
+    broadcastable to x, in x's dtype."""
     half = rope_dim // 2
-    rotated = torch.cat([-x[..., half:rope_dim], x[..., :half], x[..., rope_dim:]], dim=-1)
+    rotated = torch.cat([x[..., half:rope_dim], x[..., :half], x[..., rope_dim:]], dim=-1)
     return x * cos_full + rotated * sin_full
 
 

@@ -203,7 +203,7 @@ class Indexer:
         q = apply_rope_prefix(self.wq_b(q_resid).view(-1, heads, dim), cos, sin, cfg.qk_rope_head_dim)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         # matmul rather than the equivalent einsum: the same products, without einsum's ~30 us of setup per call
-        scores = F.relu(torch.matmul(q.float(), keys.float().t()) * dim ** -0.5)  # [S, heads, C]
+        scores = F.relu(torch.matmul(q.float(), cast(keys, torch.float32).t()) * dim ** -0.5)  # [S, heads, C]
         head_weights = head_weights.float() * heads ** -0.5  # [S, heads]
         index = torch.matmul(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
         if allowed is not None:
@@ -211,18 +211,29 @@ class Indexer:
         return index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices  # [S, k] context positions
 
 
-class DenseMLP:
-    def __init__(self, w: RankWeights, prefix: str, dtype: torch.dtype):
-        self.gate_up = Proj.merged(w, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], dtype)  # [2 * inter, hidden]
-        self.down = Proj(w, f"{prefix}.down_proj", dtype)
+class GatedMLP:
+    """down(activation(gate_up(x))) with the gate and up projections merged into one, gate columns first (vLLM
+    merges them the same way): DeepSeek's dense MLPs, routed and shared experts. The activation maps
+    [T, 2 * inter] to [T, inter] (SwiGLU; V4 clamps it). The stages are separate for runner.moe, which runs the
+    k experts of a decode token's row as k projections and one activation call."""
+
+    def __init__(self, w: RankWeights, names: tuple[str, str, str], dtype: torch.dtype, activation=None):
+        gate, up, down = names
+        self.gate_up = Proj.merged(w, [gate, up], dtype)  # [2 * inter, hidden]
+        self.down = Proj(w, down, dtype)
+        self.activation = activation or silu_and_mul
         self.int8 = self.gate_up.scale is not None
 
+    @classmethod
+    def v3(cls, w: RankWeights, prefix: str, dtype: torch.dtype) -> "GatedMLP":
+        return cls(w, (f"{prefix}.gate_proj", f"{prefix}.up_proj", f"{prefix}.down_proj"), dtype)
+
     def __call__(self, x):
-        return self.down(silu_and_mul(self.gate_up(x)))
+        return self.down(self.activation(self.gate_up(x)))
 
     def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
-        return self.down(silu_and_mul(self.gate_up.quantized(x_q, x_scale, dtype)))
+        return self.down(self.activation(self.gate_up.quantized(x_q, x_scale, dtype)))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -238,8 +249,8 @@ class MoE:
         self.bias = w.take(f"{prefix}.gate.e_score_correction_bias").float()
         self.per_rank = cfg.n_routed_experts // dist.ep
         first = dist.ep_rank * self.per_rank
-        self.experts = [DenseMLP(w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
-        self.shared = DenseMLP(w, f"{prefix}.shared_experts", dtype)
+        self.experts = [GatedMLP.v3(w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
+        self.shared = GatedMLP.v3(w, f"{prefix}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
@@ -272,7 +283,7 @@ class DeepseekV3:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else DenseMLP(w, f"{p}.mlp", dtype)
+            mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else GatedMLP.v3(w, f"{p}.mlp", dtype)
             self.layers.append((Norm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
                                 Attention(cfg, w, f"{p}.self_attn", dist, dtype),
                                 Norm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), mlp))

@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from convert.arch_v4 import AttnType, MlpType, V4Config
-from kernels.linear import linear, w8a8_linear, w8a8_linear_quantized
+from kernels.linear import linear, w8a8_linear
 from kernels.moe import swiglu
 from kernels.rope import cos_sin_at, rope_inv_freq
 from runner.cache import StepMeta
 from runner.cache_v4 import CompressorState, LayerState, V4Cache
 from runner.dist import Dist
 from runner.moe import expert_parallel
-from runner.model_v3 import Proj
+from runner.model_v3 import GatedMLP, Proj
 from runner.weights import RankWeights
 
 ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
@@ -233,20 +233,11 @@ def sink_attention(q, kv, allowed, sinks, scale) -> torch.Tensor:
     return torch.einsum("htk,kd->thd", probs.to(kv.dtype), kv)
 
 
-class Expert:
-    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, dtype: torch.dtype):
-        self.w1, self.w2, self.w3 = (Proj(w, f"{prefix}.{n}", dtype) for n in ("w1", "w2", "w3"))
-        self.limit = cfg.swiglu_limit
-        self.int8 = self.w1.scale is not None and self.w3.scale is not None
-
-    def __call__(self, x):
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
-
-    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
-        gate = w8a8_linear_quantized(x_q, x_scale, self.w1.weight, self.w1.scale, dtype)
-        up = w8a8_linear_quantized(x_q, x_scale, self.w3.weight, self.w3.scale, dtype)
-        return self.w2(swiglu(gate, up, self.limit))
+def expert(cfg: V4Config, w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
+    """A routed or shared expert: w1 (gate) and w3 (up) merged, w2 down, SwiGLU clamped at swiglu_limit."""
+    limit = cfg.swiglu_limit
+    return GatedMLP(w, (f"{prefix}.w1", f"{prefix}.w3", f"{prefix}.w2"), dtype,
+                    lambda gate_up: swiglu(*gate_up.chunk(2, dim=-1), limit))
 
 
 class MoE:
@@ -262,8 +253,8 @@ class MoE:
             self.bias = w.take(f"{prefix}.gate.bias").float()
         self.per_rank = cfg.n_routed_experts // dist.ep
         first = dist.ep_rank * self.per_rank
-        self.experts = [Expert(cfg, w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
-        self.shared = Expert(cfg, w, f"{prefix}.shared_experts", dtype)
+        self.experts = [expert(cfg, w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
+        self.shared = expert(cfg, w, f"{prefix}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hash layers: experts = tid2eid[token]; others: top-k of score + bias. Weights from the scores."""

@@ -12,8 +12,9 @@ from runner.dist import Dist
 
 def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local_experts: list,
                     per_rank: int, dist: Dist) -> torch.Tensor:
-    """x [T, H]; experts, weights [T, k] from the router; local_experts: this rank's experts, each callable
-    on float rows and, when `int8`, on INT8 rows via `quantized(x_q, x_scale, dtype)` -> [T, H]."""
+    """x [T, H]; experts, weights [T, k] from the router; local_experts: this rank's experts (GatedMLP-like:
+    callable on float rows and, when `int8`, on INT8 rows via `quantized(x_q, x_scale, dtype)` -> [T, H]; the
+    one-token path uses their stages `gate_up`, `activation` and `down`)."""
     if dist.ep == 1 and x.shape[0] == 1:
         return _one_local_token(x, experts, weights, local_experts)
     k = experts.shape[1]
@@ -54,10 +55,15 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
 def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                      local_experts: list) -> torch.Tensor:
     """EP 1 and one token, a single sequence's decode step: nothing to exchange or group, so the token's k
-    experts run on it in turn. The same values as the general path (same expert inputs, same weighted sum)
-    with a third of its calls."""
-    int8 = local_experts[0].int8
-    x_q, x_scale = quantize_activations(x) if int8 else (None, None)
-    outputs = [local_experts[e].quantized(x_q, x_scale, x.dtype) if int8 else local_experts[e](x)
-               for e in experts[0].tolist()]
-    return torch.mm(weights, torch.cat(outputs).float()).to(x.dtype)  # [1, k] @ [k, H]: the weighted sum
+    experts run on it directly, their k gate/up projections stacked so that the activation is one call for all
+    k (each row's values are what the expert alone computes), then each expert's down projection on its row.
+    The same values as the general path (same expert inputs, same weighted sum) with a fraction of its calls."""
+    chosen = [local_experts[e] for e in experts[0].tolist()]
+    if chosen[0].int8:
+        x_q, x_scale = quantize_activations(x)
+        gate_up = torch.cat([e.gate_up.quantized(x_q, x_scale, x.dtype) for e in chosen])  # [k, 2 * inter]
+    else:
+        gate_up = torch.cat([e.gate_up(x) for e in chosen])
+    hidden = chosen[0].activation(gate_up)  # [k, inter]: the experts of a layer share their activation
+    outputs = torch.cat([e.down(hidden[i:i + 1]) for i, e in enumerate(chosen)])  # [k, H]
+    return torch.mm(weights, outputs.float()).to(x.dtype)  # [1, k] @ [k, H]: the weighted sum

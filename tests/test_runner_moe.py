@@ -3,38 +3,56 @@
 import pytest
 import torch
 
-from kernels.linear import w8a8_linear_quantized
+from kernels.linear import w8a8_linear, w8a8_linear_quantized
 from runner.dist import Dist
 from runner.moe import expert_parallel
 
-HIDDEN, EXPERTS, TOP_K = 32, 6, 3
+HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 6, 3
 
 
-class FloatExpert:
-    int8 = False
-
-    def __init__(self, gen):
-        self.w = torch.randn(HIDDEN, HIDDEN, generator=gen).to(torch.bfloat16) / HIDDEN**0.5
+class FloatProj:
+    def __init__(self, n_in, n_out, gen):
+        self.w = torch.randn(n_in, n_out, generator=gen).to(torch.bfloat16) / n_in**0.5
 
     def __call__(self, rows):
-        return torch.tanh(rows @ self.w)
+        return rows @ self.w
 
 
-class Int8Expert:
-    int8 = True
+class Int8Proj:
+    def __init__(self, n_in, n_out, gen):
+        self.w = torch.randint(-127, 128, (n_out, n_in), dtype=torch.int8, generator=gen)
+        self.scale = torch.rand(n_out, 1, generator=gen) / 127 / n_in**0.5
 
-    def __init__(self, gen):
-        self.w = torch.randint(-127, 128, (HIDDEN, HIDDEN), dtype=torch.int8, generator=gen)
-        self.scale = torch.rand(HIDDEN, 1, generator=gen) / 127
+    def __call__(self, rows):
+        return w8a8_linear(rows, self.w, self.scale, rows.dtype)
 
     def quantized(self, x_q, x_scale, dtype):
         return w8a8_linear_quantized(x_q, x_scale, self.w, self.scale, dtype)
 
 
-@pytest.mark.parametrize("kind", [FloatExpert, Int8Expert])
-def test_one_token_path_equals_the_general_path(kind):
+def gated(gate_up):  # any [T, 2I] -> [T, I] map that mixes both halves
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.tanh(gate) * up
+
+
+class Expert:
+    """The stages runner.moe uses (as runner.model_v3.GatedMLP has them), with random small projections."""
+
+    def __init__(self, proj, gen):
+        self.gate_up, self.down, self.activation = proj(HIDDEN, 2 * INTER, gen), proj(INTER, HIDDEN, gen), gated
+        self.int8 = proj is Int8Proj
+
+    def __call__(self, rows):
+        return self.down(self.activation(self.gate_up(rows)))
+
+    def quantized(self, x_q, x_scale, dtype):
+        return self.down(self.activation(self.gate_up.quantized(x_q, x_scale, dtype)))
+
+
+@pytest.mark.parametrize("proj", [FloatProj, Int8Proj])
+def test_one_token_path_equals_the_general_path(proj):
     gen = torch.Generator().manual_seed(0)
-    experts = [kind(gen) for _ in range(EXPERTS)]
+    experts = [Expert(proj, gen) for _ in range(EXPERTS)]
     x = torch.randn(3, HIDDEN, generator=gen).to(torch.bfloat16)
     chosen = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(3)])  # [3, k]
     weights = torch.rand(3, TOP_K, generator=gen)
@@ -42,6 +60,6 @@ def test_one_token_path_equals_the_general_path(kind):
     for t in range(3):  # each token alone takes the one-token path
         alone = expert_parallel(x[t:t + 1], chosen[t:t + 1], weights[t:t + 1], experts, EXPERTS, Dist.single())
         assert torch.equal(alone, batch[t:t + 1])
-    if kind is FloatExpert:  # and both are the routing-weighted sum of the chosen experts
+    if proj is FloatProj:  # and both are the routing-weighted sum of the chosen experts
         expected = sum(weights[0, j] * experts[e](x[:1]).float() for j, e in enumerate(chosen[0].tolist()))
         torch.testing.assert_close(batch[:1].float(), expected, atol=1e-2, rtol=1e-2)
