@@ -9,7 +9,7 @@ that (half-precision inputs upcast to float32, cast back once), and equals trans
 CPU path for BF16/FP16 inputs: `y` as F.layer_norm of [x, -x]. That row's mean is zero and its variance is
 mean(x**2), so LayerNorm's (row - mean) * rsqrt(var + eps) on its first half is the RMSNorm of x, from one
 fused kernel call instead of the ~7 that F.rms_norm makes on CPU (in a tiny-model decode step, where a step
-runs 13 norms, measured ~7% less time per step in a paired A/B on the 2-core CI CPU). LayerNorm sums the
+runs 13 norms, measured 4-7% less time per step in paired A/Bs on the 2-core CI CPU). LayerNorm sums the
 squares in another order (Welford), so its float32 variance can differ from the reference's in the last bit;
 after the rounding to BF16 that changes an element only where it sits on a rounding boundary (2 of 1.8M
 elements in a sample; tests bound the rate and the size). float32 inputs take the reference (exact).
