@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.device import cast
+from kernels.linear import HALF_DTYPES
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SIGNS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [[1], [-1]] per dtype and device, made once
 
 
@@ -34,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     signs = _SIGNS.get((x.dtype, x.device))
     if signs is None:
-        signs = _SIGNS.setdefault((x.dtype, x.device), torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device))
+        signs = _SIGNS[(x.dtype, x.device)] = torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)
     mirrored = (x.unsqueeze(-2) * signs).reshape(*x.shape[:-1], 2 * d)  # [..., 2d] = [x, -x]: exact, one call
     return _weighted(weight, F.layer_norm(mirrored, (2 * d,), eps=eps)[..., :d], x.dtype)
 

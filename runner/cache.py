@@ -62,6 +62,13 @@ def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
 
 
+def _range_start(ints: list[int]) -> int | None:
+    """ints[0] when ints are ints[0], ints[0] + 1, ... (a range), else None (also for no ints)."""
+    if ints and ints == list(range(ints[0], ints[0] + len(ints))):
+        return ints[0]
+    return None
+
+
 def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
     return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
                       f"--cache-tokens or shorten the prompt)")
@@ -104,15 +111,13 @@ class LatentCache:
             context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
             self.context_slots[seq_id] = context  # extended once per step, read by every layer
             causal = causal_mask(n_new, start + n_new, self.device) if n_new > 1 else None
-            consecutive = table == list(range(table[0], table[0] + len(table)))
+            first_block = _range_start(table)  # consecutive blocks: the context is one range of slots
             seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal,
-                                table[0] * self.block_size if consecutive else None))
+                                None if first_block is None else first_block * self.block_size))
             positions.append(torch.arange(start, start + n_new, device=self.device))
             slots.append(new_slots)
             row += n_new
-        one_range = bool(step_slots) and step_slots == list(range(step_slots[0], step_slots[0] + len(step_slots)))
-        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device),
-                        step_slots[0] if one_range else None)
+        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device), _range_start(step_slots))
 
     def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
         """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""

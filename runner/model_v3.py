@@ -102,10 +102,10 @@ class Attention:
         # q_a, kv_a and V3.2's indexer wk and weights_proj all read the layer input: one merged projection, output
         # columns [q_lora | kv_lora + rope | index_head_dim | index_n_heads] (convert.recipes gives them one type)
         names = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
-        self.split = [cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim]
+        self.input_split = [cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim]
         if cfg.has_indexer:
             names += [f"{prefix}.indexer.wk", f"{prefix}.indexer.weights_proj"]
-            self.split += [cfg.index_head_dim, cfg.index_n_heads]
+            self.input_split += [cfg.index_head_dim, cfg.index_n_heads]
         self.wqkv_a = Proj.merged(w, names, dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
         self.q_norm = Norm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
@@ -128,7 +128,8 @@ class Attention:
     def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         cfg, heads = self.cfg, self.heads
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.split, dim=-1)  # V3.2: + indexer key, head weights
+        # V3.2: index_k_w = the indexer's key and head weights
+        q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.input_split, dim=-1)
         q_resid = self.q_norm(q_a)
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
