@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from comm.groups import Group
+from dsconv.comm.groups import Group
 
 
 def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:

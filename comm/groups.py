@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from shard.layout import Layout
+from dsconv.shard.layout import Layout
 
 GROUP_NAMES = ("attn_tp", "attn_dp", "ep", "tp")
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCAL_ADDR = "127.0.0.1"

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 
 class ArchError(InputError):
@@ -124,7 +124,7 @@ def families() -> dict[str, Family]:
 
 def _load_families() -> None:
     # Imported for their register() side effect; late so the family modules can import this one.
-    from convert import arch_v3, arch_v4  # noqa: F401
+    from dsconv.convert import arch_v3, arch_v4  # noqa: F401
 
 
 def spec_index(family: Family, config: object) -> dict[str, TensorSpec]:

@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Iterator
 
-from convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
+from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
 
 V3 = "deepseek_v3"
 V32 = "deepseek_v32"

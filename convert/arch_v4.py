@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
-from convert.arch_v4_config import AttnType, MlpType, V4Config, parse_config
+from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
+from dsconv.convert.arch_v4_config import AttnType, MlpType, V4Config, parse_config
 
 __all__ = ["AttnType", "MlpType", "V4Config", "parse_config", "inventory", "tiny_config", "FAMILY"]
 

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from convert.arch import ArchError
+from dsconv.convert.arch import ArchError
 
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")

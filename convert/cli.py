@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from convert.cliutil import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
-from convert.errors import InputError
-from convert.formats import FORMATS
-from convert.recipes import recipes_help
-from shard.cli import shard, verify
-from shard.plan_cli import plan
+from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
+from dsconv.errors import InputError
+from dsconv.convert.formats import FORMATS
+from dsconv.convert.recipes import recipes_help
+from dsconv.shard.cli import shard, verify
+from dsconv.shard.plan_cli import plan
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards.")
@@ -27,7 +27,7 @@ def _gb(n: int) -> str:
 
 
 def _print_plan(plan) -> None:
-    from convert.quantize import side_files
+    from dsconv.convert.quantize import side_files
 
     table = Table(title=f"dsconv quantize plan: {plan.checkpoint.family.name}, recipe {plan.recipe.name}, "
                         f"format {plan.fmt.name}")
@@ -69,11 +69,11 @@ def quantize(
     other FP8/FP4 tensor is decoded to BF16, and float tensors are kept as shipped. Streams tensor by
     tensor; re-running the same command after an interruption resumes it.
     """
-    from convert.quantize import build_plan, prepare_out, run_quantize
+    from dsconv.convert.quantize import build_plan, prepare_out, run_quantize
 
     with user_errors():
         if src is None:
-            from convert.demo import demo_output, demo_source
+            from dsconv.convert.demo import demo_output, demo_source
 
             err_console.print("[yellow]No SRC given: running the built-in demo, a tiny DeepSeek-V4 checkpoint in "
                               "the real hub format (FP8 + FP4 experts) with RANDOM weights.[/]")

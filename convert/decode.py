@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 # e2m1 code -> value; bit 3 is the sign
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
 
 DEMO_FAMILY = "deepseek_v4"
 DEMO_VERSION = 3  # bump when a demo's contents change, so stale caches are rebuilt
@@ -41,9 +41,9 @@ def demo_output(name: str, family: str = DEMO_FAMILY) -> Path:
 
 def demo_shards(family: str = DEMO_FAMILY) -> Path:
     """The demo checkpoint quantized to W8A8 (ascend layout) and sharded for 16 ranks (EP16, lm_head TP16)."""
-    from convert.quantize import build_plan, run_quantize
-    from shard.layout import Layout
-    from shard.shard import make_shard_plan, run_shard
+    from dsconv.convert.quantize import build_plan, run_quantize
+    from dsconv.shard.layout import Layout
+    from dsconv.shard.shard import make_shard_plan, run_shard
 
     def build(out: Path) -> None:
         quantized = demo_output("w8a8", family)

@@ -19,11 +19,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from convert.decode import decode_columns, decode_rows, scale_rows
-from convert.errors import InputError
-from convert.plan import KEEP, PART_METADATA, TO_BF16, TO_INT8, Item, Part
-from convert.safetensors_io import fsync_dir, header_bytes, pread, read_rows
-from kernels.int8 import quantize_rows_
+from dsconv.convert.decode import decode_columns, decode_rows, scale_rows
+from dsconv.errors import InputError
+from dsconv.convert.plan import KEEP, PART_METADATA, TO_BF16, TO_INT8, Item, Part
+from dsconv.convert.safetensors_io import fsync_dir, header_bytes, pread, read_rows
+from dsconv.kernels.int8 import quantize_rows_
 
 # Elements per task: big enough that the ~15 torch calls per chunk (each a GIL hand-off between worker
 # threads) cost little next to their work, small enough that memory stays a few chunks per worker.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 SCALE_DTYPE = torch.float32  # per-channel scales; bf16 would cost INT8 accuracy on the dequantized weight
 

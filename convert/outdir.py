@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from convert.errors import InputError
-from convert.safetensors_io import write_json_atomic
+from dsconv.errors import InputError
+from dsconv.convert.safetensors_io import write_json_atomic
 
 JOB_FILE = ".dsconv-job.json"
 PARTIAL_SUFFIX = ".partial"

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.formats import OutputFormat
-from convert.recipes import Recipe
-from convert.safetensors_io import OutTensor, file_size
-from convert.source import Checkpoint, SourceWeight
+from dsconv.convert.formats import OutputFormat
+from dsconv.convert.recipes import Recipe
+from dsconv.convert.safetensors_io import OutTensor, file_size
+from dsconv.convert.source import Checkpoint, SourceWeight
 
 KEEP, TO_BF16, TO_INT8 = "keep", "bf16", "int8"
 PART_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it

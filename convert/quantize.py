@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from convert import outdir
-from convert.errors import InputError
-from convert.execute import part_is_complete, write_part
-from convert.formats import (ASCEND, ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME, ascend_description,
+from dsconv.convert import outdir
+from dsconv.errors import InputError
+from dsconv.convert.execute import part_is_complete, write_part
+from dsconv.convert.formats import (ASCEND, ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME, ascend_description,
                              format_for, is_side_file, output_config)
-from convert.plan import TO_INT8, Plan, make_plan
-from convert.recipes import recipe_for
-from convert.safetensors_io import write_bytes_atomic, write_json_atomic
-from convert.source import open_checkpoint
+from dsconv.convert.plan import TO_INT8, Plan, make_plan
+from dsconv.convert.recipes import recipe_for
+from dsconv.convert.safetensors_io import write_bytes_atomic, write_json_atomic
+from dsconv.convert.source import open_checkpoint
 
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convert.arch import Role, TensorSpec
-from convert.errors import InputError
+from dsconv.convert.arch import Role, TensorSpec
+from dsconv.errors import InputError
 
 _EXPERTS = {Role.EXPERT_W1, Role.EXPERT_W2, Role.EXPERT_W3, Role.SHARED_W1, Role.SHARED_W2, Role.SHARED_W3}
 # Not matmul weights, or too sensitive for INT8: never quantized by any recipe.

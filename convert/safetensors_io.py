@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 HEADER_LEN_BYTES = 8  # little-endian u64 in front of the JSON header
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own cap; a larger length means a corrupt file

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from convert.arch import Family, TensorSpec, family_for
-from convert.decode import check_scale_shape, decoded_shape, encoding_of
-from convert.errors import InputError
-from convert.safetensors_io import TensorEntry, read_header, read_tensor
+from dsconv.convert.arch import Family, TensorSpec, family_for
+from dsconv.convert.decode import check_scale_shape, decoded_shape, encoding_of
+from dsconv.errors import InputError
+from dsconv.convert.safetensors_io import TensorEntry, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 ASCEND_INDEX_NAME = "quant_model_weights.safetensors.index.json"  # our (and msModelSlim's) W8A8 output

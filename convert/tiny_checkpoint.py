@@ -30,8 +30,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from convert.arch import Encoding, Family, Role, TensorSpec, family_for
-from convert.safetensors_io import OutTensor, StreamingWriter, write_json_atomic
+from dsconv.convert.arch import Encoding, Family, Role, TensorSpec, family_for
+from dsconv.convert.safetensors_io import OutTensor, StreamingWriter, write_json_atomic
 
 REAL_VOCAB_SIZE = 129280  # vocab_size of every V3 / V3.2 / V4 release (16 x 8080)
 DEFAULT_FILE_COUNT = 3  # without max_file_bytes, split into about this many files

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.device import cast, is_npu
-from kernels.linear import matmul
+from dsconv.kernels.device import cast, is_npu
+from dsconv.kernels.linear import matmul
 
 
 def causal_mask(query_len: int, key_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

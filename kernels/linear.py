@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.device import cast, is_npu, require_torch_npu
-from kernels.int8 import INT8_MAX, quantize_rows_, quantize_rows_reference
+from dsconv.kernels.device import cast, is_npu, require_torch_npu
+from dsconv.kernels.int8 import INT8_MAX, quantize_rows_, quantize_rows_reference
 
 # float32 holds every integer of magnitude below 2**24 exactly. A dot product over K int8 pairs never exceeds
 # K * 127**2 in magnitude, so a float32 GEMM over a K-slice of at most this length returns the exact integer

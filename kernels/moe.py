@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.device import is_npu, require_torch_npu
-from kernels.linear import linear, w8a8_linear, w8a8_linear_reference
+from dsconv.kernels.device import is_npu, require_torch_npu
+from dsconv.kernels.linear import linear, w8a8_linear, w8a8_linear_reference
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.device import cast
-from kernels.linear import HALF_DTYPES
+from dsconv.kernels.device import cast
+from dsconv.kernels.linear import HALF_DTYPES
 
 _SIGNS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [[1], [-1]] per dtype and device, made once
 

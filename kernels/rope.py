@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernels.device import cast
+from dsconv.kernels.device import cast
 
 # YaRN paper defaults, used by transformers when a config leaves beta_fast / beta_slow out
 YARN_BETA_FAST = 32

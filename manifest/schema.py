@@ -17,7 +17,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from convert.safetensors_io import DTYPE_NAMES, write_json_atomic
+from dsconv.convert.safetensors_io import DTYPE_NAMES, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "dsconv-manifest"
@@ -49,7 +49,7 @@ def _file_records(out: Path, paths: list[str]) -> list[dict]:
 
 def build_manifest(plan, out: Path) -> dict:
     """plan: a shard.shard.ShardPlan whose files are all written under `out`."""
-    from convert.formats import DESCRIPTION_NAME, is_side_file
+    from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
 
     checkpoint = plan.checkpoint
     side = sorted(p.name for p in checkpoint.root.iterdir()

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.errors import InputError
-from kernels.attention import causal_mask
-from kernels.device import cast
+from dsconv.errors import InputError
+from dsconv.kernels.attention import causal_mask
+from dsconv.kernels.device import cast
 
 
 @dataclass(frozen=True)

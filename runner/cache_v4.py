@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.arch_v4 import AttnType, V4Config
-from runner.cache import SeqStep, StepMeta, cache_full, concat
+from dsconv.convert.arch_v4 import AttnType, V4Config
+from dsconv.runner.cache import SeqStep, StepMeta, cache_full, concat
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from convert.cliutil import console, err_console, fail
-from convert.errors import InputError
+from dsconv.console import console, err_console, fail
+from dsconv.errors import InputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek shards written by `dsconv shard` on their ranks and generate text.")
@@ -67,9 +67,9 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
-    from comm.launch import launch
-    from runner.engine import DTYPES
-    from runner.weights import load_manifest
+    from dsconv.comm.launch import launch
+    from dsconv.runner.engine import DTYPES
+    from dsconv.runner.weights import load_manifest
 
     try:
         if dtype not in DTYPES:
@@ -77,7 +77,7 @@ def generate(
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1")
         if shards is None:
-            from convert.demo import demo_shards
+            from dsconv.convert.demo import demo_shards
 
             err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V4 model "
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
@@ -101,7 +101,7 @@ def generate(
                 "result_dir": str(results), "stream_tokenizer": None if json_output else str(tokenizer_path),
                 "device": device}
         started = time.perf_counter()
-        code = launch("runner.engine:rank_main", args, world_size=world, device=device, timeout_s=timeout,
+        code = launch("dsconv.runner.engine:rank_main", args, world_size=world, device=device, timeout_s=timeout,
                       log_dir=results / "logs")
     except InputError as exc:
         fail(str(exc))
@@ -114,7 +114,7 @@ def generate(
 
 def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:
     """Generated ids per prompt, and every rank's record, from rank 0's results file."""
-    from runner.engine import RESULTS_NAME
+    from dsconv.runner.engine import RESULTS_NAME
 
     records = json.loads((results / RESULTS_NAME).read_text())
     generated: dict[int, list[int]] = {}

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
-from kernels.linear import linear
+from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
+from dsconv.kernels.linear import linear
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Dist:
     @classmethod
     def from_layout(cls, layout: dict, device: torch.device) -> "Dist":
         """After init_process_group: this rank's groups from the manifest's layout (called on every rank)."""
-        from comm.groups import make_groups
+        from dsconv.comm.groups import make_groups
 
         groups = make_groups(layout)
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,

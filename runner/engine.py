@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from convert.arch import family_for
-from convert.errors import InputError
-from runner.cache import LatentCache
-from runner.dist import Dist
-from runner.generate import greedy
-from runner.weights import load_rank
+from dsconv.convert.arch import family_for
+from dsconv.errors import InputError
+from dsconv.runner.cache import LatentCache
+from dsconv.runner.dist import Dist
+from dsconv.runner.generate import greedy
+from dsconv.runner.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BLOCK_SIZE = 16  # cache block, in tokens
@@ -35,13 +35,13 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
     cfg = family.parse_config(config)
     weights = load_rank(shards, manifest, rank, dist.device)
     if family.name in ("deepseek_v3", "deepseek_v32"):
-        from runner.model_v3 import DeepseekV3, cache_fields
+        from dsconv.runner.model_v3 import DeepseekV3, cache_fields
 
         model = DeepseekV3(cfg, weights, dist, dtype)
         return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
                                                       cache_fields(cfg), model.cache_dtype, dist.device)
-    from runner.cache_v4 import V4Cache
-    from runner.model_v4 import DeepseekV4
+    from dsconv.runner.cache_v4 import V4Cache
+    from dsconv.runner.model_v4 import DeepseekV4
 
     return DeepseekV4(cfg, weights, dist, dtype), cfg, lambda tokens: V4Cache(cfg, tokens, dtype, dist.device)
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from runner.cache import LatentCache
+from dsconv.runner.cache import LatentCache
 
 
 @dataclass

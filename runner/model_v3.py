@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from convert.arch_v3 import V3Config
-from convert.errors import InputError
-from kernels.attention import attention
-from kernels.device import cast
-from kernels.linear import linear_t, matmul_dtype, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
-from kernels.norm import rms_norm
-from kernels.rope import (apply_rope, apply_rope_prefix, cos_sin_at, half_split_tables, rope_inv_freq,
+from dsconv.convert.arch_v3 import V3Config
+from dsconv.errors import InputError
+from dsconv.kernels.attention import attention
+from dsconv.kernels.device import cast
+from dsconv.kernels.linear import linear_t, matmul_dtype, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
+from dsconv.kernels.norm import rms_norm
+from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, cos_sin_at, half_split_tables, rope_inv_freq,
                           softmax_scale)
-from runner.cache import LatentCache, StepMeta
-from runner.dist import Dist
-from runner.moe import expert_parallel
-from runner.weights import RankWeights
+from dsconv.runner.cache import LatentCache, StepMeta
+from dsconv.runner.dist import Dist
+from dsconv.runner.moe import expert_parallel
+from dsconv.runner.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
 ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)

@@ -22,16 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from convert.arch_v4 import AttnType, MlpType, V4Config
-from kernels.linear import linear, w8a8_linear
-from kernels.moe import swiglu
-from kernels.rope import cos_sin_at, rope_inv_freq
-from runner.cache import StepMeta
-from runner.cache_v4 import CompressorState, LayerState, V4Cache
-from runner.dist import Dist
-from runner.moe import expert_parallel
-from runner.model_v3 import GatedMLP, Proj
-from runner.weights import RankWeights
+from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config
+from dsconv.kernels.linear import linear, w8a8_linear
+from dsconv.kernels.moe import swiglu
+from dsconv.kernels.rope import cos_sin_at, rope_inv_freq
+from dsconv.runner.cache import StepMeta
+from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
+from dsconv.runner.dist import Dist
+from dsconv.runner.moe import expert_parallel
+from dsconv.runner.model_v3 import GatedMLP, Proj
+from dsconv.runner.weights import RankWeights
 
 ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
 SCORE_FUNCS = {

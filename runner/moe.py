@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import quantize_activations
-from runner.dist import Dist
+from dsconv.kernels.linear import quantize_activations
+from dsconv.runner.dist import Dist
 
 
 def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local_experts: list,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from convert.errors import InputError
-from convert.safetensors_io import read_header
-from manifest.schema import MANIFEST_NAME
-from manifest.verify import verify
+from dsconv.errors import InputError
+from dsconv.convert.safetensors_io import read_header
+from dsconv.manifest.schema import MANIFEST_NAME
+from dsconv.manifest.verify import verify
 
 
 @dataclass

@@ -27,15 +27,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from comm.launch import launch  # noqa: E402
-from convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from runner.cli import collect  # noqa: E402
-from runner.engine import BLOCK_SIZE, build_model  # noqa: E402
-from runner.dist import Dist  # noqa: E402
-from runner.generate import greedy  # noqa: E402
-from runner.weights import load_manifest  # noqa: E402
-from shard.layout import Layout  # noqa: E402
-from shard.shard import make_shard_plan, run_shard  # noqa: E402
+from dsconv.comm.launch import launch  # noqa: E402
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from dsconv.runner.cli import collect  # noqa: E402
+from dsconv.runner.engine import BLOCK_SIZE, build_model  # noqa: E402
+from dsconv.runner.dist import Dist  # noqa: E402
+from dsconv.runner.generate import greedy  # noqa: E402
+from dsconv.runner.weights import load_manifest  # noqa: E402
+from dsconv.shard.layout import Layout  # noqa: E402
+from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
 
 PROMPT_LEN = 32
 DECODE_TARGET = 5.0
@@ -105,7 +105,7 @@ def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: P
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
     manifest = load_manifest(shards)
-    code = launch("runner.engine:rank_main",
+    code = launch("dsconv.runner.engine:rank_main",
                   {"shards": str(shards), "manifest": manifest, "prompts": [prompt], "max_new_tokens": new_tokens,
                    "eos_id": None, "dtype": "bfloat16", "cache_tokens": 1024, "result_dir": str(results)},
                   world_size=16, device="cpu", timeout_s=600, log_dir=results / "logs")

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert.plan import TO_INT8, TO_BF16  # noqa: E402
-from convert.quantize import build_plan  # noqa: E402
-from kernels.int8 import quantize_rows_reference  # noqa: E402
+from dsconv.convert.plan import TO_INT8, TO_BF16  # noqa: E402
+from dsconv.convert.quantize import build_plan  # noqa: E402
+from dsconv.kernels.int8 import quantize_rows_reference  # noqa: E402
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 # V3-shaped, >= 2 GB in FP8: the routed experts dominate, as in the real model.
@@ -82,7 +82,7 @@ def dsconv(src: Path, out: Path) -> int:
     wrapper = ("import resource, subprocess, sys; "
                "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    cli = [sys.executable, "-m", "convert.cli", "quantize", str(src), str(out)]
+    cli = [sys.executable, "-m", "dsconv.convert.cli", "quantize", str(src), str(out)]
     proc = subprocess.run([sys.executable, "-c", wrapper, *cli], check=True, capture_output=True, text=True)
     return int(proc.stdout.strip()) * 1024  # ru_maxrss is in KiB on Linux
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
 
 __all__ = ["make_tiny_checkpoint"]
 

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from convert.cliutil import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
-from shard.layout import DEFAULT_WORLD_SIZE, Layout
-from shard.placement import CATEGORIES, category
+from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
+from dsconv.shard.layout import DEFAULT_WORLD_SIZE, Layout
+from dsconv.shard.placement import CATEGORIES, category
 
 
 def rank_table(plan) -> Table:
@@ -54,7 +54,7 @@ def shard(
     Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
     OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/.
     """
-    from shard.shard import make_shard_plan, prepare_out, run_shard
+    from dsconv.shard.shard import make_shard_plan, prepare_out, run_shard
 
     with user_errors():
         n_workers = resolve_workers(workers)
@@ -80,7 +80,7 @@ def verify(
     full: Annotated[bool, typer.Option("--full", help="Also check every file's sha256 (reads everything).")] = False,
 ) -> None:
     """Check OUT/manifest.json against the files and against itself; exit 0 only when all is well."""
-    from manifest.verify import verify as run_verify
+    from dsconv.manifest.verify import verify as run_verify
 
     with user_errors():
         problems = run_verify(out, full)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 DEFAULT_WORLD_SIZE = 16
 

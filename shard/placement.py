@@ -16,9 +16,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from convert.arch import Role, TensorSpec
-from convert.errors import InputError
-from shard.layout import Layout
+from dsconv.convert.arch import Role, TensorSpec
+from dsconv.errors import InputError
+from dsconv.shard.layout import Layout
 
 COMMON_DIR = "common"
 
@@ -94,6 +94,17 @@ class Placement:
     split: tuple[int, int, int] | None  # (dim, start, stop) of the source tensor; None = whole
 
 
+def expert_owner(expert: int, n_routed_experts: int, ep: int) -> int:
+    """The EP rank that owns a routed expert: EP rank k owns the contiguous block [k * E / ep, (k + 1) * E / ep)."""
+    return expert // (n_routed_experts // ep)
+
+
+def local_experts(n_routed_experts: int, ep: int, ep_rank: int) -> range:
+    """The routed experts EP rank `ep_rank` owns, in order (the inverse of expert_owner)."""
+    per_rank = n_routed_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
 def _split(spec: TensorSpec, dim: int, parts: int, index: int) -> tuple[int, int, int]:
     size = spec.shape[dim]
     if size % parts:
@@ -109,7 +120,7 @@ def place(spec: TensorSpec, family: str, arch: object, layout: Layout) -> list[P
     if rule.mode is Mode.REPLICATED:
         return [Placement(COMMON_DIR, tuple(ranks), rule.mode, None)]
     if rule.mode is Mode.EXPERT:
-        owner = spec.expert // (arch.n_routed_experts // layout.ep)
+        owner = expert_owner(spec.expert, arch.n_routed_experts, layout.ep)
         return [Placement(f"ep-{owner:05d}", tuple(r for r in ranks if layout.ep_rank(r) == owner), rule.mode, None)]
     parts, rank_of, prefix = ((layout.tp, layout.tp_rank, "tp") if rule.mode is Mode.VOCAB
                               else (layout.attn_tp, layout.attn_tp_rank, "attn-tp"))

@@ -16,13 +16,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from convert.arch import Family, family_for
-from convert.cliutil import console, fail
-from convert.errors import InputError
-from convert.recipes import Recipe, recipe_for, recipes_help
-from shard.layout import DEFAULT_WORLD_SIZE, Layout
-from shard.placement import CATEGORIES, check_layout
-from shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
+from dsconv.convert.arch import Family, family_for
+from dsconv.console import console, fail
+from dsconv.errors import InputError
+from dsconv.convert.recipes import Recipe, recipe_for, recipes_help
+from dsconv.shard.layout import DEFAULT_WORLD_SIZE, Layout
+from dsconv.shard.placement import CATEGORIES, check_layout
+from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
                          kv_cache_bytes_per_token)
 
 GB = 10**9  # every figure is printed in decimal GB, card capacity included

@@ -18,16 +18,16 @@ from typing import Callable
 
 import torch
 
-from convert import outdir
-from convert.arch import Encoding, TensorSpec
-from convert.errors import InputError
-from convert.execute import part_is_complete, write_part
-from convert.formats import DESCRIPTION_NAME, is_side_file
-from convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part, pack
-from convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
-from convert.source import Checkpoint, SourceWeight, open_checkpoint
-from shard.layout import Layout
-from shard.placement import Placement, check_layout, place, place_companion
+from dsconv.convert import outdir
+from dsconv.convert.arch import Encoding, TensorSpec
+from dsconv.errors import InputError
+from dsconv.convert.execute import part_is_complete, write_part
+from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
+from dsconv.convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part, pack
+from dsconv.convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
+from dsconv.convert.source import Checkpoint, SourceWeight, open_checkpoint
+from dsconv.shard.layout import Layout
+from dsconv.shard.placement import Placement, check_layout, place, place_companion
 
 W8A8, BF16 = "w8a8", "bf16"
 
@@ -154,7 +154,7 @@ def prepare_out(plan: ShardPlan, out: Path) -> None:
 
 
 def run_shard(plan: ShardPlan, out: Path, workers: int, on_progress: Callable[[int], None]) -> ShardResult:
-    from manifest.schema import MANIFEST_NAME, build_manifest, write_manifest
+    from dsconv.manifest.schema import MANIFEST_NAME, build_manifest, write_manifest
 
     started = time.perf_counter()
     prepare_out(plan, out)

@@ -13,14 +13,14 @@ from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
-from convert.arch import Encoding, Family, TensorSpec
-from convert.arch_v4_config import AttnType
-from convert.errors import InputError
-from convert.formats import SCALE_DTYPE
-from convert.recipes import Recipe
-from convert.safetensors_io import OutTensor
-from shard.layout import Layout
-from shard.placement import CATEGORIES, Placement, category, place, place_companion
+from dsconv.convert.arch import Encoding, Family, TensorSpec
+from dsconv.convert.arch_v4_config import AttnType
+from dsconv.errors import InputError
+from dsconv.convert.formats import SCALE_DTYPE
+from dsconv.convert.recipes import Recipe
+from dsconv.convert.safetensors_io import OutTensor
+from dsconv.shard.layout import Layout
+from dsconv.shard.placement import CATEGORIES, Placement, category, place, place_companion
 
 # What a float tensor becomes in the shards: FP8/FP4 decode to BF16, BF16 stays, F32/I32/I64 keep their dtype.
 _FLOAT_OUTPUT = {Encoding.FP8: torch.bfloat16, Encoding.FP4: torch.bfloat16, Encoding.BF16: torch.bfloat16,

@@ -46,7 +46,7 @@ SMALL_FILES = 1_000_000  # bytes; several output files even on tiny fixtures
 @pytest.fixture(scope="session")
 def w8a8_source(tiny_source, tmp_path_factory):
     """w8a8_source(family): the family's FP8 fixture quantized by dsconv (ascend layout), built once."""
-    from convert.quantize import build_plan, run_quantize
+    from dsconv.convert.quantize import build_plan, run_quantize
 
     cache: dict[str, Path] = {}
 

@@ -3,7 +3,7 @@ blocks are consecutive (read as a view of the cache) or scattered (gathered thro
 
 import torch
 
-from runner.cache import LatentCache
+from dsconv.runner.cache import LatentCache
 
 BLOCK = 4
 DIM = 3

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable, barrier
-from comm.groups import make_groups
-from comm.launch import backend_for, launch
-from convert.errors import InputError
-from shard.layout import Layout
+from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable, barrier
+from dsconv.comm.groups import make_groups
+from dsconv.comm.launch import backend_for, launch
+from dsconv.errors import InputError
+from dsconv.shard.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 V32_LAYOUT = Layout(16, ep=16, tp=16, attn_tp=8)  # attention DP2 x TP8, EP16, lm_head TP16
@@ -196,7 +196,7 @@ def _write_pid_and_sleep(pid_dir: str) -> None:
 
 SUPERVISOR = """
 import sys
-from comm.launch import launch
+from dsconv.comm.launch import launch
 sys.exit(launch("test_comm:_write_pid_and_sleep", (sys.argv[1],), world_size=2, device="cpu",
                 timeout_s=120.0, log_dir=sys.argv[1]))
 """

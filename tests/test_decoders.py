@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from convert.decode import decode_columns, decode_rows, scale_rows
+from dsconv.convert.decode import decode_columns, decode_rows, scale_rows
 
 BLOCK = (128, 128)
 FP4_GROUP = 32
@@ -96,7 +96,7 @@ def test_partial_blocks_match_float64_formula():
 
 
 def test_fast_e4m3_cast_equals_torch_on_every_code():
-    from convert.decode import fp8_e4m3_to_float32
+    from dsconv.convert.decode import fp8_e4m3_to_float32
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ours, theirs = fp8_e4m3_to_float32(codes), codes.to(torch.float32)
@@ -108,7 +108,7 @@ def test_fast_e4m3_cast_equals_torch_on_every_code():
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "deepseek_v4"])
 def test_decoders_equal_transformers_on_every_fixture_tensor(tiny_source, family):
-    from convert.source import open_checkpoint
+    from dsconv.convert.source import open_checkpoint
 
     checkpoint = open_checkpoint(tiny_source(family, "fp8"))
     seen = set()

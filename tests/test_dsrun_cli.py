@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from convert.demo import demo_shards
+from dsconv.convert.demo import demo_shards
 
 KILL_DEADLINE_S = 60
 
@@ -23,7 +23,7 @@ def demo(tmp_path_factory):
 
 
 def dsrun(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "runner.cli", "generate", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "COLUMNS": "300"})
 
 
@@ -71,7 +71,7 @@ def test_shards_that_fail_verify(demo, tmp_path):
 
 
 def test_killing_one_rank_ends_the_run(demo):
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
+    proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
                              "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(proc.pid)

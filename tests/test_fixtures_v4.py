@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from convert.arch import Encoding
-from convert.arch_v4 import AttnType, inventory, parse_config
-from convert.safetensors_io import read_header
+from dsconv.convert.arch import Encoding
+from dsconv.convert.arch_v4 import AttnType, inventory, parse_config
+from dsconv.convert.safetensors_io import read_header
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.int8 import AMAX_FLOOR, INT8_MAX, quantize_rows_, quantize_rows_reference
+from dsconv.kernels.int8 import AMAX_FLOOR, INT8_MAX, quantize_rows_, quantize_rows_reference
 
 
 def numpy_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

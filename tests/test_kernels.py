@@ -11,14 +11,14 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
-from kernels.attention import attention, attention_reference, causal_mask
-from kernels.device import require_torch_npu
-from kernels.int8 import INT8_MAX, quantize_rows_reference
-from kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
+from dsconv.kernels.attention import attention, attention_reference, causal_mask
+from dsconv.kernels.device import require_torch_npu
+from dsconv.kernels.int8 import INT8_MAX, quantize_rows_reference
+from dsconv.kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
                             matmul_dtype, w8a8_linear, w8a8_linear_reference)
-from kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
-from kernels.norm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, softmax_scale
+from dsconv.kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
+from dsconv.kernels.norm import rms_norm, rms_norm_reference
+from dsconv.kernels.rope import apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, softmax_scale
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from convert.arch import Encoding, family_for
-from convert.cli import app
-from convert.recipes import recipe_for
-from shard.layout import Layout
-from shard.placement import CATEGORIES, category, check_layout, place
-from shard.sizes import (entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token,
+from dsconv.convert.arch import Encoding, family_for
+from dsconv.convert.cli import app
+from dsconv.convert.recipes import recipe_for
+from dsconv.shard.layout import Layout
+from dsconv.shard.placement import CATEGORIES, category, check_layout, place
+from dsconv.shard.sizes import (entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token,
                          rank_bytes)
 
 DATA = Path(__file__).parent / "data"

@@ -7,8 +7,8 @@ import torch
 from safetensors import safe_open
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from convert.formats import ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME
-from convert.quantize import build_plan, run_quantize
+from dsconv.convert.formats import ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME
+from dsconv.convert.quantize import build_plan, run_quantize
 from tests.conftest import FAMILIES
 
 COSINE_MIN = 0.9999

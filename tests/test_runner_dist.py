@@ -3,10 +3,10 @@ attention DP2 x TP8, several prompts of different lengths spread over the attent
 
 import pytest
 
-from comm.launch import launch
-from runner.cli import collect
-from runner.weights import load_manifest
-from shard.layout import Layout
+from dsconv.comm.launch import launch
+from dsconv.runner.cli import collect
+from dsconv.runner.weights import load_manifest
+from dsconv.shard.layout import Layout
 from tests.test_shard import shard
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]  # 37 > one 16-token cache block
@@ -18,7 +18,7 @@ def run(shards, tmp_path, prompts=PROMPTS, dtype="float32"):
     results = tmp_path / f"results-{shards.name}"
     results.mkdir()
     manifest = load_manifest(shards)
-    code = launch("runner.engine:rank_main",
+    code = launch("dsconv.runner.engine:rank_main",
                   {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": NEW_TOKENS,
                    "eos_id": None, "dtype": dtype, "cache_tokens": 256, "result_dir": str(results)},
                   world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=TIMEOUT_S,

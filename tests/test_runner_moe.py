@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.linear import w8a8_linear, w8a8_linear_quantized
-from runner.dist import Dist
-from runner.moe import expert_parallel
+from dsconv.kernels.linear import w8a8_linear, w8a8_linear_quantized
+from dsconv.runner.dist import Dist
+from dsconv.runner.moe import expert_parallel
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 6, 3
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert.arch_v3 import parse_config
-from convert.errors import InputError
-from runner.cache import LatentCache
-from runner.dist import Dist
-from runner.generate import greedy
-from runner.model_v3 import DeepseekV3, Proj, cache_fields
-from runner.weights import load_manifest, load_rank
-from shard.layout import Layout
+from dsconv.convert.arch_v3 import parse_config
+from dsconv.errors import InputError
+from dsconv.runner.cache import LatentCache
+from dsconv.runner.dist import Dist
+from dsconv.runner.generate import greedy
+from dsconv.runner.model_v3 import DeepseekV3, Proj, cache_fields
+from dsconv.runner.weights import load_manifest, load_rank
+from dsconv.shard.layout import Layout
 from tests.test_shard import shard
 
 COSINE_MIN = 0.999

@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert.arch_v4 import AttnType, parse_config
-from convert.errors import InputError
-from runner.cache_v4 import V4Cache
-from runner.dist import Dist
-from runner.generate import greedy
-from runner.model_v4 import DeepseekV4
-from runner.weights import load_manifest, load_rank
-from shard.layout import Layout
+from dsconv.convert.arch_v4 import AttnType, parse_config
+from dsconv.errors import InputError
+from dsconv.runner.cache_v4 import V4Cache
+from dsconv.runner.dist import Dist
+from dsconv.runner.generate import greedy
+from dsconv.runner.model_v4 import DeepseekV4
+from dsconv.runner.weights import load_manifest, load_rank
+from dsconv.shard.layout import Layout
 from tests.test_runner_dist import NEW_TOKENS as DIST_NEW_TOKENS, run
 from tests.test_shard import shard
 

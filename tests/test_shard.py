@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from convert.cli import app
-from manifest.verify import verify
-from shard.layout import Layout
-from shard.shard import make_shard_plan, run_shard
+from dsconv.convert.cli import app
+from dsconv.manifest.verify import verify
+from dsconv.shard.layout import Layout
+from dsconv.shard.shard import make_shard_plan, run_shard
 from tests.conftest import SMALL_FILES
 from tests.test_quantize_outputs import read_all, source_reference
 
@@ -138,7 +138,7 @@ def test_dry_run_table(w8a8_source, tmp_path):
 
 
 def test_interrupted_shard_resumes_identically(w8a8_source, tmp_path, monkeypatch):
-    import shard.shard as shard_module
+    import dsconv.shard.shard as shard_module
 
     src = w8a8_source("deepseek_v32")
     reference = tmp_path / "ref"
@@ -164,7 +164,7 @@ def test_interrupted_shard_resumes_identically(w8a8_source, tmp_path, monkeypatc
 
 
 def test_compressed_tensors_output_shards_and_verifies(tiny_source, tmp_path):
-    from convert.quantize import build_plan, run_quantize
+    from dsconv.convert.quantize import build_plan, run_quantize
 
     quantized = tmp_path / "ct"
     run_quantize(build_plan(tiny_source("deepseek_v32"), None, "compressed-tensors", SMALL_FILES), quantized, 2,

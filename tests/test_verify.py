@@ -6,8 +6,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from convert.cli import app
-from shard.layout import Layout
+from dsconv.convert.cli import app
+from dsconv.shard.layout import Layout
 from tests.test_shard import shard
 
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from tqdm import tqdm
 
-from convert.errors import InputError
+from dsconv.errors import InputError
 
 console = Console()
 err_console = Console(stderr=True)

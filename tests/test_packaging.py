@@ -1,0 +1,50 @@
+"""The installed wheel is one package, `dsconv`: it must not touch other distributions' import names.
+
+Jupyter's `comm` and Hugging Face's `kernels` are real packages whose import names our stage folders carry;
+installed under `dsconv.` they cannot collide. Built and installed as a user would (a non-editable wheel),
+next to PyPI's `comm`, into a fresh virtual environment.
+"""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHECK = """
+import importlib.util, comm
+assert callable(comm.create_comm), "comm.create_comm is gone: our wheel overwrote Jupyter's comm"
+for name in ("kernels", "convert", "shard", "manifest", "runner"):
+    assert importlib.util.find_spec(name) is None, f"the wheel installed a top-level {name!r}"
+import dsconv.errors, dsconv.shard  # the stages live under dsconv
+print("ok")
+"""
+
+
+def _run(*cmd, cwd=None):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_dsconv_next_to_jupyters_comm(tmp_path):
+    _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", tmp_path / "wheel", cwd=REPO)
+    (wheel,) = (tmp_path / "wheel").glob("dsconv-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"dsconv"}, tops
+
+    env = tmp_path / "env"
+    _run(sys.executable, "-m", "venv", "--without-pip", env)
+    python = env / "bin" / "python"
+    pip = (sys.executable, "-m", "pip", "--python", python, "install", "-q")
+    _run(*pip, "comm")
+    _run(*pip, "--no-deps", wheel)  # torch and the rest are not needed to see where files land
+    # run outside the repository, whose own top-level folders would shadow what is installed
+    assert _run(python, "-c", CHECK, cwd=tmp_path).strip().endswith("ok")
+    # and uninstalling takes only what it installed
+    _run(sys.executable, "-m", "pip", "--python", python, "uninstall", "-y", "-q", "dsconv")
+    assert _run(python, "-c", "import comm; print(callable(comm.create_comm))", cwd=tmp_path).strip() == "True"
