@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
@@ -50,8 +51,23 @@ def user_errors():
         fail(f"{where}{exc.strerror or exc}", 1)
 
 
-def byte_progress(desc: str, total: int) -> tqdm:
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True)
+@contextmanager
+def byte_progress(desc: str, total: int) -> Iterator[Callable[[int], None]]:
+    """An `on_progress(n_bytes)` that draws a bar on stderr from its first call, so an error found before any
+    work is done (a refused OUT) is printed alone."""
+    bar = None
+
+    def update(n: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True)
+        bar.update(n)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def resolve_workers(workers: int | None) -> int:

@@ -2,17 +2,22 @@
 
 Every stage reads checkpoints through this module: the quantizer (which tensors a recipe turns INT8), the
 sharder and the planner (placement by role), the tiny-checkpoint maker (what to generate) and the runner.
-Each family module (`arch_v3`, `arch_v4`) registers a `Family`; `family_for(config)` picks one from
-`model_type` and nothing else.
+A model family is one registered `Family` (config parsing, tensor inventory, recipes, attention-TP split,
+KV-cache sizes, runner factories, tiny config), defined in one module (`arch_v3`, `arch_v4`);
+`family_for(config)` picks one from `model_type` and nothing else.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from dsconv.errors import InputError
+
+if TYPE_CHECKING:
+    from dsconv.convert.recipes import Recipe
 
 
 class ArchError(InputError):
@@ -92,20 +97,53 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Family:
+    """Everything the pipeline knows about one model family; its module builds one and registers it.
+
+    `parse_config` returns a validated dataclass; placement and the tiny-checkpoint maker read its
+    `vocab_size`, `num_hidden_layers`, `num_attention_heads` and `n_routed_experts`.
+    """
+
     name: str  # the config's model_type
-    parse_config: Callable[[dict], object]  # validated dataclass from config.json
-    inventory: Callable[[object], Iterator[TensorSpec]]  # every tensor the checkpoint holds, MTP included
+    parse_config: Callable[[dict], Any]  # validated dataclass from config.json
+    inventory: Callable[[Any], Iterator[TensorSpec]]  # every tensor the checkpoint holds, MTP included
     scale_suffix: str  # FP8/FP4 scale name next to `X.weight`: "weight_scale_inv" (V3) or "scale" (V4)
     scale_is_e8m0: bool  # V4 stores scales as float8_e8m0fnu
-    tiny_config: Callable[..., dict]  # a small config.json dict in the hub's format, for fixtures and demos
+    recipes: tuple[Recipe, ...]  # its W8A8 recipes, the default first; recipes.ALL_LINEARS applies to every family
+    fused: tuple[tuple[Role, ...], ...]  # roles engines run as one matmul: every recipe gives a group one type
+    attention_tp: Mapping[Role, int]  # with attn_tp > 1: the attention roles split by heads, and on which dim
+    check_attention_tp: Callable[[Any, int], None] | None  # (config, attn_tp): raises when heads cannot split
+    kv_cache_bytes_per_token: Callable[[Any, int], dict[str, float]]  # (config, entry bytes) -> by component
+    kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
+    tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
+    # dsrun's factories; None for a family without a runner. They import runner code when called, so importing
+    # a family module stays cheap.
+    new_model: Callable[[Any, Any, Any, Any], Any] | None  # (config, RankWeights, Dist, dtype) -> model
+    new_cache: Callable[[Any, Any, int, Any], Any] | None  # (config, model, capacity_tokens, device) -> cache
 
 
+# The families that ship with dsconv; each module registers its Family when imported.
+BUILTIN_FAMILY_MODULES = ("dsconv.convert.arch_v3", "dsconv.convert.arch_v4")
 _FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
+    """Adds a family (a built-in module's or one defined elsewhere); a name already taken is refused."""
+    from dsconv.convert.recipes import check_recipes  # late: recipes.py imports this module's Role
+
+    known = _FAMILIES.get(family.name)
+    if known is family:
+        return family
+    if known is not None:
+        raise ValueError(f"model_type={family.name!r} is already registered by another Family")
+    check_recipes(family, list(_FAMILIES.values()))
     _FAMILIES[family.name] = family
     return family
+
+
+def unregister(name: str) -> None:
+    if name not in _FAMILIES:
+        raise ValueError(f"model_type={name!r} is not registered")
+    del _FAMILIES[name]
 
 
 def family_for(config: dict) -> Family:
@@ -124,8 +162,5 @@ def families() -> dict[str, Family]:
 
 def _load_families() -> None:
     # Imported for their register() side effect; late so the family modules can import this one.
-    from dsconv.convert import arch_v3, arch_v4  # noqa: F401
-
-
-def spec_index(family: Family, config: object) -> dict[str, TensorSpec]:
-    return {spec.name: spec for spec in family.inventory(config)}
+    for module in BUILTIN_FAMILY_MODULES:
+        importlib.import_module(module)

@@ -19,173 +19,13 @@ linears are then BF16 too.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
 from typing import Iterator
 
 from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
+from dsconv.convert.arch_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, parse_config
+from dsconv.convert.recipes import EXPERTS, FUSED_PAIRS, Recipe
 
-V3 = "deepseek_v3"
-V32 = "deepseek_v32"
-ARCHITECTURES = {V3: "DeepseekV3ForCausalLM", V32: "DeepseekV32ForCausalLM"}
-
-FP8_BLOCK = [128, 128]  # the only block grid DeepSeek ships; a different one would need a different decoder
-SUPPORTED_SCORING = "sigmoid"  # V3 routing: sigmoid scores + e_score_correction_bias ("noaux_tc")
-SUPPORTED_TOPK_METHOD = "noaux_tc"
-SUPPORTED_ROPE_SCALING = "yarn"
-
-
-@dataclass(frozen=True)
-class V3Config:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # dense-MLP layers
-    moe_intermediate_size: int  # per routed / shared expert
-    num_hidden_layers: int
-    num_nextn_predict_layers: int  # MTP layers after the decoder layers
-    num_attention_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    n_shared_experts: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
-    norm_topk_prob: bool
-    scoring_func: str
-    topk_method: str
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # YaRN parameters as the hub writes them, None without scaling
-    tie_word_embeddings: bool
-    fp8: bool  # the config carries an FP8 `quantization_config`
-    scale_fmt: str | None  # quantization_config.scale_fmt ("ue8m0": scales are powers of two)
-    index_n_heads: int | None = None  # V3.2 lightning indexer
-    index_head_dim: int | None = None
-    index_topk: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.model_type not in ARCHITECTURES:
-            raise ArchError(f"model_type={self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ArchError(f"{f.name}={value!r} must be an integer")
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                    "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name}={getattr(self, name)} must be positive")
-        for name in ("num_nextn_predict_layers", "n_shared_experts", "first_k_dense_replace"):
-            if getattr(self, name) < 0:
-                raise ArchError(f"{name}={getattr(self, name)} must not be negative")
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            raise ArchError(f"first_k_dense_replace={self.first_k_dense_replace} exceeds "
-                            f"num_hidden_layers={self.num_hidden_layers}")
-        if self.moe_layer_freq != 1:
-            raise ArchError(f"moe_layer_freq={self.moe_layer_freq} is not supported (DeepSeek-V3 uses 1)")
-        if self.n_routed_experts % self.n_group:
-            raise ArchError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
-        if self.topk_group > self.n_group:
-            raise ArchError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        reachable = self.topk_group * (self.n_routed_experts // self.n_group)
-        if self.num_experts_per_tok > reachable:
-            raise ArchError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {reachable} experts "
-                            f"of topk_group={self.topk_group} groups")
-        if self.scoring_func != SUPPORTED_SCORING:
-            raise ArchError(f"scoring_func={self.scoring_func!r} is not supported (only {SUPPORTED_SCORING!r})")
-        if self.topk_method != SUPPORTED_TOPK_METHOD:
-            raise ArchError(f"topk_method={self.topk_method!r} is not supported (only {SUPPORTED_TOPK_METHOD!r})")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
-            if kind != SUPPORTED_ROPE_SCALING:
-                raise ArchError(f"rope_scaling type={kind!r} is not supported (only {SUPPORTED_ROPE_SCALING!r})")
-        if self.scale_fmt not in (None, "ue8m0"):
-            raise ArchError(f"quantization_config.scale_fmt={self.scale_fmt!r} is not supported")
-        indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
-        if self.model_type == V32:
-            for name, value in zip(("index_n_heads", "index_head_dim", "index_topk"), indexer):
-                if value is None or value <= 0:
-                    raise ArchError(f"{name}={value!r} must be a positive integer for {V32}")
-            if self.index_head_dim < self.qk_rope_head_dim:
-                raise ArchError(f"index_head_dim={self.index_head_dim} is smaller than "
-                                f"qk_rope_head_dim={self.qk_rope_head_dim}")
-        elif any(value is not None for value in indexer):
-            raise ArchError(f"index_* keys given for model_type={self.model_type!r}, which has no indexer")
-
-    @property
-    def has_indexer(self) -> bool:
-        return self.model_type == V32
-
-    @property
-    def num_layers_with_mtp(self) -> int:
-        return self.num_hidden_layers + self.num_nextn_predict_layers
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-             "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "num_experts_per_tok", "n_group",
-             "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "rms_norm_eps")
-# Keys older or re-saved configs may omit, with the value their absence means.
-_OPTIONAL = {"num_nextn_predict_layers": 0, "moe_layer_freq": 1, "tie_word_embeddings": False}
-_INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
-
-
-def parse_config(d: dict) -> V3Config:
-    model_type = d.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ArchError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}")
-    keys = _REQUIRED + (_INDEXER if model_type == V32 else ())
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise ArchError(f"config.json ({model_type}) lacks required key(s): {', '.join(missing)}")
-    if "q_lora_rank" not in d:
-        raise ArchError("config.json lacks required key: q_lora_rank")
-    if d["q_lora_rank"] is None:
-        raise ArchError("q_lora_rank=None (V2-Lite-style single q_proj) is not supported; V3 uses q_a/q_b")
-    values = {k: d[k] for k in keys}
-    values.update({k: d.get(k, default) for k, default in _OPTIONAL.items()})
-    rope_theta, rope_scaling = _rope(d)
-    fp8, scale_fmt = _quantization(d.get("quantization_config"))
-    return V3Config(model_type=model_type, q_lora_rank=d["q_lora_rank"], rope_theta=rope_theta,
-                    rope_scaling=rope_scaling, fp8=fp8, scale_fmt=scale_fmt, **values)
-
-
-def _rope(d: dict) -> tuple[float, dict | None]:
-    # Hub configs write rope_theta + rope_scaling; configs re-saved by transformers 5 write rope_parameters.
-    if "rope_parameters" in d and d["rope_parameters"] is not None:
-        params = dict(d["rope_parameters"])
-        if "rope_theta" not in params:
-            raise ArchError("rope_parameters lacks rope_theta")
-        theta = params.pop("rope_theta")
-        return theta, (params if params.get("rope_type", "default") != "default" else None)
-    if "rope_theta" not in d:
-        raise ArchError("config.json lacks required key: rope_theta (or rope_parameters)")
-    return d["rope_theta"], d.get("rope_scaling")
-
-
-COMPRESSED_TENSORS = "compressed-tensors"
-
-
-def _quantization(q: dict | None) -> tuple[bool, str | None]:
-    if q is None or q.get("quant_method") == COMPRESSED_TENSORS:
-        return False, None  # no FP8 encoding; a compressed-tensors (W8A8) checkpoint's INT8 is read by dtype
-    if q.get("quant_method") != "fp8":
-        raise ArchError(f"quantization_config.quant_method={q.get('quant_method')!r} is not supported (only 'fp8')")
-    if list(q.get("weight_block_size", [])) != FP8_BLOCK:
-        raise ArchError(f"quantization_config.weight_block_size={q.get('weight_block_size')!r} "
-                        f"is not supported (only {FP8_BLOCK})")
-    return True, q.get("scale_fmt")
+__all__ = ["V3Config", "parse_config", "inventory", "tiny_config"]
 
 
 def inventory(cfg: V3Config) -> Iterator[TensorSpec]:
@@ -323,7 +163,57 @@ def tiny_config(model_type: str, partial_block: bool = False, **overrides) -> di
     return config
 
 
+# msModelSlim's DeepSeek-V3.2 recipes (lab_practice/deepseek_v3_2/deepseek_w8a8.yaml, deepseek_w4a8.yaml)
+# exclude "*wq_b", "*wk", "*weights_proj" from linear_quant: the whole Lightning indexer stays BF16 (its output is
+# a discrete top-k choice, which INT8 error flips). Their per-token W8A8 attention group (deepseek_w4a8.yaml) also
+# excludes q_a_proj, kv_a_proj_with_mqa and kv_b_proj; deepseek_w8a8.yaml quantizes q_a/kv_a only with calibrated
+# per-tensor activation scales, which this converter has not.
+RECIPE = Recipe("v3", frozenset({Role.ATTN_Q_B, Role.ATTN_O, Role.DENSE_W1, Role.DENSE_W2, Role.DENSE_W3} | EXPERTS),
+                "q_b_proj, o_proj, routed + shared experts, dense MLP (msModelSlim's per-token Ascend recipe); "
+                "q_a/kv_a/kv_b, the V3.2 indexer (wq_b, wk, weights_proj), router, embed, head stay BF16")
+# q_a and kv_a, which engines fuse, and V3.2's indexer wk and weights_proj, which read the same layer input and
+# which dsrun runs in the same merged projection
+MLA_FUSED = (Role.ATTN_Q_A, Role.ATTN_KV_A, Role.INDEXER_K, Role.INDEXER_WEIGHTS)
+
+# MLA attention TP: heads are the output rows of q_b_proj and kv_b_proj and the input columns of o_proj; an
+# all-reduce after o_proj sums the partial outputs. The indexer stays replicated.
+ATTENTION_TP = {Role.ATTN_Q_B: 0, Role.ATTN_KV_B: 0, Role.ATTN_O: 1}
+
+
+# KV cache per rank and sequence, main decoder layers only. MLA keeps one latent per token shared by all heads,
+# so attention TP does not split it.
+def kv_cache_bytes_per_token(cfg: V3Config, itemsize: int) -> dict[str, float]:
+    layers = cfg.num_hidden_layers
+    # MLA caches the compressed latent (kv_lora_rank) plus the shared rope key per token per layer
+    parts = {"MLA latent + rope key": layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize}
+    if cfg.has_indexer:
+        parts["indexer keys"] = layers * cfg.index_head_dim * itemsize
+    return parts
+
+
+def kv_cache_bytes_per_sequence(cfg: V3Config, itemsize: int) -> dict[str, int]:
+    return {}  # everything MLA caches grows with the sequence
+
+
+def new_model(cfg: V3Config, weights, dist, dtype):
+    from dsconv.runner.model_v3 import DeepseekV3
+
+    return DeepseekV3(cfg, weights, dist, dtype)
+
+
+def new_cache(cfg: V3Config, model, capacity_tokens: int, device):
+    from dsconv.runner.cache import BLOCK_SIZE, LatentCache
+    from dsconv.runner.model_v3 import cache_fields
+
+    return LatentCache(cfg.num_hidden_layers, -(-capacity_tokens // BLOCK_SIZE), BLOCK_SIZE, cache_fields(cfg),
+                       model.cache_dtype, device)
+
+
 for _model_type in ARCHITECTURES:
     register(Family(name=_model_type, parse_config=parse_config, inventory=inventory,
-                    scale_suffix="weight_scale_inv", scale_is_e8m0=False,
-                    tiny_config=functools.partial(tiny_config, _model_type)))
+                    scale_suffix="weight_scale_inv", scale_is_e8m0=False, recipes=(RECIPE,),
+                    fused=FUSED_PAIRS + (MLA_FUSED,), attention_tp=ATTENTION_TP, check_attention_tp=None,
+                    kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+                    kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
+                    tiny_config=functools.partial(tiny_config, _model_type), new_model=new_model,
+                    new_cache=new_cache))

@@ -21,6 +21,7 @@ from typing import Iterator
 
 from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
 from dsconv.convert.arch_v4_config import AttnType, MlpType, V4Config, parse_config
+from dsconv.convert.recipes import EXPERTS, FUSED_PAIRS, Recipe
 
 __all__ = ["AttnType", "MlpType", "V4Config", "parse_config", "inventory", "tiny_config", "FAMILY"]
 
@@ -243,6 +244,68 @@ def tiny_config(partial_block: bool = False, **overrides) -> dict:
     return config
 
 
+RECIPE = Recipe("v4", frozenset({Role.ATTN_Q_A, Role.ATTN_Q_B, Role.ATTN_KV, Role.INDEXER_Q_B} | EXPERTS),
+                "wq_a, wq_b, wkv, indexer wq_b, routed + shared experts (msModelSlim's recipe without "
+                "smoothing); wo_a/wo_b, compressors, indexer weights_proj, router, embed, head, hc_* stay BF16")
+
+# Attention TP: query heads (wq_b rows, one sink per head) and whole output groups (wo_a rows per group, wo_b
+# input columns) split together; the single KV head, compressors and indexer stay replicated.
+ATTENTION_TP = {Role.ATTN_Q_B: 0, Role.ATTN_SINK: 0, Role.ATTN_O_A: 0, Role.ATTN_O_B: 1}
+
+
+def check_attention_tp(cfg: V4Config, attn_tp: int) -> None:
+    if cfg.o_groups % attn_tp:
+        raise ArchError(f"o_groups={cfg.o_groups} is not divisible by attn-tp={attn_tp} (DeepSeek-V4 splits "
+                        f"attention by whole output groups; use --attn-tp 1 to replicate attention)")
+
+
+# KV cache per rank and sequence, main decoder layers only. V4 has one KV head, so attention TP does not split it.
+def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int) -> dict[str, float]:
+    csa, hca = _layers_of(cfg, AttnType.CSA), _layers_of(cfg, AttnType.HCA)
+    return {
+        # One compressed K=V entry per `ratio` tokens
+        "CSA compressed KV": csa * cfg.head_dim * itemsize / cfg.csa_compress_rate,
+        "CSA indexer keys": csa * cfg.index_head_dim * itemsize / cfg.csa_compress_rate,
+        "HCA compressed KV": hca * cfg.head_dim * itemsize / cfg.hca_compress_rate,
+    }
+
+
+def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
+    csa, hca = _layers_of(cfg, AttnType.CSA), _layers_of(cfg, AttnType.HCA)
+    return {
+        # Every layer keeps the last `sliding_window` K=V entries of its single KV head: a fixed buffer, counted
+        # whole even for a sequence shorter than the window
+        "sliding window": cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * itemsize,
+        "compressor state": (csa * (_compressor_state(cfg.csa_compress_rate, cfg.head_dim, overlap=True)
+                                    + _compressor_state(cfg.csa_compress_rate, cfg.index_head_dim, overlap=True))
+                             + hca * _compressor_state(cfg.hca_compress_rate, cfg.head_dim, overlap=False)) * itemsize,
+    }
+
+
+def _compressor_state(ratio: int, head_dim: int, overlap: bool) -> int:
+    """Elements a compressor carries between steps, at most (transformers' DeepseekV4CSACache/HCACache)."""
+    width = (2 if overlap else 1) * head_dim  # CSA projects two series per token, HCA one
+    buffered = (ratio - 1) * width * 2  # kv and gate of the tokens since the last closed window
+    carried = 2 * head_dim if overlap else 0  # kv and gate of the previous window's first series
+    return buffered + carried
+
+
+def _layers_of(cfg: V4Config, attn_type: AttnType) -> int:
+    return sum(kind is attn_type for kind in cfg.attn_types)
+
+
+def new_model(cfg: V4Config, weights, dist, dtype):
+    from dsconv.runner.model_v4 import DeepseekV4
+
+    return DeepseekV4(cfg, weights, dist, dtype)
+
+
+def new_cache(cfg: V4Config, model, capacity_tokens: int, device):
+    from dsconv.runner.cache_v4 import V4Cache
+
+    return V4Cache(cfg, capacity_tokens, model.dtype, device)  # compressor state in the model dtype
+
+
 FAMILY = register(
     Family(
         name="deepseek_v4",
@@ -250,6 +313,14 @@ FAMILY = register(
         inventory=inventory,
         scale_suffix="scale",
         scale_is_e8m0=True,
+        recipes=(RECIPE,),
+        fused=FUSED_PAIRS,  # a single wkv and no kv_a: nothing attention-side is fused
+        attention_tp=ATTENTION_TP,
+        check_attention_tp=check_attention_tp,
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+        kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
         tiny_config=tiny_config,
+        new_model=new_model,
+        new_cache=new_cache,
     )
 )

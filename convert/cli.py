@@ -69,7 +69,7 @@ def quantize(
     other FP8/FP4 tensor is decoded to BF16, and float tensors are kept as shipped. Streams tensor by
     tensor; re-running the same command after an interruption resumes it.
     """
-    from dsconv.convert.quantize import build_plan, prepare_out, run_quantize
+    from dsconv.convert.quantize import build_plan, run_quantize
 
     with user_errors():
         if src is None:
@@ -85,9 +85,8 @@ def quantize(
         if dry_run:
             _print_plan(plan)
             return
-        prepare_out(plan, out)
-        with byte_progress("quantize", plan.checkpoint.nbytes) as bar:
-            result = run_quantize(plan, out, n_workers, bar.update)
+        with byte_progress("quantize", plan.checkpoint.nbytes) as update:
+            result = run_quantize(plan, out, n_workers, update)
     _print_summary(result)
 
 

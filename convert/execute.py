@@ -35,8 +35,8 @@ WRITEBACK_BYTES = 256 << 20
 
 
 # glibc serves buffers over 128 KiB with fresh mmaps and unmaps them when freed, so every chunk's
-# temporaries page-fault in again: measured 3x slower decoding. Raising the thresholds keeps freed chunk
-# buffers in the heap for reuse. (32 MiB is the largest mmap threshold glibc accepts on 64-bit.)
+# temporaries would page-fault in afresh. Raising the thresholds keeps freed chunk buffers in the heap for
+# reuse. (32 MiB is the largest mmap threshold glibc accepts on 64-bit.)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_BYTES = 32 << 20
 _TRIM_THRESHOLD_BYTES = 512 << 20

@@ -38,6 +38,9 @@ class OutputFormat:
 _WEIGHT = IntTensor("weight", torch.int8, per_channel=False)
 _SCALE = IntTensor("weight_scale", SCALE_DTYPE, per_channel=True)
 _OFFSET = IntTensor("weight_offset", SCALE_DTYPE, per_channel=True)  # zeros: symmetric
+# An INT8 linear as compressed-tensors writes it, and as shards keep it from either format (the sharder checks
+# and drops the Ascend all-zero offset: the runner is symmetric)
+WEIGHT_AND_SCALE = (_WEIGHT, _SCALE)
 
 ASCEND = OutputFormat(
     "ascend", "quant_model_weights", "quant_model_weights.safetensors.index.json", (_WEIGHT, _SCALE, _OFFSET),
@@ -45,7 +48,7 @@ ASCEND = OutputFormat(
     "quant_model_weights-*.safetensors + quant_model_description.json",
 )
 COMPRESSED_TENSORS = OutputFormat(
-    "compressed-tensors", "model", "model.safetensors.index.json", (_WEIGHT, _SCALE),
+    "compressed-tensors", "model", "model.safetensors.index.json", WEIGHT_AND_SCALE,
     "compressed-tensors int-quantized layout read by vLLM: model-*.safetensors + quantization_config in config.json",
 )
 FORMATS = {f.name: f for f in (ASCEND, COMPRESSED_TENSORS)}

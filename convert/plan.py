@@ -9,16 +9,39 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
 
 import torch
 
-from dsconv.convert.formats import OutputFormat
+from dsconv.convert.arch import Encoding, TensorSpec
+from dsconv.convert.formats import IntTensor, OutputFormat
 from dsconv.convert.recipes import Recipe
 from dsconv.convert.safetensors_io import OutTensor, file_size
 from dsconv.convert.source import Checkpoint, SourceWeight
 
 KEEP, TO_BF16, TO_INT8 = "keep", "bf16", "int8"
 PART_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+DECODED = (Encoding.FP8, Encoding.FP4)  # block-scaled encodings, written as BF16 when kept float
+# The dtype each hub encoding is stored in (FP8 and FP4: the payload next to its scale; FP4 packs two per int8)
+STORED_DTYPES = {Encoding.BF16: torch.bfloat16, Encoding.F32: torch.float32, Encoding.I32: torch.int32,
+                 Encoding.I64: torch.int64, Encoding.FP8: torch.float8_e4m3fn, Encoding.FP4: torch.int8}
+
+
+def output_tensors(spec: TensorSpec, encoding: str, stored: torch.dtype,
+                   int8_tensors: tuple[IntTensor, ...] = ()) -> tuple[OutTensor, ...]:
+    """What one source tensor becomes, for `dsconv quantize` and for the sizes `dsconv plan` sums.
+
+    With `int8_tensors` (the recipe quantizes it; a format's INT8 layout), the INT8 weight and its per-channel
+    companions [out, 1]; otherwise the tensor itself: FP8/FP4 (`encoding`) decoded to BF16, anything else in the
+    dtype it is stored in.
+    """
+    if int8_tensors:
+        base = spec.name.removesuffix("weight")
+        rows = spec.shape[0]
+        return tuple(OutTensor(base + t.suffix, t.dtype, (rows, 1) if t.per_channel else spec.shape)
+                     for t in int8_tensors)
+    return (OutTensor(spec.name, torch.bfloat16 if encoding in DECODED else stored, spec.shape),)
 
 
 @dataclass(frozen=True)
@@ -78,25 +101,23 @@ class Plan:
         return [item for part in self.parts for item in part.items]
 
     def digest(self) -> str:
-        """Changes whenever any output byte could: source files, recipe, format, layout."""
-        sources = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.checkpoint.files]
-        layout = [(part.name, [(t.name, str(t.dtype), t.shape) for t in part.tensors]) for part in self.parts]
-        blob = json.dumps([sources, self.recipe.name, self.fmt.name, layout], default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return job_digest(self.checkpoint.files, [self.recipe.name, self.fmt.name], self.parts)
+
+
+def job_digest(sources: list[Path], options: list, parts: Iterable[Part]) -> str:
+    """Changes whenever any output byte could: the source files, the options, every output file's tensors.
+    `dsconv quantize` and `dsconv shard` record it in OUT to tell a resumable run from another job."""
+    files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sources]
+    layout = [(part.name, [(t.name, str(t.dtype), t.shape) for t in part.tensors]) for part in parts]
+    blob = json.dumps([files, *options, layout], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _item(weight: SourceWeight, recipe: Recipe, fmt: OutputFormat) -> Item:
-    spec = weight.spec
-    if recipe.is_int8(spec):
-        base = spec.name.removesuffix("weight")
-        rows = spec.shape[0]
-        outputs = tuple(OutTensor(base + t.suffix, t.dtype, (rows, 1) if t.per_channel else spec.shape)
-                        for t in fmt.int8_tensors)
-        return Item(weight, TO_INT8, outputs)
-    if weight.encoding in ("fp8", "fp4"):
-        return Item(weight, TO_BF16, (OutTensor(spec.name, torch.bfloat16, spec.shape),))
-    entry = weight.value.entry
-    return Item(weight, KEEP, (OutTensor(spec.name, entry.dtype, entry.shape),))
+    int8 = recipe.is_int8(weight.spec)
+    outputs = output_tensors(weight.spec, weight.encoding, weight.value.entry.dtype, fmt.int8_tensors if int8 else ())
+    action = TO_INT8 if int8 else TO_BF16 if weight.encoding in DECODED else KEEP
+    return Item(weight, action, outputs)
 
 
 # Upper bound of one tensor's header entry besides its name, dtype and shape: the JSON punctuation and two

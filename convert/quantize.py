@@ -22,12 +22,11 @@ from dsconv.convert.safetensors_io import write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import open_checkpoint
 
 
-
 def build_plan(src: Path, recipe: str | None, fmt: str, max_file_bytes: int) -> Plan:
     checkpoint = open_checkpoint(src)
     if any(w.encoding == "w8a8" for w in checkpoint.weights):
         raise InputError(f"{src} is already W8A8 (INT8 weights with weight_scale); shard it with `dsconv shard`")
-    return make_plan(checkpoint, recipe_for(recipe, checkpoint.family.name), format_for(fmt), max_file_bytes)
+    return make_plan(checkpoint, recipe_for(recipe, checkpoint.family), format_for(fmt), max_file_bytes)
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,6 @@ class Result:
 def _job(plan: Plan, src: Path) -> dict:
     return {"command": "dsconv quantize", "source": str(src.resolve()), "recipe": plan.recipe.name,
             "format": plan.fmt.name, "plan_digest": plan.digest()}
-
-
-def prepare_out(plan: Plan, out: Path) -> None:
-    """Create OUT, or accept it only when it holds an unfinished (or finished) run of this same job."""
-    outdir.prepare_out(out, plan.checkpoint.root, _job(plan, plan.checkpoint.root))
 
 
 def _write_side_files(plan: Plan, out: Path) -> None:
@@ -74,8 +68,10 @@ def side_files(plan: Plan) -> list[str]:
 
 
 def run_quantize(plan: Plan, out: Path, workers: int, on_progress: Callable[[int], None]) -> Result:
+    """Writes the plan to OUT: new, empty, or an unfinished (or finished) run of this same job, which resumes."""
     started = time.perf_counter()
-    prepare_out(plan, out)
+    job = _job(plan, plan.checkpoint.root)
+    outdir.prepare_out(out, plan.checkpoint.root, job)
     resumed = 0
     for part in plan.parts:
         path = out / part.name
@@ -85,7 +81,7 @@ def run_quantize(plan: Plan, out: Path, workers: int, on_progress: Callable[[int
             continue
         write_part(part, path, plan.checkpoint.block, workers, on_progress)
     _write_side_files(plan, out)
-    outdir.mark_complete(out, _job(plan, plan.checkpoint.root))
+    outdir.mark_complete(out, job)
     int8_bytes = sum(t.nbytes for item in plan.items if item.action == TO_INT8 for t in item.outputs[:1])
     return Result(plan, out, plan.checkpoint.nbytes, sum(p.nbytes for p in plan.parts), int8_bytes,
                   time.perf_counter() - started, resumed)

@@ -1,7 +1,8 @@
 """Deterministic DeepSeek checkpoints in the hub's exact layout, from a family's tiny config (or a bigger one).
 
-Everything comes from `convert.arch`: the family's `tiny_config()` gives config.json, its `inventory()` gives
-every tensor with its role and the encoding the hub ships it in. With encoding="fp8" each tensor is written
+Everything comes from the registered `Family` (convert.arch), so any family works: its `tiny_config()` gives
+config.json, its `inventory()` every tensor with its role and the encoding the hub ships it in, its scale naming
+the scales' names and dtype. With encoding="fp8" each tensor is written
 that way (FP8 e4m3 + 128x128 block scales, FP4 e2m1 + per-32 e8m0 scales, BF16, F32, I32, I64); with
 encoding="bf16" every FP8/FP4 tensor is written as BF16 holding exactly its decoded values for the same seed,
 so both fixtures are one model. Files are `model-0000k-of-0000N.safetensors` plus
@@ -25,7 +26,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,19 +65,19 @@ def _noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> torc
     return (ints.float() * (std * math.sqrt(3.0) / (1 << 15))).reshape(shape)
 
 
-# Values of non-quantized tensors by role: fn(spec, generator, config) -> float or int tensor of spec.shape.
-# Linears (TensorSpec.is_linear) not listed here get `_linear_std`, which keeps activations near unit scale.
-# Another family adds its own roles here (V4: HC mixers, attention sinks, compressor APE and an int tid2eid
-# table whose entries must be valid expert ids, e.g. from config["n_routed_experts"]).
-INIT: dict[Role, Callable[[TensorSpec, np.random.Generator, dict], torch.Tensor]] = {
-    Role.EMBED: lambda spec, gen, config: _noise(spec.shape, EMBED_STD, gen),
-    Role.NORM: lambda spec, gen, config: 1.0 + _noise(spec.shape, NORM_JITTER, gen),
-    Role.ROUTER_BIAS: lambda spec, gen, config: _noise(spec.shape, ROUTER_BIAS_STD, gen),
-    Role.INDEXER_K_NORM_BIAS: lambda spec, gen, config: _noise(spec.shape, K_NORM_BIAS_STD, gen),
-    Role.HC: lambda spec, gen, config: _hyper_connection(spec, gen),
-    Role.ATTN_SINK: lambda spec, gen, config: _noise(spec.shape, SINK_STD, gen),
-    Role.COMPRESSOR_APE: lambda spec, gen, config: _noise(spec.shape, APE_STD, gen),
-    Role.ROUTER_TID2EID: lambda spec, gen, config: _hash_table(spec, gen, config["n_routed_experts"]),
+# Values of non-quantized tensors by role: fn(spec, generator, arch) -> float or int tensor of spec.shape, where
+# arch is the family's parsed config. Linears (TensorSpec.is_linear) not listed here get `_linear_std`, which
+# keeps activations near unit scale. Roles only V4 has (hyper-connection mixers, attention sinks, compressor APE,
+# the tid2eid table of valid expert ids) are here too: initialisers are keyed by role, never by family.
+INIT: dict[Role, Callable[[TensorSpec, np.random.Generator, Any], torch.Tensor]] = {
+    Role.EMBED: lambda spec, gen, arch: _noise(spec.shape, EMBED_STD, gen),
+    Role.NORM: lambda spec, gen, arch: 1.0 + _noise(spec.shape, NORM_JITTER, gen),
+    Role.ROUTER_BIAS: lambda spec, gen, arch: _noise(spec.shape, ROUTER_BIAS_STD, gen),
+    Role.INDEXER_K_NORM_BIAS: lambda spec, gen, arch: _noise(spec.shape, K_NORM_BIAS_STD, gen),
+    Role.HC: lambda spec, gen, arch: _hyper_connection(spec, gen),
+    Role.ATTN_SINK: lambda spec, gen, arch: _noise(spec.shape, SINK_STD, gen),
+    Role.COMPRESSOR_APE: lambda spec, gen, arch: _noise(spec.shape, APE_STD, gen),
+    Role.ROUTER_TID2EID: lambda spec, gen, arch: _hash_table(spec, gen, arch.n_routed_experts),
 }
 PLAIN_DTYPES = {Encoding.BF16: torch.bfloat16, Encoding.F32: torch.float32, Encoding.I32: torch.int32,
                 Encoding.I64: torch.int64}
@@ -98,18 +99,18 @@ def _hash_table(spec: TensorSpec, gen: np.random.Generator, n_experts: int) -> t
     return torch.from_numpy(gen.random((vocab, n_experts), dtype=np.float32)).argsort(dim=1)[:, :topk]
 
 
-def _linear_std(spec: TensorSpec, config: dict) -> float:
+def _linear_std(spec: TensorSpec, arch: Any) -> float:
     std = spec.shape[1] ** -0.5
     if spec.role in RESIDUAL_ROLES:
-        std *= (2 * config["num_hidden_layers"]) ** -0.5
+        std *= (2 * arch.num_hidden_layers) ** -0.5
     return std
 
 
-def _initial_values(spec: TensorSpec, gen: np.random.Generator, config: dict) -> torch.Tensor:
+def _initial_values(spec: TensorSpec, gen: np.random.Generator, arch: Any) -> torch.Tensor:
     if spec.role in INIT:
-        return INIT[spec.role](spec, gen, config)
+        return INIT[spec.role](spec, gen, arch)
     if spec.is_linear:
-        return _noise(spec.shape, _linear_std(spec, config), gen)
+        return _noise(spec.shape, _linear_std(spec, arch), gen)
     raise KeyError(f"{spec.name}: no initialiser for role {spec.role.value}; add one to INIT")
 
 
@@ -176,7 +177,8 @@ class Stored:
 
 class TensorMaker:
     def __init__(self, family: Family, config: dict, seed: int):
-        self.family, self.config, self.seed = family, config, seed
+        self.family, self.seed = family, seed
+        self.arch = family.parse_config(config)
         quant = config.get("quantization_config") or {}
         # e8m0 storage, or float32 scales declared power-of-two (V3.1+ "scale_fmt": "ue8m0").
         self.pow2_scales = family.scale_is_e8m0 or quant.get("scale_fmt") == "ue8m0"
@@ -211,7 +213,7 @@ class TensorMaker:
     def produce(self, item: Stored) -> torch.Tensor:
         spec = item.spec
         if item.part == "value":
-            return _initial_values(spec, self._gen(spec, "value"), self.config).to(item.dtype)
+            return _initial_values(spec, self._gen(spec, "value"), self.arch).to(item.dtype)
         if item.part == "payload":
             return self._payload(spec).view(item.dtype)
         if item.part == "scale":
@@ -238,7 +240,7 @@ class TensorMaker:
         out, cols = spec.shape
         fp4 = spec.encoding == Encoding.FP4
         grid = (out, cols // FP4_GROUP) if fp4 else (-(-out // FP8_BLOCK), -(-cols // FP8_BLOCK))
-        base = _linear_std(spec, self.config) / (FP4_CODE_RMS if fp4 else FP8_CODE_RMS)
+        base = _linear_std(spec, self.arch) / (FP4_CODE_RMS if fp4 else FP8_CODE_RMS)
         base /= math.sqrt(JITTER_MEAN_SQUARE)
         uniform = torch.from_numpy(self._gen(spec, "scale").random(grid + (2,)))  # float64 in [0, 1)
         log2_scale = math.log2(base) + (uniform[..., 0] * 2 - 1) * SCALE_JITTER_OCTAVES
@@ -311,7 +313,7 @@ def plan_files(items: list[Stored], cap: int) -> list[list[Stored]]:
     return files
 
 
-def make_tiny_checkpoint(out_dir, family: str = "deepseek_v3", *, encoding: str = "fp8", seed: int = 0,
+def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: int = 0,
                          real_vocab: bool = False, partial_block: bool = False,
                          config_overrides: dict | None = None, max_file_bytes: int | None = None) -> Path:
     if encoding not in ("fp8", "bf16"):
@@ -328,8 +330,8 @@ def make_tiny_checkpoint(out_dir, family: str = "deepseek_v3", *, encoding: str 
     if real_vocab:
         overrides["vocab_size"] = REAL_VOCAB_SIZE
     config = fam.tiny_config(partial_block=partial_block, **overrides)
-    specs = list(fam.inventory(fam.parse_config(config)))
     maker = TensorMaker(fam, config, seed)
+    specs = list(fam.inventory(maker.arch))
     items = [item for spec in specs for item in maker.stored(spec, encoding)]
 
     total = sum(item.nbytes for item in items)

@@ -1,10 +1,12 @@
-"""Scaled dot-product attention over explicit keys, with a mask of allowed keys.
+"""Scaled dot-product attention over explicit keys, with a mask of allowed keys and optional per-head sinks.
 
 One function serves MLA prefill (q [H, S, 192] against expanded keys), absorbed decode (S = 1 against the
-latent, q and k [.., 576], v [.., 512]) and V3.2's sparse attention (the indexer's top-k as the mask).
+latent, q and k [.., 576], v [.., 512]), V3.2's sparse attention (the indexer's top-k as the mask) and
+DeepSeek-V4's shared-KV attention with sinks (one key = value row for all heads).
 
 The reference is transformers' eager attention: scores q @ k^T * scale in the inputs' dtype, softmax in
-float32, probabilities rounded back to the inputs' dtype before @ v.
+float32, probabilities rounded back to the inputs' dtype before @ v. A sink (V4, as gpt-oss) is one extra logit
+per head in that softmax whose probability mass is dropped: it has no value, it only lowers the others.
 """
 
 from __future__ import annotations
@@ -22,45 +24,50 @@ def causal_mask(query_len: int, key_len: int, device: torch.device | str = "cpu"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B?, H, S, D], k [B?, H, T, D], v [B?, H, T, Dv] -> [B?, H, S, Dv] in q's dtype. k and v may drop
     their leading axes ([T, D], [T, Dv]) when every head attends over the same keys, as MLA's absorbed decode
     does over the latent: one matmul for all heads, no per-head copies.
 
     mask: None (every key allowed), or [S, T] / [B, S, T], bool (True = allowed) or additive float.
-    A query row must allow at least one key (a fully masked row gives NaN).
+    A query row must allow at least one key (a fully masked row gives NaN) unless it has a sink.
+    sinks: None, or float [H], each head's extra logit (its probability mass dropped).
 
-    Prefill runs torch's SDPA, equal to the reference within float rounding (it does not round the scores
-    to BF16 before the softmax). Decode (S = 1) runs the reference's formula, faster there, with
-    kernels.linear's matmul (float32 products of BF16 inputs on CPU, rounded where the reference rounds).
-    Measured on the 2-core CI CPU, H=16, BF16: prefill S=T=512, D=192: reference 790 ms, SDPA 69 ms; decode
-    T=2048, D=576: reference 58 ms, SDPA 131 ms; float32, H=8, T=64: reference 72 us, SDPA 99 us. On NPU the
-    reference runs too (plain matmul/softmax ops): the fused npu_fused_infer_attention_score is not wired in
-    yet (its MLA form takes the rope part as separate query_rope/key_rope inputs).
+    Prefill without sinks runs torch's SDPA, equal to the reference within float rounding (it does not round
+    the scores to BF16 before the softmax), and far faster than the formula at long prompts. Decode (S = 1)
+    and any step with sinks (SDPA has no sink term) run the reference's formula with kernels.linear's matmul
+    (float32 products of BF16 inputs on CPU, rounded where the reference rounds), which for one query is also
+    faster than SDPA. On NPU the reference runs too (plain matmul/softmax ops): the fused
+    npu_fused_infer_attention_score is not wired in yet (its MLA form takes the rope part as separate
+    query_rope/key_rope inputs).
     """
     mask = _head_broadcast(mask, q)
     if is_npu(q):
-        return attention_reference(q, k, v, scale, mask)
-    if q.shape[-2] == 1:
-        return _attention_formula(q, k, v, scale, mask, matmul)
+        return _attention_formula(q, k, v, scale, mask, sinks, torch.matmul)
+    if q.shape[-2] == 1 or sinks is not None:
+        return _attention_formula(q, k, v, scale, mask, sinks, matmul)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
-    return _attention_formula(q, k, v, scale, _head_broadcast(mask, q), torch.matmul)
+                        mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _attention_formula(q, k, v, scale, _head_broadcast(mask, q), sinks, torch.matmul)
 
 
-def _attention_formula(q, k, v, scale, mask, product) -> torch.Tensor:
+def _attention_formula(q, k, v, scale, mask, sinks, product) -> torch.Tensor:
     """The reference's steps with `product` for its two matmuls: torch.matmul (the reference) or kernels.linear's
-    matmul (decode: the same rounding points, float32 products on CPU)."""
+    matmul (the same rounding points, float32 products on CPU)."""
     scores = product(q, k.transpose(-1, -2)) * scale  # [B?, H, S, T] in q's dtype
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), q.dtype)
-    return product(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # each head's sink joins its softmax as one more logit, whose probability is then dropped
+        sink_logits = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)  # [B?, H, S, 1]
+        probs = torch.softmax(torch.cat([scores.float(), sink_logits], dim=-1), dim=-1)[..., :-1]
+    return product(cast(probs, q.dtype), v)
 
 
 def _head_broadcast(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:

@@ -19,8 +19,8 @@ from dsconv.kernels.int8 import INT8_MAX, quantize_rows_, quantize_rows_referenc
 # sum whatever order the BLAS adds in. The int8 inputs are exact even where float32 matmuls run with TF32 or
 # BF16 inputs (7 significant bits suffice for 127), and those modes still accumulate in float32.
 EXACT_FLOAT32_K = 2**24 // INT8_MAX**2  # 1040
-# npu_quant_matmul rejects k or n above this (REFERENCE.md section 4): an unsharded 129280-row lm_head cannot
-# use it, it has to be split over TP or kept in BF16.
+# npu_quant_matmul rejects k or n above 65535: an unsharded 129280-row lm_head cannot use it, it has to be split
+# over TP or kept in BF16.
 NPU_QUANT_MATMUL_MAX_DIM = 65535
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -34,8 +34,8 @@ def linear_t(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """linear(x, weight) given weight_t = weight.t(), a view made once at load, for a model's own projections.
 
     For 2-D x this is the GEMM F.linear ends in, called directly: F.linear reaches it through matmul and makes
-    the transposed view at every call. Same kernel, same values; on the 2-core CI CPU, with ~35 projections in
-    a tiny-model decode step, the calls skipped were measured at a few percent of the step."""
+    the transposed view at every call. Same kernel, same values, fewer calls per projection (a decode step
+    makes dozens of projections of one row, where the call overhead is much of the time)."""
     x_in = cast(x, weight_t.dtype)
     y = torch.mm(x_in, weight_t) if x_in.dim() == 2 else torch.matmul(x_in, weight_t)
     return cast(y, x.dtype)
@@ -46,10 +46,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     activation and a weight copy made at load (attention scores and values).
 
     On CPU, BF16/FP16 operands are multiplied as float32 and the product rounded back once: the values of a
-    half-precision GEMM with float32 accumulation, as torch's own computes, up to the order of the sums. The
-    CI CPU (AVX2) has no BF16 instructions, and there torch's BF16 batched and [1, k] @ [k, n] products are
-    3-8x slower than the upcast: measured on 2 cores, [8, 1, 128] @ [8, 128, 128] 172 us vs 45 us with both
-    upcasts, [8, 1, 96] @ [96, 128] 164 us vs ~15 us. Other devices multiply in the inputs' dtype.
+    half-precision GEMM with float32 accumulation, as torch's own computes, up to the order of the sums. A CPU
+    without BF16 instructions (AVX2) emulates torch's BF16 batched and [1, k] @ [k, n] products, several times
+    slower than the upcast. Other devices multiply in the inputs' dtype.
     """
     product_dtype = matmul_dtype(a)
     return cast(torch.matmul(cast(a, product_dtype), cast(b, product_dtype)), a.dtype)
@@ -114,9 +113,8 @@ def int8_matmul_reference(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch
 def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
     """Same int32 result as the reference, from float32 GEMMs over K-slices short enough to be exact.
 
-    Measured on the 2-core CI CPU (torch 2.13), [M, 7168] x [1536, 7168].T: int32 matmul 27 ms (M=1) /
-    99 ms (M=64), this path 4 / 27 ms, torch._int_mm 5 / 358 ms, so _int_mm is not used on CPU. CUDA has no
-    int32 matmul; this path runs there too.
+    On CPU an int32 matmul is a plain loop, several times slower than these BLAS float32 GEMMs, and
+    torch._int_mm is slower still at more than a few rows; CUDA has no int32 matmul, so this path runs there too.
     """
     acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):

@@ -1,114 +1,177 @@
-"""Grouped expert MLPs over rows already sorted by local expert (what an EP dispatch hands a rank).
+"""The gated MLP activation, and a rank's routed experts over rows grouped by expert (what an EP dispatch hands it).
 
-x_sorted [N, hidden] holds counts[0] rows for local expert 0, then counts[1] rows for expert 1, and so on; an
-expert with zero rows is fine. Each expert computes
-    gate, up = (x @ w13.T).chunk(2)      # w13 [2I, hidden]: gate rows first, then up (transformers' gate_up_proj)
-    out      = swiglu(gate, up) @ w2.T   # w2 [hidden, I]
-with W8A8 projections (`grouped_w8a8`) or float ones (`grouped_mlp`). Outputs keep x_sorted's row order.
+`grouped_mlp`: x [N, hidden] holds counts[0] rows for local expert 0, then counts[1] rows for expert 1, and so
+on; an expert with zero rows costs nothing. `token_mlp`: one token's row through each of its k experts (a
+decode step at EP 1: nothing to group). Each expert computes
+    gate, up = (x @ w13[e].T).chunk(2)      # w13 [E, 2I, hidden]: gate rows first, then up (transformers' gate_up_proj)
+    out      = swiglu(gate, up) @ w2[e].T   # w2 [E, hidden, I]
+with float weights, or INT8 ones with per-output-channel scales (W8A8: activations quantized per token, the
+formula of kernels.linear). The rows may arrive already quantized by their sender (INT8 plus per-token scales),
+as W8A8 experts behind the EP all-to-all receive them. The projections run per expert group, the activation
+once over all rows, and under W8A8 the down projection's input is quantized once for all rows: a decode token's
+k experts make one activation call, not k.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from dsconv.kernels.device import is_npu, require_torch_npu
-from dsconv.kernels.linear import linear, w8a8_linear, w8a8_linear_reference
+from dsconv.kernels.linear import (linear, linear_t, quantize_activations, w8a8_linear_quantized,
+                                   w8a8_linear_reference)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(gate) * up; with DeepSeek-V4's swiglu_limit, gate is clamped from above and up on both sides."""
+def swiglu(gate_or_gate_up: torch.Tensor, up: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up, from gate and up, or from their concatenation [..., 2I] (gate first) when up is None.
+    With DeepSeek-V4's swiglu_limit, gate is clamped from above and up on both sides."""
+    gate = gate_or_gate_up
+    if up is None:
+        gate, up = gate_or_gate_up.chunk(2, dim=-1)
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
 
 
-def grouped_w8a8(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                 w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    """x_sorted [N, H], counts [E] int, w13 int8 [E, 2I, H] + scale [E, 2I, 1], w2 int8 [E, H, I] + scale
-    [E, H, 1] -> [N, H] in x_sorted's dtype. Intermediate activations are in x_sorted's dtype too."""
-    _check_grouped(x_sorted, counts, w13, w2)
-    if is_npu(x_sorted):
-        return _grouped_w8a8_npu(x_sorted, counts, w13, w13_scale, w2, w2_scale, swiglu_limit)
-    return _w8a8_expert_loop(w8a8_linear, x_sorted, counts, w13, w13_scale, w2, w2_scale, swiglu_limit)
+class ExpertWeights:
+    """E experts' weights, stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; float, or INT8 with
+    per-output-channel scales w13_scale [E, 2I, 1] and w2_scale [E, H, 1] (float32)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None):
+        experts, inter2, hidden = w13.shape if w13.dim() == 3 else (None, None, None)
+        if experts is None or inter2 % 2:
+            raise ValueError(f"w13 {tuple(w13.shape)} must be [experts, 2 * intermediate, hidden]")
+        if tuple(w2.shape) != (experts, hidden, inter2 // 2):
+            raise ValueError(f"w2 {tuple(w2.shape)} must be [{experts}, {hidden}, {inter2 // 2}]")
+        self.int8 = w13_scale is not None
+        for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            if (scale is not None) != self.int8 or (w.dtype == torch.int8) != self.int8:
+                raise ValueError(f"{name}: INT8 weights need scales and float weights take none ({w.dtype}, "
+                                 f"scale {None if scale is None else tuple(scale.shape)})")
+            if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (*w.shape[:2], 1)):
+                raise ValueError(f"{name}_scale must be float32 [{w.shape[0]}, {w.shape[1]}, 1], got {scale.dtype} "
+                                 f"{tuple(scale.shape)}")
+        self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
+        self.experts, self.hidden = experts, hidden
+        self.npu = is_npu(w13)  # the rows are where the weights are
+        # each expert's projection operands, made once (views): a list index per group instead of tensor selects
+        if self.int8:
+            self._w13, self._w2 = list(zip(w13.unbind(), w13_scale.unbind())), list(zip(w2.unbind(), w2_scale.unbind()))
+        else:
+            self._w13, self._w2 = [w.t() for w in w13.unbind()], [w.t() for w in w2.unbind()]
 
 
-def grouped_w8a8_reference(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                           w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                           swiglu_limit: float | None = None) -> torch.Tensor:
-    _check_grouped(x_sorted, counts, w13, w2)
-    return _w8a8_expert_loop(w8a8_linear_reference, x_sorted, counts, w13, w13_scale, w2, w2_scale, swiglu_limit)
+def grouped_mlp(x: torch.Tensor, counts: torch.Tensor | list[int], experts: ExpertWeights,
+                x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                limit: float | None = None) -> torch.Tensor:
+    """x [N, H] rows grouped by expert, counts [E] rows per expert (a tensor or a list) -> [N, H], in x's row
+    order. Float rows give their own dtype; INT8 rows quantized by their sender (W8A8 experts only), with
+    per-token scales x_scale [N, 1], give out_dtype. limit: V4's swiglu_limit."""
+    _check_rows(x, x_scale, out_dtype, experts)
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.dtype.is_floating_point:
+            raise ValueError(f"counts must be a 1-D integer tensor [E], got {counts.dtype} {tuple(counts.shape)}")
+        counts_list = counts.tolist()
+    else:
+        counts_list = counts
+    if len(counts_list) != experts.experts:
+        raise ValueError(f"{len(counts_list)} expert counts for {experts.experts} experts (w13)")
+    if sum(counts_list) != x.shape[0] or min(counts_list, default=0) < 0:
+        raise ValueError(f"counts {counts_list} must be non-negative and sum to x's {x.shape[0]} rows")
+    if experts.npu and experts.experts > 1:  # a one-expert rank takes the loop (its group is every row)
+        return _grouped_mlp_npu(x, torch.as_tensor(counts, device=x.device), experts, x_scale,
+                                x.dtype if x_scale is None else out_dtype, limit)
+    groups, start = [], 0  # (expert, first row, end row) of each expert with rows
+    for e, n in enumerate(counts_list):
+        if n:
+            groups.append((e, start, start + n))
+            start += n
+    return _grouped(x, x_scale, groups, experts, out_dtype, limit)
 
 
-def grouped_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w1: Sequence[torch.Tensor] | torch.Tensor,
-                w3: Sequence[torch.Tensor] | torch.Tensor, w2: Sequence[torch.Tensor] | torch.Tensor,
-                swiglu_limit: float | None = None) -> torch.Tensor:
-    """Float experts: w1 (gate) and w3 (up) [E][I, H], w2 [E][H, I], as lists or stacked tensors."""
-    if not len(w1) == len(w3) == len(w2) == counts.numel():
-        raise ValueError(f"{counts.numel()} expert counts but {len(w1)} w1, {len(w3)} w3, {len(w2)} w2 weights")
-    _check_counts(x_sorted, counts)
-
-    def expert(x: torch.Tensor, e: int) -> torch.Tensor:
-        return linear(swiglu(linear(x, w1[e]), linear(x, w3[e]), swiglu_limit), w2[e])
-
-    return _per_expert(x_sorted, counts, expert)
+def token_mlp(x: torch.Tensor, expert_ids: list[int], experts: ExpertWeights, x_scale: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, limit: float | None = None) -> torch.Tensor:
+    """One token x [1, H] through each of its experts (distinct local ids, in any order) -> [k, H], row j from
+    expert_ids[j]: the grouped MLP with k groups of one row, all reading the token's row (a decode step's token at
+    EP 1, where nothing needs regrouping). x_scale [1, 1] and out_dtype as in grouped_mlp."""
+    _check_rows(x, x_scale, out_dtype, experts)
+    if x.shape[0] != 1:
+        raise ValueError(f"token_mlp takes one token, got {x.shape[0]} rows")
+    return _grouped(x, x_scale, [(e, j, j + 1) for j, e in enumerate(expert_ids)], experts, out_dtype, limit)
 
 
-def _w8a8_expert_loop(project, x_sorted, counts, w13, w13_scale, w2, w2_scale, limit) -> torch.Tensor:
-    def expert(x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = project(x, w13[e], w13_scale[e], out_dtype=x.dtype).chunk(2, dim=-1)
-        return project(swiglu(gate, up, limit), w2[e], w2_scale[e], out_dtype=x.dtype)
-
-    return _per_expert(x_sorted, counts, expert)
-
-
-def _per_expert(x_sorted: torch.Tensor, counts: torch.Tensor, expert) -> torch.Tensor:
-    out = torch.empty_like(x_sorted)
-    start = 0
+def grouped_mlp_reference(x: torch.Tensor, counts: torch.Tensor, experts: ExpertWeights,
+                          limit: float | None = None) -> torch.Tensor:
+    """Each expert's whole MLP on its rows with the plain formulas (F.linear, kernels.linear's W8A8 reference)."""
+    out, start = torch.empty_like(x), 0
     for e, n in enumerate(counts.tolist()):
-        if n:  # an expert without rows costs nothing
-            out[start:start + n] = expert(x_sorted[start:start + n], e)
+        rows = x[start:start + n]
+        if n and experts.int8:
+            gate_up = w8a8_linear_reference(rows, experts.w13[e], experts.w13_scale[e], out_dtype=x.dtype)
+            out[start:start + n] = w8a8_linear_reference(swiglu(gate_up, limit=limit), experts.w2[e],
+                                                         experts.w2_scale[e], out_dtype=x.dtype)
+        elif n:
+            out[start:start + n] = linear(swiglu(linear(rows, experts.w13[e]), limit=limit), experts.w2[e])
         start += n
     return out
 
 
-def _check_counts(x_sorted: torch.Tensor, counts: torch.Tensor) -> None:
-    if counts.dim() != 1 or counts.dtype.is_floating_point:
-        raise ValueError(f"counts must be a 1-D integer tensor [E], got {counts.dtype} {tuple(counts.shape)}")
-    total = int(counts.sum())
-    if total != x_sorted.shape[0] or bool((counts < 0).any()):
-        raise ValueError(f"counts {counts.tolist()} must be non-negative and sum to x_sorted's "
-                         f"{x_sorted.shape[0]} rows")
+def _check_rows(x: torch.Tensor, x_scale: torch.Tensor | None, out_dtype: torch.dtype | None,
+                experts: ExpertWeights) -> None:
+    if x_scale is not None and (not experts.int8 or out_dtype is None):
+        raise ValueError("pre-quantized INT8 rows need W8A8 experts and an out_dtype")
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"rows {tuple(x.shape)} must be [N, {experts.hidden}] for these experts")
 
 
-def _check_grouped(x_sorted, counts, w13, w2) -> None:
-    _check_counts(x_sorted, counts)
-    experts, hidden = counts.numel(), x_sorted.shape[1]
-    if w13.dim() != 3 or w13.shape[0] != experts or w13.shape[2] != hidden or w13.shape[1] % 2:
-        raise ValueError(f"w13 {tuple(w13.shape)} must be [{experts}, 2 * intermediate, {hidden}]")
-    if tuple(w2.shape) != (experts, hidden, w13.shape[1] // 2):
-        raise ValueError(f"w2 {tuple(w2.shape)} must be [{experts}, {hidden}, {w13.shape[1] // 2}]")
+def _grouped(x, x_scale, groups, experts: ExpertWeights, out_dtype, limit) -> torch.Tensor:
+    """groups: (expert, first row, end row), in row order; x [N, H], or [1, H] read by every group."""
+    if not groups:
+        return torch.empty(0, experts.hidden, dtype=x.dtype if x_scale is None else out_dtype, device=x.device)
+    gate_up = _project_groups(x, x_scale, groups, experts._w13, experts.int8, out_dtype)  # [N, 2I]
+    hidden = swiglu(gate_up, limit=limit)  # [N, I]: one call for every row
+    return _project_groups(hidden, None, groups, experts._w2, experts.int8, out_dtype)
+
+
+def _project_groups(x, x_scale, groups, weights, int8: bool, out_dtype) -> torch.Tensor:
+    """Each group's rows through its expert's projection (weights[e]), outputs in row order: float projections
+    in x's dtype, INT8 ones in out_dtype (x's when x is float)."""
+    if int8 and x_scale is None:
+        out_dtype = x.dtype
+        x, x_scale = quantize_activations(x)  # per token: once for all groups
+    whole = x.shape[0] == 1 or len(groups) == 1  # every group reads all of x: its one row, or a lone group's rows
+    outs = []
+    for e, start, stop in groups:
+        rows, row_scale = (x, x_scale) if whole else (x[start:stop], None if x_scale is None else x_scale[start:stop])
+        if int8:
+            w, w_scale = weights[e]
+            outs.append(w8a8_linear_quantized(rows, row_scale, w, w_scale, out_dtype))
+        else:
+            outs.append(linear_t(rows, weights[e]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # --- NPU (torch_npu), not run in CI ---------------------------------------------------------------------------
-def _grouped_w8a8_npu(x_sorted, counts, w13, w13_scale, w2, w2_scale, limit) -> torch.Tensor:
+def _grouped_mlp_npu(x, counts, experts: ExpertWeights, x_scale, out_dtype, limit) -> torch.Tensor:
     torch_npu = require_torch_npu()
-    if counts.numel() == 1:
-        # npu_grouped_matmul rejects a group_list of length 1 with group_list_type=1 (per-group sizes)
-        raise ValueError("the NPU grouped W8A8 path needs at least 2 local experts; use w8a8_linear for one")
+    # npu_grouped_matmul with group_list_type=1 takes per-group sizes; a one-expert rank takes the loop above
     group_list = counts.to(torch.int64)
 
-    def grouped(x, w, w_scale):
-        x_q, x_scale = torch_npu.npu_dynamic_quant(x)  # int8 [N, k], float32 [N]
+    def grouped(rows, row_scale, w, w_scale):
+        if w_scale is None:  # float experts: the rows' dtype in, the same out
+            (y,) = torch_npu.npu_grouped_matmul([rows], [w.transpose(1, 2)], group_list=group_list, split_item=2,
+                                                group_type=0, group_list_type=1)
+            return y.to(out_dtype)
+        if row_scale is None:
+            rows, row_scale = torch_npu.npu_dynamic_quant(rows)  # int8 [N, k], float32 [N]
         (y,) = torch_npu.npu_grouped_matmul(
-            [x_q], [w.transpose(1, 2)],  # weight as [E, k, n], a transposed view
+            [rows], [w.transpose(1, 2)],  # weight as [E, k, n], a transposed view
             # per-token INT8 with BF16 output takes the weight scale in BF16 [E, n]
-            scale=[w_scale.squeeze(-1).to(torch.bfloat16)], per_token_scale=[x_scale],
+            scale=[w_scale.squeeze(-1).to(torch.bfloat16)], per_token_scale=[row_scale.reshape(-1)],
             group_list=group_list, split_item=2, group_type=0, group_list_type=1, output_dtype=torch.bfloat16)
-        return y.to(x.dtype)
+        return y.to(out_dtype)
 
-    gate, up = grouped(x_sorted, w13, w13_scale).chunk(2, dim=-1)
-    return grouped(swiglu(gate, up, limit), w2, w2_scale)
+    hidden = swiglu(grouped(x, x_scale, experts.w13, experts.w13_scale), limit=limit)
+    return grouped(hidden, None, experts.w2, experts.w2_scale)

@@ -1,10 +1,13 @@
-"""Rotary position embedding as transformers 5.23 computes it for DeepSeek-V3 / V3.2, default or YaRN.
+"""Rotary position embedding as transformers 5.23 computes it for DeepSeek-V3 / V3.2 / V4, default or YaRN.
 
-Two layouts of the rotated dims (`apply_rope`):
-- interleaved=True, MLA's q_pe / k_pe (`rope_interleave`, the default): pairs (x0, x1), (x2, x3), ...;
-  the result is written half-split, [rotated evens | rotated odds], as transformers'
+Each rotated pair (x1, x2) at angle a becomes (x1 cos a - x2 sin a, x2 cos a + x1 sin a) (`_rotated`). The
+layouts of the pairs:
+- `apply_rope(interleaved=True)`, MLA's q_pe / k_pe (`rope_interleave`, the default): pairs (x0, x1),
+  (x2, x3), ...; the result is written half-split, [rotated evens | rotated odds], as transformers'
   apply_rotary_pos_emb_interleave does. q and k get the same permutation, so q.k is unchanged.
-- interleaved=False, V3.2's indexer: pairs (x_i, x_{i+d/2}) (rotate_half), layout kept.
+- `apply_rope(interleaved=False)`, pairs (x_i, x_{i+d/2}) (rotate_half), layout kept; `apply_rope_prefix` does
+  the same on the first dims of a longer vector (V3.2's indexer), from whole-vector tables.
+- `rope_tail`, DeepSeek-V4: interleaved pairs on the last dims of a vector, layout kept, in float32.
 
 YaRN touches two places: the frequencies and cos/sin (`rope_cos_sin`, times attention_scaling, which is 1.0
 when mscale == mscale_all_dim as in DeepSeek's configs), and the softmax scale of MLA (`softmax_scale`:
@@ -112,7 +115,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat(_rotated(x1, x2, cos, sin), dim=-1)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4: rotate the last 2 * cos.shape[-1] dims of x as interleaved pairs (x0, x1), (x2, x3), ...,
+    keeping that layout (V4 reads the rotated key back as a value, so the layout reaches the output projection).
+    cos, sin float32, broadcastable to [..., rope / 2]; computed in float32, returned in x's dtype."""
+    rope_dim = 2 * cos.shape[-1]
+    rope = x[..., -rope_dim:].float()
+    rotated = torch.stack(_rotated(rope[..., 0::2], rope[..., 1::2], cos, sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+def _rotated(x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of every pair (x1, x2) by its angle."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 def half_split_tables(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +151,8 @@ def apply_rope_prefix(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.T
     On the rotated dims this is transformers' x * cos + rotate_half(x) * sin with the same roundings (its
     rotate_half negates x's second half; here the table's first half is -sin instead, and a product's sign flips
     exactly), so bit-equal; on the rest x * 1 + x * 0 = x exactly. Four calls for the whole vector, where
-    splitting off the rotated part, rotating it (`apply_rope`) and concatenating the rest back takes about ten
-    (hot loop on the 2-core CI CPU: 0.6-0.7 of the time). cos_full, sin_full from `half_split_tables`,
-    broadcastable to x, in x's dtype."""
+    splitting off the rotated part, rotating it (`apply_rope`) and concatenating the rest back takes about ten.
+    cos_full, sin_full from `half_split_tables`, broadcastable to x, in x's dtype."""
     half = rope_dim // 2
     rotated = torch.cat([x[..., half:rope_dim], x[..., :half], x[..., rope_dim:]], dim=-1)
     return x * cos_full + rotated * sin_full

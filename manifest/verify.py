@@ -156,7 +156,7 @@ def check_coverage(manifest: dict) -> list[str]:
     arch = family.parse_config(config)
     lay = manifest["layout"]
     layout = Layout(lay["world_size"], lay["ep"], lay["tp"], lay["attn_tp"])
-    check_layout(family.name, arch, layout)
+    check_layout(family, arch, layout)
     if layout.to_json() != lay:
         problems.append("layout: dp or groups do not follow from world_size, ep, tp, attn_tp")
     world = set(range(layout.world_size))
@@ -176,7 +176,7 @@ def check_coverage(manifest: dict) -> list[str]:
             if t["source"]["shape"] != list(spec.shape) or t["shape"] != list(sliced_shape(spec.shape, dim_split)):
                 problems.append(f"{spec.name} ({t['file']}): shape {t['shape']} of source {t['source']['shape']} "
                                 f"does not match the model's {list(spec.shape)} split as {t['split']}")
-        expected = {(tuple(p.ranks), p.split) for p in place(spec, family.name, arch, layout)}
+        expected = {(tuple(p.ranks), p.split) for p in place(spec, family, arch, layout)}
         actual = {(tuple(t["ranks"]), None if t["split"] is None else
                    (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])) for t in found}
         mode = found[0]["mode"]

@@ -20,6 +20,8 @@ from dsconv.errors import InputError
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.device import cast
 
+BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
+
 
 @dataclass(frozen=True)
 class SeqStep:

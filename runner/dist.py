@@ -1,6 +1,6 @@
 """The collectives the model's forward calls, over this rank's process groups.
 
-`Dist.single()` is the one-process case (every collective is the identity). The distributed case wraps the
+`Dist()` is the one-process case (every collective is the identity). The distributed case wraps the
 groups built from the manifest's layout; each method is one explicit exchange, so every rank enters them in
 the same order (a rank without tokens still calls them, with zero rows). Time inside collectives is summed
 in `comm_seconds` for the compute / communication split the benchmark reports.
@@ -31,10 +31,6 @@ class Dist:
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
     steps: int = 0
-
-    @classmethod
-    def single(cls) -> "Dist":
-        return cls()
 
     @classmethod
     def from_layout(cls, layout: dict, device: torch.device) -> "Dist":

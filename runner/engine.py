@@ -15,35 +15,24 @@ import torch
 
 from dsconv.convert.arch import family_for
 from dsconv.errors import InputError
-from dsconv.runner.cache import LatentCache
 from dsconv.runner.dist import Dist
 from dsconv.runner.generate import greedy
 from dsconv.runner.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-BLOCK_SIZE = 16  # cache block, in tokens
 RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and timings
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
-    """-> (model, its config, new_cache(capacity_tokens) -> the cache its forward takes)."""
+    """-> (model, its config, new_cache(capacity_tokens) -> the cache its forward takes), by the shards' family."""
     config = manifest["model"]["config"]
     family = family_for(config)
-    if family.name not in ("deepseek_v3", "deepseek_v32", "deepseek_v4"):
-        raise InputError(f"dsrun runs deepseek_v3 / deepseek_v32 / deepseek_v4 shards; {family.name} is not "
-                         f"supported yet")
+    if family.new_model is None or family.new_cache is None:
+        raise InputError(f"dsrun has no model for {family.name} shards (the family defines no runner)")
     cfg = family.parse_config(config)
     weights = load_rank(shards, manifest, rank, dist.device)
-    if family.name in ("deepseek_v3", "deepseek_v32"):
-        from dsconv.runner.model_v3 import DeepseekV3, cache_fields
-
-        model = DeepseekV3(cfg, weights, dist, dtype)
-        return model, cfg, lambda tokens: LatentCache(cfg.num_hidden_layers, -(-tokens // BLOCK_SIZE), BLOCK_SIZE,
-                                                      cache_fields(cfg), model.cache_dtype, dist.device)
-    from dsconv.runner.cache_v4 import V4Cache
-    from dsconv.runner.model_v4 import DeepseekV4
-
-    return DeepseekV4(cfg, weights, dist, dtype), cfg, lambda tokens: V4Cache(cfg, tokens, dtype, dist.device)
+    model = family.new_model(cfg, weights, dist, dtype)
+    return model, cfg, lambda tokens: family.new_cache(cfg, model, tokens, dist.device)
 
 
 def rank_device(device: str) -> torch.device:

@@ -4,95 +4,30 @@ Tokens arrive flattened ([T] over this rank's sequences, vLLM style) with their 
 Attention is MLA over a paged latent cache: prefill expands the latent through kv_b_proj, decode absorbs
 kv_b_proj into the query and attends over the latent directly. V3.2 adds the Lightning indexer, whose keys
 are cached next to the latent, and attends only over its top-k positions. MoE experts are EP-sharded: the
-exchange is written out in `moe()`; lm_head is vocabulary-sharded and its logits gathered in `logits()`.
+exchange is written out in runner/moe.py; lm_head is vocabulary-sharded and its logits gathered in `logits()`.
+The layers (projections, norms, rotary tables, MLPs, routed experts) come from runner/layers.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dsconv.convert.arch_v3 import V3Config
-from dsconv.errors import InputError
 from dsconv.kernels.attention import attention
 from dsconv.kernels.device import cast
-from dsconv.kernels.linear import linear_t, matmul_dtype, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
-from dsconv.kernels.norm import rms_norm
-from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, cos_sin_at, half_split_tables, rope_inv_freq,
-                          softmax_scale)
+from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
+from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.runner.cache import LatentCache, StepMeta
 from dsconv.runner.dist import Dist
+from dsconv.runner.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.moe import expert_parallel
 from dsconv.runner.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
 ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)
 ROUTER_NORM_EPS = 1e-20
-
-
-@dataclass(frozen=True)
-class StepRope:
-    """One step's rotary tables, made once for every layer, in the compute dtype (as transformers multiplies)."""
-    cos: torch.Tensor  # [T, 1, rope / 2], broadcast over heads: MLA's interleaved q_pe / k_pe (kernels.rope.apply_rope)
-    sin: torch.Tensor
-    index_cos: torch.Tensor | None = None  # [T, 1, index_head_dim]: V3.2's indexer (kernels.rope.apply_rope_prefix)
-    index_sin: torch.Tensor | None = None
-
-
-class Proj:
-    """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8).
-
-    Float weights are used in the compute dtype: a float32 run (used to compare against a float32 reference)
-    converts them once at load, a BF16 run keeps the mapped shard as is.
-    """
-
-    def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
-        weight = weights.take(f"{name}.weight")
-        scale = weights.take_optional(f"{name}.weight_scale")
-        self._set(weight.to(dtype) if scale is None else weight, scale)
-
-    def _set(self, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
-        self.weight, self.scale = weight, scale
-        self.weight_t = weight.t() if scale is None else None  # a view, once: what kernels.linear.linear_t takes
-
-    @classmethod
-    def merged(cls, weights: RankWeights, names: list[str], dtype: torch.dtype) -> "Proj":
-        """Projections of the same input as one, their output rows stacked in `names` order: one GEMM (and
-        under W8A8 one activation quantization) instead of several, as vLLM merges gate/up and q_a/kv_a. The
-        stacked weight is a copy made at load; the recipes give each such pair one type (convert.recipes)."""
-        parts = [cls(weights, name, dtype) for name in names]
-        if len({part.scale is None for part in parts}) != 1:
-            raise InputError(f"{names} mix INT8 and float weights; convert with a recipe that keeps them alike")
-        merged = cls.__new__(cls)
-        merged._set(torch.cat([part.weight for part in parts]),
-                    None if parts[0].scale is None else torch.cat([part.scale for part in parts]))
-        return merged
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
-            return linear_t(x, self.weight_t)
-        return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
-
-    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The INT8 projection of activations quantized by the sender (W8A8 experts behind the EP exchange)."""
-        return w8a8_linear_quantized(x_q, x_scale, self.weight, self.scale, dtype)
-
-    def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.scale is None:
-            return self.weight.to(dtype)
-        return (self.weight.to(torch.float32) * self.scale).to(dtype)
-
-
-class Norm:
-    """RMSNorm with its weight in the compute dtype (a float32 run converts the BF16 weight once, at load)."""
-
-    def __init__(self, weights: RankWeights, name: str, eps: float, dtype: torch.dtype):
-        self.weight, self.eps = cast(weights.take(name), dtype), eps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class Attention:
@@ -108,19 +43,18 @@ class Attention:
             self.input_split += [cfg.index_head_dim, cfg.index_n_heads]
         self.wqkv_a = Proj.merged(w, names, dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
-        self.q_norm = Norm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
         # expands the latent with them, decode absorbs them. Copies (dequantized if INT8) in the dtype decode
         # multiplies in: float32 on CPU (kernels.linear.matmul_dtype), twice a BF16 copy's bytes
         kv_b = Proj(w, f"{prefix}.kv_b_proj", dtype).float_weight(dtype).view(self.heads, -1, cfg.kv_lora_rank)
         product_dtype = matmul_dtype(kv_b)
-        # W_UK stored transposed, [heads, lora, nope], so that both absorbed products are matrix @ column. Inside
-        # a full decode step on the 2-core CI CPU this layout and row @ matrix ([heads, nope, lora]) measured the
-        # same (~50 us per product, paired A/B); a hot single-op loop favours row @ matrix, which says little here
+        # W_UK stored transposed, [heads, lora, nope], so that both absorbed products are matrix @ column (inside
+        # a decode step as fast as row @ matrix with [heads, nope, lora])
         self.w_uk_t = kv_b[:, :cfg.qk_nope_head_dim].transpose(1, 2).to(product_dtype, copy=True,
                                                                         memory_format=torch.contiguous_format)
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
-        self.kv_norm = Norm(w, f"{prefix}.kv_a_layernorm.weight", cfg.rms_norm_eps, dtype)
+        self.kv_norm = RMSNorm(w, f"{prefix}.kv_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         self.wo = Proj(w, f"{prefix}.o_proj", dtype)
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
         self.dist = dist
@@ -204,7 +138,7 @@ class Indexer:
         q = apply_rope_prefix(self.wq_b(q_resid).view(-1, heads, dim), cos, sin, cfg.qk_rope_head_dim)
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
         # mm / bmm rather than the equivalent einsum or matmul (which fold to these): the same products, without
-        # their setup (~30 us per einsum call), and the scaling and relu in place on the product, a new tensor
+        # their per-call setup, and the scaling and relu in place on the product, a new tensor
         scores = torch.mm(q.float().view(-1, dim), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
         scores.mul_(dim ** -0.5).relu_()  # [S, heads, C]
         head_weights = head_weights.float() * heads ** -0.5  # [S, heads] (.float() may return the input itself)
@@ -214,46 +148,14 @@ class Indexer:
         return index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices  # [S, k] context positions
 
 
-class GatedMLP:
-    """down(activation(gate_up(x))) with the gate and up projections merged into one, gate columns first (vLLM
-    merges them the same way): DeepSeek's dense MLPs, routed and shared experts. The activation maps
-    [T, 2 * inter] to [T, inter] (SwiGLU; V4 clamps it). The stages are separate for runner.moe, which runs the
-    k experts of a decode token's row as k projections and one activation call."""
-
-    def __init__(self, w: RankWeights, names: tuple[str, str, str], dtype: torch.dtype, activation=None):
-        gate, up, down = names
-        self.gate_up = Proj.merged(w, [gate, up], dtype)  # [2 * inter, hidden]
-        self.down = Proj(w, down, dtype)
-        self.activation = activation or silu_and_mul
-        self.int8 = self.gate_up.scale is not None
-
-    @classmethod
-    def v3(cls, w: RankWeights, prefix: str, dtype: torch.dtype) -> "GatedMLP":
-        return cls(w, (f"{prefix}.gate_proj", f"{prefix}.up_proj", f"{prefix}.down_proj"), dtype)
-
-    def __call__(self, x):
-        return self.down(self.activation(self.gate_up(x)))
-
-    def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The same MLP from INT8 activations quantized by the sender (W8A8 experts behind the EP exchange)."""
-        return self.down(self.activation(self.gate_up.quantized(x_q, x_scale, dtype)))
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class MoE:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
         self.cfg, self.dist = cfg, dist
         # routing runs in float32, as transformers' gate does: converted once here, not at every step
         self.router = w.take(f"{prefix}.gate.weight").float()
         self.bias = w.take(f"{prefix}.gate.e_score_correction_bias").float()
-        self.per_rank = cfg.n_routed_experts // dist.ep
-        first = dist.ep_rank * self.per_rank
-        self.experts = [GatedMLP.v3(w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
-        self.shared = GatedMLP.v3(w, f"{prefix}.shared_experts", dtype)
+        self.experts = RoutedExperts(w, f"{prefix}.experts", MLP_NAMES, cfg.n_routed_experts, dist, dtype)
+        self.shared = mlp(w, f"{prefix}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
@@ -276,7 +178,7 @@ class MoE:
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        return expert_parallel(x, experts, weights, self.experts, self.per_rank, self.dist)
+        return expert_parallel(x, experts, weights, self.experts, self.dist)
 
 
 class DeepseekV3:
@@ -286,17 +188,16 @@ class DeepseekV3:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else GatedMLP.v3(w, f"{p}.mlp", dtype)
-            self.layers.append((Norm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
+            ffn = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else mlp(w, f"{p}.mlp", dtype)
+            self.layers.append((RMSNorm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
                                 Attention(cfg, w, f"{p}.self_attn", dist, dtype),
-                                Norm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), mlp))
-        self.norm = Norm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
+                                RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
+        self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
         self.head = w.take("lm_head.weight").to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()
-        inv_freq, self.attention_scaling = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.inv_freq = inv_freq.to(dist.device)  # once, not at every step
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, dist.device)
         self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
         # the cache holds its BF16 entries in the dtype decode multiplies them in (float32 on CPU, exact: BF16 values
         # convert losslessly), so a decode step reads the context as is instead of converting it in every layer
@@ -316,14 +217,15 @@ class DeepseekV3:
         return self.logits(h if rows is None else h[rows])
 
     def step_rope(self, positions: torch.Tensor) -> StepRope:
-        # cos, sin [T, 1, rope / 2] (broadcast over heads) in the compute dtype, as transformers multiplies in
-        cos, sin = (t.to(self.dtype)[:, None] for t in cos_sin_at(self.inv_freq, self.attention_scaling, positions))
-        if not self.cfg.has_indexer:
-            return StepRope(cos, sin)
-        return StepRope(cos, sin, *half_split_tables(cos, sin, self.cfg.index_head_dim))
+        return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
+
+
+def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
+    """A dense MLP or the shared expert."""
+    return GatedMLP(w, tuple(f"{prefix}.{name}" for name in MLP_NAMES), dtype)
 
 
 def _is_mtp(name: str, cfg: V3Config) -> bool:

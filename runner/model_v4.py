@@ -23,17 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config
-from dsconv.kernels.linear import linear, w8a8_linear
-from dsconv.kernels.moe import swiglu
-from dsconv.kernels.rope import cos_sin_at, rope_inv_freq
+from dsconv.kernels.attention import attention
+from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
+from dsconv.kernels.rope import rope_tail
 from dsconv.runner.cache import StepMeta
 from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
 from dsconv.runner.dist import Dist
+from dsconv.runner.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.moe import expert_parallel
-from dsconv.runner.model_v3 import GatedMLP, Proj
 from dsconv.runner.weights import RankWeights
 
 ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
+EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
     "sigmoid": torch.sigmoid,
@@ -41,40 +42,9 @@ SCORE_FUNCS = {
 }
 
 
-class RMSNorm:
+def norm(w: RankWeights, name: str, cfg: V4Config) -> RMSNorm:
     """V4 keeps norm weights in float32: the weight multiplies before the one cast back (unlike V3's order)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        self.weight, self.eps = weight.float(), eps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-class Rope:
-    """cos, sin float32 [..., rope_dim // 2] for integer positions: plain, or YaRN (no cos/sin mscale in V4)."""
-
-    def __init__(self, dim: int, theta: float, yarn: dict | None, device: torch.device):
-        inv_freq, self.attention_scaling = rope_inv_freq(dim, theta, yarn)
-        self.inv_freq = inv_freq.to(device)  # once, not at every call
-
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos_sin_at(self.inv_freq, self.attention_scaling, positions)
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last 2 * cos.shape[-1] dims of x as interleaved pairs (x0, x1), (x2, x3), ..., keeping that
-    layout: V4 reads the rotated key back as a value, so the layout reaches the output projection."""
-    rope_dim = 2 * cos.shape[-1]
-    rope = x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+    return RMSNorm(w, name, cfg.rms_norm_eps, torch.float32, WEIGHT_IN_FLOAT32)
 
 
 def _yarn_dict(cfg: V4Config) -> dict | None:
@@ -84,23 +54,6 @@ def _yarn_dict(cfg: V4Config) -> dict | None:
     # attention_factor 1: DeepSeek's reference does not scale cos/sin by YaRN's mscale (transformers agrees)
     return {"type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
             "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "attention_factor": 1.0}
-
-
-class GroupedProj:
-    """wo_a: [groups * rank, in / groups], group g's rows project only group g's slice of the input."""
-
-    def __init__(self, weights: RankWeights, name: str, groups: int, dtype: torch.dtype):
-        self.proj, self.groups = Proj(weights, name, dtype), groups
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, groups, in / groups] -> [T, groups, rank]."""
-        weights = self.proj.weight.chunk(self.groups)
-        if self.proj.scale is None:
-            outs = [linear(x[:, g], weights[g]) for g in range(self.groups)]
-        else:
-            scales = self.proj.scale.chunk(self.groups)
-            outs = [w8a8_linear(x[:, g], weights[g], scales[g], out_dtype=x.dtype) for g in range(self.groups)]
-        return torch.stack(outs, dim=1)
 
 
 class Compressor:
@@ -114,7 +67,7 @@ class Compressor:
         self.ratio, self.head_dim, self.overlap, self.rope = ratio, head_dim, overlap, rope
         self.wkv, self.wgate = Proj(w, f"{prefix}.wkv", dtype), Proj(w, f"{prefix}.wgate", dtype)
         self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
-        self.norm = RMSNorm(w.take(f"{prefix}.norm.weight"), cfg.rms_norm_eps)
+        self.norm = norm(w, f"{prefix}.norm.weight", cfg)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """x [T, hidden] at consecutive positions, the state's next -> every entry so far [n, head_dim].
@@ -172,9 +125,9 @@ class Attention:
         self.cfg, self.attn_type = cfg, attn_type
         self.rope = ropes["main"] if attn_type is AttnType.SLIDING else ropes["compress"]
         self.wq_a, self.wq_b = Proj(w, f"{prefix}.wq_a", dtype), Proj(w, f"{prefix}.wq_b", dtype)
-        self.q_norm = RMSNorm(w.take(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+        self.q_norm = norm(w, f"{prefix}.q_norm.weight", cfg)
         self.wkv = Proj(w, f"{prefix}.wkv", dtype)
-        self.kv_norm = RMSNorm(w.take(f"{prefix}.kv_norm.weight"), cfg.rms_norm_eps)
+        self.kv_norm = norm(w, f"{prefix}.kv_norm.weight", cfg)
         self.wo_a = GroupedProj(w, f"{prefix}.wo_a", cfg.o_groups, dtype)
         self.wo_b = Proj(w, f"{prefix}.wo_b", dtype)
         self.sinks = w.take(f"{prefix}.attn_sink").float()  # [heads]
@@ -215,29 +168,12 @@ class Attention:
             kv = torch.cat([kv, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
 
-        out = sink_attention(q, kv, allowed, self.sinks, head_dim**-0.5)  # [T, heads, head_dim]
+        # [T, heads, head_dim]: every head attends over the one key = value row per position, with its sink
+        out = attention(q.transpose(0, 1), kv, kv, head_dim**-0.5, allowed, sinks=self.sinks).transpose(0, 1)
         # the value carried its key's rotation: rotating back by the query's position leaves the relative one
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.wo_a(out.reshape(T, cfg.o_groups, -1))  # [T, groups, o_lora_rank]
         return self.wo_b(grouped.flatten(1))
-
-
-def sink_attention(q, kv, allowed, sinks, scale) -> torch.Tensor:
-    """q [T, H, D], kv [K, D] (keys = values), allowed [T, K] bool, sinks [H] -> [T, H, D].
-
-    Each head's softmax has one extra logit, its sink, whose probability mass is dropped (it has no value)."""
-    scores = torch.einsum("thd,kd->htk", q, kv) * scale
-    scores = scores.float().masked_fill(~allowed, float("-inf"))
-    logits = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
-    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
-    return torch.einsum("htk,kd->thd", probs.to(kv.dtype), kv)
-
-
-def expert(cfg: V4Config, w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
-    """A routed or shared expert: w1 (gate) and w3 (up) merged, w2 down, SwiGLU clamped at swiglu_limit."""
-    limit = cfg.swiglu_limit
-    return GatedMLP(w, (f"{prefix}.w1", f"{prefix}.w3", f"{prefix}.w2"), dtype,
-                    lambda gate_up: swiglu(*gate_up.chunk(2, dim=-1), limit))
 
 
 class MoE:
@@ -251,10 +187,11 @@ class MoE:
             self.tid2eid = w.take(f"{prefix}.gate.tid2eid")  # [vocab, k] int64
         else:
             self.bias = w.take(f"{prefix}.gate.bias").float()
-        self.per_rank = cfg.n_routed_experts // dist.ep
-        first = dist.ep_rank * self.per_rank
-        self.experts = [expert(cfg, w, f"{prefix}.experts.{e}", dtype) for e in range(first, first + self.per_rank)]
-        self.shared = expert(cfg, w, f"{prefix}.shared_experts", dtype)
+        # expert and shared SwiGLUs clamp at swiglu_limit
+        self.experts = RoutedExperts(w, f"{prefix}.experts", EXPERT_NAMES, cfg.n_routed_experts, dist, dtype,
+                                     cfg.swiglu_limit)
+        self.shared = GatedMLP(w, tuple(f"{prefix}.shared_experts.{name}" for name in EXPERT_NAMES), dtype,
+                               cfg.swiglu_limit)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hash layers: experts = tid2eid[token]; others: top-k of score + bias. Weights from the scores."""
@@ -274,7 +211,7 @@ class MoE:
 
     def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x, tokens)
-        return expert_parallel(x, experts, weights, self.experts, self.per_rank, self.dist)
+        return expert_parallel(x, experts, weights, self.experts, self.dist)
 
 
 class HyperConnection:
@@ -329,9 +266,9 @@ class Block:
     def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype):
         p = f"layers.{layer}"
         self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
-        self.attn_norm = RMSNorm(w.take(f"{p}.attn_norm.weight"), cfg.rms_norm_eps)
+        self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
         self.attn = Attention(cfg, w, f"{p}.attn", cfg.attn_types[layer], ropes, dtype)
-        self.ffn_norm = RMSNorm(w.take(f"{p}.ffn_norm.weight"), cfg.rms_norm_eps)
+        self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 
     def __call__(self, streams, tokens, meta: StepMeta, states: list[LayerState]) -> torch.Tensor:
@@ -357,7 +294,7 @@ class DeepseekV4:
         self.embed = w.take("embed.weight")
         self.layers = [Block(cfg, w, layer, ropes, dist, dtype) for layer in range(cfg.num_hidden_layers)]
         self.hc_head = HyperHead(cfg, w)
-        self.norm = RMSNorm(w.take("norm.weight"), cfg.rms_norm_eps)
+        self.norm = norm(w, "norm.weight", cfg)
         head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
         self.head = head.to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
         for name in [n for n in w.tensors if n.startswith("mtp.")]:

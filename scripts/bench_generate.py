@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.runner.cli import collect  # noqa: E402
-from dsconv.runner.engine import BLOCK_SIZE, build_model  # noqa: E402
+from dsconv.runner.cache import BLOCK_SIZE  # noqa: E402
+from dsconv.runner.engine import build_model  # noqa: E402
 from dsconv.runner.dist import Dist  # noqa: E402
 from dsconv.runner.generate import greedy  # noqa: E402
 from dsconv.runner.weights import load_manifest  # noqa: E402
@@ -55,7 +56,7 @@ def shards_for(src: Path, out: Path, layout: Layout) -> Path:
 def dsrun_decoder(shards: Path, prompt: list[int], new_tokens: int):
     """-> a function that runs one generation with dsrun's model and returns its decode tokens/s."""
     manifest = load_manifest(shards)
-    model, _, new_cache = build_model(shards, manifest, 0, Dist.single(), torch.bfloat16)
+    model, _, new_cache = build_model(shards, manifest, 0, Dist(), torch.bfloat16)
 
     def run() -> float:
         stamps = []

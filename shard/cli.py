@@ -54,7 +54,7 @@ def shard(
     Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
     OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/.
     """
-    from dsconv.shard.shard import make_shard_plan, prepare_out, run_shard
+    from dsconv.shard.shard import make_shard_plan, run_shard
 
     with user_errors():
         n_workers = resolve_workers(workers)
@@ -65,9 +65,8 @@ def shard(
             console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
                           f"directories; layout {layout.to_json()['groups']}")
             return
-        prepare_out(plan, out)
-        with byte_progress("shard", plan.nbytes) as bar:
-            result = run_shard(plan, out, n_workers, bar.update)
+        with byte_progress("shard", plan.nbytes) as update:
+            result = run_shard(plan, out, n_workers, update)
     console.print(rank_table(plan))
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "

@@ -2,7 +2,8 @@
 
 The sharder writes by it, `dsconv plan` sums sizes by it, `dsconv verify` checks coverage by it, and the
 runner imports it to know what each rank must find. Rules are keyed by role (convert.arch.Role), so a
-tensor's name never decides its placement.
+tensor's name never decides its placement; which attention roles split with attention TP, and on which dim, is
+the one thing a family adds (`Family.attention_tp`).
 
 Modes: replicated (written once under `common/`, read by every rank); expert (a routed expert, owned by
 one EP rank: `ep-XXXXX/`); vocab (lm_head rows split over the lm_head TP group: `tp-XXXXX/`); head_split
@@ -16,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from dsconv.convert.arch import Role, TensorSpec
+from dsconv.convert.arch import Family, Role, TensorSpec
 from dsconv.errors import InputError
 from dsconv.shard.layout import Layout
 
@@ -47,30 +48,16 @@ COMMON_RULES: dict[Role, Rule] = {
     Role.HEAD: Rule(Mode.VOCAB, dim=0),  # [vocab, hidden]: contiguous vocabulary rows per lm_head TP rank
 }
 
-# Attention TP by family (only used when attn_tp > 1): which attention tensors split, and on which dim.
-ATTENTION_TP_RULES: dict[str, dict[Role, Rule]] = {
-    # MLA: heads are the output rows of q_b_proj and kv_b_proj and the input columns of o_proj;
-    # an all-reduce after o_proj sums the partial outputs. The indexer stays replicated.
-    "deepseek_v3": {Role.ATTN_Q_B: Rule(Mode.HEAD_SPLIT, 0), Role.ATTN_KV_B: Rule(Mode.HEAD_SPLIT, 0),
-                    Role.ATTN_O: Rule(Mode.HEAD_SPLIT, 1)},
-    "deepseek_v32": {Role.ATTN_Q_B: Rule(Mode.HEAD_SPLIT, 0), Role.ATTN_KV_B: Rule(Mode.HEAD_SPLIT, 0),
-                     Role.ATTN_O: Rule(Mode.HEAD_SPLIT, 1)},
-    # V4: query heads (wq_b rows, one sink per head) and whole output groups (wo_a rows per group, wo_b
-    # input columns) split together; the single KV head, compressors and indexer stay replicated.
-    "deepseek_v4": {Role.ATTN_Q_B: Rule(Mode.HEAD_SPLIT, 0), Role.ATTN_SINK: Rule(Mode.HEAD_SPLIT, 0),
-                    Role.ATTN_O_A: Rule(Mode.HEAD_SPLIT, 0), Role.ATTN_O_B: Rule(Mode.HEAD_SPLIT, 1)},
-}
 
-
-def rule_for(spec: TensorSpec, family: str, layout: Layout) -> Rule:
+def rule_for(spec: TensorSpec, family: Family, layout: Layout) -> Rule:
     if spec.role in COMMON_RULES:
         return COMMON_RULES[spec.role]
-    if layout.attn_tp > 1 and spec.role in ATTENTION_TP_RULES[family]:
-        return ATTENTION_TP_RULES[family][spec.role]
+    if layout.attn_tp > 1 and spec.role in family.attention_tp:
+        return Rule(Mode.HEAD_SPLIT, family.attention_tp[spec.role])
     return _REPLICATED
 
 
-def check_layout(family: str, arch: object, layout: Layout) -> None:
+def check_layout(family: Family, arch: object, layout: Layout) -> None:
     """Refuse a layout the model's shapes cannot split evenly, naming the numbers."""
     experts, vocab = arch.n_routed_experts, arch.vocab_size
     if experts % layout.ep:
@@ -80,10 +67,8 @@ def check_layout(family: str, arch: object, layout: Layout) -> None:
     heads = arch.num_attention_heads
     if heads % layout.attn_tp:
         raise InputError(f"num_attention_heads={heads} is not divisible by attn-tp={layout.attn_tp}")
-    o_groups = getattr(arch, "o_groups", None)
-    if o_groups is not None and o_groups % layout.attn_tp:
-        raise InputError(f"o_groups={o_groups} is not divisible by attn-tp={layout.attn_tp} (DeepSeek-V4 splits "
-                         f"attention by whole output groups; use --attn-tp 1 to replicate attention)")
+    if family.check_attention_tp is not None:
+        family.check_attention_tp(arch, layout.attn_tp)
 
 
 @dataclass(frozen=True)
@@ -113,7 +98,7 @@ def _split(spec: TensorSpec, dim: int, parts: int, index: int) -> tuple[int, int
     return (dim, index * step, (index + 1) * step)
 
 
-def place(spec: TensorSpec, family: str, arch: object, layout: Layout) -> list[Placement]:
+def place(spec: TensorSpec, family: Family, arch: object, layout: Layout) -> list[Placement]:
     """Every shard of a tensor: one for replicated and expert tensors, one per group index when split."""
     rule = rule_for(spec, family, layout)
     ranks = range(layout.world_size)

@@ -1,6 +1,6 @@
 """`dsconv plan`: per-rank weight and KV-cache memory from config.json alone, before any download.
 
-Sizes come from the tensor inventory (convert.arch), the output dtypes (shard.sizes.output_tensors) and the
+Sizes come from the tensor inventory (convert.arch), the output dtypes (convert.plan.output_tensors) and the
 placement table (shard.placement), so they match what `dsconv shard` writes byte for byte (file headers
 aside).
 """
@@ -74,7 +74,7 @@ def _weights_table(title: str, per_rank: dict[int, dict[str, int]], kv_bytes: in
     return table
 
 
-def _kv_table(family: str, arch: object, batch: int, seq: int) -> Table:
+def _kv_table(family: Family, arch: object, batch: int, seq: int) -> Table:
     per_token = kv_cache_bytes_per_token(family, arch)
     per_sequence = kv_cache_bytes_per_sequence(family, arch)
     table = Table(title=f"KV cache per rank ({str(CACHE_DTYPE).removeprefix('torch.')}; the "
@@ -92,7 +92,7 @@ def _kv_table(family: str, arch: object, batch: int, seq: int) -> Table:
 
 
 def _precisions(family: Family, recipe: Optional[str]) -> list[tuple[str, Recipe | None]]:
-    chosen = recipe_for(recipe, family.name)
+    chosen = recipe_for(recipe, family)
     return [("BF16", None), (f"W8A8 (recipe {chosen.name})", chosen)]
 
 
@@ -126,7 +126,7 @@ def plan(
         family = family_for(raw)
         arch = family.parse_config(raw)
         layout = Layout(world_size=world_size, ep=ep, tp=tp, attn_tp=attn_tp)
-        check_layout(family.name, arch, layout)
+        check_layout(family, arch, layout)
         for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb)):
             if value <= 0:
                 raise InputError(f"{name} {value} must be positive")
@@ -134,18 +134,18 @@ def plan(
     except InputError as exc:
         fail(str(exc))
 
-    kv_bytes = kv_cache_bytes(family.name, arch, batch, seq)
+    kv_bytes = kv_cache_bytes(family, arch, batch, seq)
     console.print(f"[bold]dsconv plan[/]: {family.name} from {escape(str(config))}; {layout.world_size} ranks: "
                   f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}")
     mtp_note = "MTP layer included" if mtp else "MTP layer not counted"
     for label, chosen in precisions:
-        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family.name, arch, layout)
+        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family, arch, layout)
         title = f"{label} weights, GB (10^9 B) per rank ({mtp_note}); KV cache for {batch} x {seq} tokens"
         console.print(_weights_table(title, per_rank, kv_bytes, card_gb))
         disk = sum(sum(by_category.values()) for by_category in on_disk.values())
         console.print(f"  on disk: {_gb(disk)} GB in {len(on_disk)} shard directories (replicated tensors counted "
                       f"once; file headers and Ascend weight_offset zeros excluded)")
-    console.print(_kv_table(family.name, arch, batch, seq))
+    console.print(_kv_table(family, arch, batch, seq))
     console.print(f"  --batch {batch} is per attention-DP rank: {layout.dp} DP ranks hold up to {batch * layout.dp} "
                   f"sequences in all.")
     if layout.attn_tp > 1:

@@ -9,21 +9,17 @@ crash-safe, resumable machinery as `quantize`, and described by `manifest.json`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from dsconv.convert import outdir
 from dsconv.convert.arch import Encoding, TensorSpec
 from dsconv.errors import InputError
 from dsconv.convert.execute import part_is_complete, write_part
 from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
-from dsconv.convert.plan import KEEP, PART_METADATA, TO_BF16, Item, Part, pack
+from dsconv.convert.plan import DECODED, KEEP, PART_METADATA, TO_BF16, Item, Part, job_digest, output_tensors, pack
 from dsconv.convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import Checkpoint, SourceWeight, open_checkpoint
 from dsconv.shard.layout import Layout
@@ -68,11 +64,8 @@ class ShardPlan:
 
     def job(self) -> dict:
         """Identifies the run for resume: changes whenever any output byte or the manifest could."""
-        sources = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.checkpoint.files]
-        files = [(f.part.name, [(t.name, str(t.dtype), t.shape) for t in f.part.tensors]) for f in self.files]
-        blob = json.dumps([sources, self.layout.to_json(), files], default=str)
         return {"command": "dsconv shard", "source": str(self.checkpoint.root.resolve()),
-                "plan_digest": hashlib.sha256(blob.encode()).hexdigest()}
+                "plan_digest": job_digest(self.checkpoint.files, [self.layout.to_json()], (f.part for f in self.files))}
 
 
 def sliced_shape(shape: tuple[int, ...], split: tuple[int, int, int] | None) -> tuple[int, ...]:
@@ -96,17 +89,18 @@ def _check_symmetric(weight: SourceWeight) -> None:
 
 
 def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
-    family, arch = checkpoint.family.name, checkpoint.arch
+    family, arch = checkpoint.family, checkpoint.arch
     shards: list[ShardTensor] = []
     seen: set[tuple[str, str]] = set()  # (directory, name): a replicated companion is listed once
     for weight in checkpoint.weights:
         if weight.encoding == "w8a8":
             _check_symmetric(weight)
         main = dataclasses.replace(weight, scale=None, offset=None) if weight.encoding == "w8a8" else weight
-        action = TO_BF16 if weight.encoding in ("fp8", "fp4") else KEEP
-        dtype = torch.bfloat16 if action == TO_BF16 else weight.value.entry.dtype
+        action = TO_BF16 if weight.encoding in DECODED else KEEP
+        # an INT8 weight is kept as stored, alone: its scale becomes a tensor of its own below
+        (whole,) = output_tensors(weight.spec, weight.encoding, weight.value.entry.dtype)
         for placement in place(weight.spec, family, arch, layout):
-            out = OutTensor(weight.spec.name, dtype, sliced_shape(weight.spec.shape, placement.split))
+            out = OutTensor(whole.name, whole.dtype, sliced_shape(whole.shape, placement.split))
             scale = _companion(weight) if weight.encoding == "w8a8" else None
             shards.append(ShardTensor(Item(main, action, (out,), placement.split), placement, weight.spec,
                                       scale=scale.spec.name if scale else None))
@@ -131,7 +125,7 @@ def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int) -> lis
 
 def make_shard_plan(src: Path, layout: Layout, max_file_bytes: int) -> ShardPlan:
     checkpoint = open_checkpoint(src)
-    check_layout(checkpoint.family.name, checkpoint.arch, layout)
+    check_layout(checkpoint.family, checkpoint.arch, layout)
     by_directory: dict[str, list[ShardTensor]] = {}
     for shard in _shard_tensors(checkpoint, layout):
         by_directory.setdefault(shard.placement.directory, []).append(shard)
@@ -149,15 +143,13 @@ class ShardResult:
     resumed_files: int
 
 
-def prepare_out(plan: ShardPlan, out: Path) -> None:
-    outdir.prepare_out(out, plan.checkpoint.root, plan.job())
-
-
 def run_shard(plan: ShardPlan, out: Path, workers: int, on_progress: Callable[[int], None]) -> ShardResult:
+    """Writes the shards and manifest.json to OUT: new, empty, or an unfinished run of this same job (resumed)."""
     from dsconv.manifest.schema import MANIFEST_NAME, build_manifest, write_manifest
 
     started = time.perf_counter()
-    prepare_out(plan, out)
+    job = plan.job()
+    outdir.prepare_out(out, plan.checkpoint.root, job)
     resumed = 0
     for shard_file in plan.files:
         path = out / shard_file.part.name
@@ -173,6 +165,6 @@ def run_shard(plan: ShardPlan, out: Path, workers: int, on_progress: Callable[[i
             write_bytes_atomic(out / source.name, source.read_bytes())
     write_json_atomic(out / "config.json", plan.config)
     write_manifest(out / MANIFEST_NAME, build_manifest(plan, out))
-    outdir.mark_complete(out, plan.job())
+    outdir.mark_complete(out, job)
     return ShardResult(plan, out, sum(file_size(f.part.tensors, PART_METADATA) for f in plan.files),
                        time.perf_counter() - started, resumed)

@@ -9,8 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `scripts` is a folder of the repo, not an installed package
 
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-
-FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+from tests.helpers import quantize  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,20 +39,15 @@ def copy_source(tiny_source, tmp_path):
     return build
 
 
-SMALL_FILES = 1_000_000  # bytes; several output files even on tiny fixtures
-
-
 @pytest.fixture(scope="session")
 def w8a8_source(tiny_source, tmp_path_factory):
     """w8a8_source(family): the family's FP8 fixture quantized by dsconv (ascend layout), built once."""
-    from dsconv.convert.quantize import build_plan, run_quantize
-
     cache: dict[str, Path] = {}
 
     def build(family: str) -> Path:
         if family not in cache:
             out = tmp_path_factory.mktemp(f"{family}-w8a8") / "w8a8"
-            run_quantize(build_plan(tiny_source(family), None, "ascend", SMALL_FILES), out, 2, lambda n: None)
+            quantize(tiny_source(family), out)
             cache[family] = out
         return cache[family]
 

@@ -131,6 +131,7 @@ def _check_all_to_all(group, rank, dtype, row_shape, zero_senders, zero_receiver
     assert torch.equal(recv.view(torch.uint8), expected.view(torch.uint8)), (group.name, dtype, row_shape)
 
 
+@pytest.mark.slow
 def test_sixteen_ranks_groups_and_collectives(tmp_path, capsys):
     code = launch(_check_sixteen_ranks, (), world_size=16, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
     err = capsys.readouterr().err
@@ -231,6 +232,7 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tmp_path):
     proc, pids = _start_supervisor(tmp_path)
     proc.send_signal(signal.SIGINT)
@@ -240,6 +242,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert _wait_gone(pids, bound_s=5)
 
 
+@pytest.mark.slow
 def test_ranks_exit_when_supervisor_is_killed(tmp_path):
     proc, pids = _start_supervisor(tmp_path)
     proc.kill()

@@ -10,8 +10,7 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, QuantizationStrategy, dequantize
 
-from tests.conftest import FAMILIES
-from tests.test_quantize_outputs import COSINE_MIN, cosine, quantize, read_all, source_reference
+from tests.helpers import COSINE_MIN, FAMILIES, cosine, quantize, read_all, source_reference
 
 
 @pytest.mark.parametrize("family", FAMILIES)

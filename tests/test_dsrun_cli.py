@@ -17,18 +17,21 @@ KILL_DEADLINE_S = 60
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("dsconv-cache")
-    os.environ["DSCONV_CACHE"] = str(cache)  # the CLI subprocesses inherit it
-    return demo_shards()
+    """The demo's shards, built once into a cache of this session's own (the CLI runs below are pointed at it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSCONV_CACHE", str(tmp_path_factory.mktemp("dsconv-cache")))
+        return demo_shards()
 
 
-def dsrun(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": "300"})
+def dsrun(demo, *args, timeout=300):
+    env = {**os.environ, "COLUMNS": "300", "DSCONV_CACHE": str(demo.parent)}  # the demo cache
+    return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_demo_json(demo):
-    proc = dsrun("--prompt", "介绍下北京故宫", "--max-new-tokens", "5", "--json")
+    proc = dsrun(demo, "--prompt", "介绍下北京故宫", "--max-new-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "RANDOM weights" in proc.stderr
@@ -36,11 +39,14 @@ def test_demo_json(demo):
     assert ids[0] == 0 and len(ids) > 3  # BOS, then the chat-wrapped prompt
     (generated,) = out["generated_token_ids"]
     assert 1 <= len(generated) <= 5 and isinstance(out["text"][0], str)
-    assert out["timings"]["decode_tokens_per_s"] >= 0
+    timings = out["timings"]
+    assert timings["prefill_tokens_per_s"] > 0 and timings["wall_s"] > 0
+    assert (timings["decode_tokens_per_s"] > 0) == (len(generated) > 1)  # decode starts with the second token
 
 
+@pytest.mark.slow
 def test_streamed_text_and_closing_line(demo):
-    proc = dsrun("--shards", demo, "--prompt", "hello", "--prompt", "a second, longer prompt here",
+    proc = dsrun(demo, "--shards", demo, "--prompt", "hello", "--prompt", "a second, longer prompt here",
                  "--max-new-tokens", "3", "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert "prompt 1:" in proc.stdout and "new tokens" in proc.stdout and "decode" in proc.stdout
@@ -54,7 +60,7 @@ def test_streamed_text_and_closing_line(demo):
     (["--prompt", "hi", "--dtype", "float16"], "--dtype"),
 ])
 def test_bad_input(demo, args, needle):
-    proc = dsrun("--shards", demo, *args)
+    proc = dsrun(demo, "--shards", demo, *args)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
@@ -66,10 +72,11 @@ def test_shards_that_fail_verify(demo, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(demo, broken)
     next(broken.glob("ep-00003/*.safetensors")).unlink()
-    proc = dsrun("--shards", broken, "--prompt", "hi")
+    proc = dsrun(demo, "--shards", broken, "--prompt", "hi")
     assert proc.returncode == 2 and "fails `dsconv verify`" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_killing_one_rank_ends_the_run(demo):
     proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
                              "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],

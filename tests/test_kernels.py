@@ -15,10 +15,11 @@ from dsconv.kernels.attention import attention, attention_reference, causal_mask
 from dsconv.kernels.device import require_torch_npu
 from dsconv.kernels.int8 import INT8_MAX, quantize_rows_reference
 from dsconv.kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
-                            matmul_dtype, w8a8_linear, w8a8_linear_reference)
-from dsconv.kernels.moe import grouped_mlp, grouped_w8a8, grouped_w8a8_reference, swiglu
-from dsconv.kernels.norm import rms_norm, rms_norm_reference
-from dsconv.kernels.rope import apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, softmax_scale
+                                   matmul_dtype, quantize_activations, w8a8_linear, w8a8_linear_reference)
+from dsconv.kernels.moe import ExpertWeights, grouped_mlp, grouped_mlp_reference, swiglu, token_mlp
+from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_IN_FLOAT32, rms_norm, rms_norm_reference
+from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, rope_tail,
+                                 softmax_scale)
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -177,9 +178,28 @@ def test_rms_norm_half_cpu_path_against_transformers(dtype, dim):
     assert bool(((got.float() - expected.float()).abs() <= 2 * ulp)[differ].all())
 
 
-def test_rms_norm_checks_the_weight():
+def test_rms_norm_checks_the_weight_and_the_order():
     with pytest.raises(ValueError, match="does not match"):
         rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="does not match"):
+        rms_norm(torch.zeros(2, 8), None, 1e-6, WEIGHT_IN_FLOAT32)
+    with pytest.raises(ValueError, match="takes no weight"):
+        rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6, UNWEIGHTED)
+    with pytest.raises(ValueError, match="not one of"):
+        rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6, "weight_twice")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_v4_orders_equal_transformers(dtype):
+    """V4's float32-weight order and its unweighted form, bit for bit against transformers' modules."""
+    gen = torch.Generator().manual_seed(12)
+    x = (3 * torch.randn(4, 5, 96, generator=gen)).to(dtype)
+    x[0, 0] = 0  # eps alone
+    weighted = hf_v4.DeepseekV4RMSNorm(96, eps=1e-6)  # V4 keeps the weight in float32
+    with torch.no_grad():
+        weighted.weight.copy_(torch.randn(96, generator=gen))
+        assert torch.equal(rms_norm(x, weighted.weight.detach(), 1e-6, WEIGHT_IN_FLOAT32), weighted(x))
+        assert torch.equal(rms_norm(x, None, 1e-6, UNWEIGHTED), hf_v4.DeepseekV4UnweightedRMSNorm(1e-6)(x))
 
 
 # --- rope -----------------------------------------------------------------------------------------------------
@@ -254,6 +274,20 @@ def test_apply_rope_prefix_equals_transformers_indexer(dtype, passed):
         half_split_tables(cos, sin, ROPE_DIM - 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tail_equals_transformers_v4(dtype):
+    # V4: interleaved pairs on the last rope dims of each head, layout kept, the leading dims passed through
+    gen = torch.Generator().manual_seed(13)
+    ours, _ = _rope_configs(YARN)
+    heads, tokens, dim = 3, POSITIONS.shape[1], ROPE_DIM + 32
+    x = (4 * torch.randn(1, heads, tokens, dim, generator=gen)).to(dtype)  # transformers' [B, H, S, D]
+    cos, sin = rope_cos_sin(ours, POSITIONS)  # [1, S, D/2] float32
+    expected = hf_v4.apply_rotary_pos_emb(x, cos, sin)  # unsqueezes the head axis
+    assert torch.equal(rope_tail(x, cos[:, None], sin[:, None]), expected)
+    back = rope_tail(expected, cos[:, None], -sin[:, None]).float()  # the inverse rotation (V4's output)
+    torch.testing.assert_close(back, x.float(), atol=0.05 if dtype == torch.bfloat16 else 1e-5, rtol=0.02)
+
+
 # --- attention ------------------------------------------------------------------------------------------------
 def _eager(q, k, v, scale, allowed):
     """transformers' eager attention with its additive mask (dtype min where not allowed) -> [B, H, S, Dv]."""
@@ -301,63 +335,164 @@ def test_attention_unbatched_heads_and_bad_mask():
         attention(q, k, v, 0.3, torch.ones(1, 1, 1, 4, 4, dtype=torch.bool))
 
 
+def _sink_attention_formula(q, kv, allowed, sinks, scale):
+    """V4's attention as its first runner wrote it: q [T, H, D], kv [K, D] (keys = values), allowed [T, K],
+    sinks [H] -> [T, H, D]; the sink a last logit of each head's softmax, its probability dropped."""
+    scores = (torch.einsum("thd,kd->htk", q, kv) * scale).float().masked_fill(~allowed, float("-inf"))
+    logits = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return torch.einsum("htk,kd->thd", probs.to(kv.dtype), kv)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("s", [1, 6], ids=["decode", "prefill"])
+def test_attention_with_sinks(dtype, atol, s):
+    """V4's shared-KV attention with per-head sinks: against transformers' V4 eager attention (float32 only: in
+    BF16 it takes the softmax in BF16) and against the formula the V4 runner used before."""
+    gen = torch.Generator().manual_seed(14 + s)
+    heads, t, d = 4, 9, 16
+    q = torch.randn(s, heads, d, generator=gen).to(dtype)  # [T, H, D]
+    kv = torch.randn(t, d, generator=gen).to(dtype)
+    sinks = torch.randn(heads, generator=gen)
+    allowed = causal_mask(s, t) & (torch.rand(s, t, generator=gen) < 0.7)
+    allowed[:, -1] = True
+    got = attention(q.transpose(0, 1), kv, kv, 0.25, allowed, sinks=sinks).transpose(0, 1)
+    assert got.dtype == dtype and got.shape == (s, heads, d)
+    torch.testing.assert_close(got, _sink_attention_formula(q, kv, allowed, sinks, 0.25), atol=atol, rtol=atol)
+    reference = attention_reference(q.transpose(0, 1), kv, kv, 0.25, allowed, sinks=sinks).transpose(0, 1)
+    torch.testing.assert_close(got, reference, atol=atol, rtol=atol)
+    if dtype == torch.float32:
+        additive = torch.zeros(s, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        module = SimpleNamespace(num_key_value_groups=1, training=False, sinks=sinks)
+        kv4 = kv[None, None]  # [B, 1, K, D]: transformers' one KV head
+        expected, _ = hf_v4.eager_attention_forward(module, q.transpose(0, 1)[None], kv4, kv4, additive, scaling=0.25)
+        torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
+
+
+def test_attention_sink_takes_a_fully_masked_row():
+    # a query that may look nowhere gives all its mass to the sinks: a zero output, not NaN
+    q, kv = torch.randn(2, 1, 8), torch.randn(5, 8)
+    out = attention(q, kv, kv, 0.3, torch.zeros(1, 5, dtype=torch.bool), sinks=torch.zeros(2))
+    assert torch.equal(out, torch.zeros(2, 1, 8))
+
+
 # --- moe ------------------------------------------------------------------------------------------------------
 HIDDEN, INTER = 48, 64
 
 
-def _experts(n_experts, seed):
+def _experts(n_experts, seed, int8=True):
     gen = torch.Generator().manual_seed(seed)
+    if not int8:
+        return ExpertWeights(torch.randn(n_experts, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
+                             torch.randn(n_experts, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
     w13, s13 = zip(*(_quantized_weight(2 * INTER, HIDDEN, gen) for _ in range(n_experts)))
     w2, s2 = zip(*(_quantized_weight(HIDDEN, INTER, gen) for _ in range(n_experts)))
-    return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
+    return ExpertWeights(torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
 
 
-def _per_token_w8a8(x, expert_of_row, w13, s13, w2, s2, limit):
+def _per_token_w8a8(x, expert_of_row, experts, limit):
     rows = []
     for i, e in enumerate(expert_of_row):
-        gate, up = w8a8_linear_reference(x[i:i + 1], w13[e], s13[e], out_dtype=x.dtype).chunk(2, dim=-1)
-        rows.append(w8a8_linear_reference(swiglu(gate, up, limit), w2[e], s2[e], out_dtype=x.dtype))
+        gate, up = w8a8_linear_reference(x[i:i + 1], experts.w13[e], experts.w13_scale[e],
+                                         out_dtype=x.dtype).chunk(2, dim=-1)
+        rows.append(w8a8_linear_reference(swiglu(gate, up, limit), experts.w2[e], experts.w2_scale[e],
+                                          out_dtype=x.dtype))
     return torch.cat(rows) if rows else x.new_empty(0, x.shape[1])
 
 
-@pytest.mark.parametrize("counts", [[0, 3, 0, 5, 1], [0, 9, 0, 0, 0], [0, 0, 0, 0, 0], [2, 2, 2, 2, 2]])
+COUNTS = [[0, 3, 0, 5, 1], [0, 9, 0, 0, 0], [0, 0, 0, 0, 0], [2, 2, 2, 2, 2], [1, 0, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("counts", COUNTS)
 @pytest.mark.parametrize("limit", [None, 0.05], ids=["swiglu", "v4-clamped"])
 def test_grouped_w8a8_equals_per_token_loop(counts, limit):
-    w13, s13, w2, s2 = _experts(len(counts), seed=7)
+    experts = _experts(len(counts), seed=7)
     x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     counts_t = torch.tensor(counts)
-    out = grouped_w8a8(x, counts_t, w13, s13, w2, s2, swiglu_limit=limit)
+    out = grouped_mlp(x, counts_t, experts, limit=limit)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert torch.equal(out, grouped_w8a8_reference(x, counts_t, w13, s13, w2, s2, swiglu_limit=limit))
+    assert torch.equal(out, grouped_mlp_reference(x, counts_t, experts, limit=limit))
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts_t).tolist()
-    assert torch.equal(out, _per_token_w8a8(x, expert_of_row, w13, s13, w2, s2, limit))
+    assert torch.equal(out, _per_token_w8a8(x, expert_of_row, experts, limit))
 
 
-def test_grouped_mlp_lists_or_stacked_equal_per_token_loop():
-    gen = torch.Generator().manual_seed(9)
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("limit", [None, 0.05], ids=["swiglu", "v4-clamped"])
+def test_grouped_w8a8_from_prequantized_rows_equals_per_expert_loop(counts, limit):
+    """INT8 rows and per-token scales from a sender (the EP dispatch) give what each expert computes from the
+    float rows with w8a8_linear: the sender's quantization is the projection's own."""
+    experts = _experts(len(counts), seed=15)
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    x_q, x_scale = quantize_activations(x)
+    out = grouped_mlp(x_q, counts, experts, x_scale=x_scale, out_dtype=torch.bfloat16, limit=limit)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    expected, start = [], 0
+    for e, n in enumerate(counts):
+        rows = x[start:start + n]
+        gate_up = w8a8_linear(rows, experts.w13[e], experts.w13_scale[e], out_dtype=x.dtype)
+        expected.append(w8a8_linear(swiglu(gate_up, limit=limit), experts.w2[e], experts.w2_scale[e],
+                                    out_dtype=x.dtype))
+        start += n
+    assert torch.equal(out, torch.cat(expected))
+    assert torch.equal(out, grouped_mlp(x, torch.tensor(counts), experts, limit=limit))  # quantized inside
+
+
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["swiglu", "v4-clamped"])
+def test_grouped_float_experts_equal_per_token_loop(limit):
+    experts = _experts(3, seed=9, int8=False)
     counts = torch.tensor([3, 0, 4])
-    w1, w3 = (torch.randn(3, INTER, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(2))
-    w2 = torch.randn(3, HIDDEN, INTER, generator=gen).to(torch.bfloat16)
-    x = torch.randn(7, HIDDEN, generator=gen).to(torch.bfloat16)
-    stacked = grouped_mlp(x, counts, w1, w3, w2)
-    assert torch.equal(stacked, grouped_mlp(x, counts, list(w1), list(w3), list(w2)))
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(17)).to(torch.bfloat16)
+    out = grouped_mlp(x, counts, experts, limit=limit)
+    assert torch.equal(out, grouped_mlp_reference(x, counts, experts, limit=limit))
     expert_of_row = [0, 0, 0, 2, 2, 2, 2]
-    loop = torch.cat([F.linear(F.silu(F.linear(x[i:i + 1], w1[e])) * F.linear(x[i:i + 1], w3[e]), w2[e])
+    w1, w3 = experts.w13[:, :INTER], experts.w13[:, INTER:]  # gate rows, then up rows
+    loop = torch.cat([F.linear(swiglu(F.linear(x[i:i + 1], w1[e]), F.linear(x[i:i + 1], w3[e]), limit), experts.w2[e])
                       for i, e in enumerate(expert_of_row)])
-    assert torch.equal(stacked, loop)
+    assert torch.equal(out, loop)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize("limit", [None, 0.05], ids=["swiglu", "v4-clamped"])
+def test_token_mlp_equals_grouped_rows(int8, limit):
+    """One token through its experts in any order: row j is what grouped_mlp gives expert_ids[j]'s copy of the
+    row (under W8A8 from the token quantized once, as the sender quantizes it)."""
+    experts = _experts(5, seed=18, int8=int8)
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(19)).to(torch.bfloat16)
+    expert_ids = [3, 0, 4]
+    grouped = grouped_mlp(x.expand(5, -1), torch.ones(5, dtype=torch.long), experts, limit=limit)  # every expert
+    if int8:
+        x_q, x_scale = quantize_activations(x)
+        out = token_mlp(x_q, expert_ids, experts, x_scale=x_scale, out_dtype=torch.bfloat16, limit=limit)
+    else:
+        out = token_mlp(x, expert_ids, experts, limit=limit)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, HIDDEN)
+    assert torch.equal(out, grouped[expert_ids])
+    with pytest.raises(ValueError, match="one token"):
+        token_mlp(x.expand(2, -1), expert_ids, experts)
 
 
 def test_swiglu_limit_equals_transformers_v4_gate():
     gate_up = 3 * torch.randn(5, 2 * INTER, generator=torch.Generator().manual_seed(10))
     v4_experts = SimpleNamespace(limit=1.5, act_fn=F.silu)
     expected = hf_v4.DeepseekV4Experts._apply_gate(v4_experts, gate_up)
+    assert torch.equal(swiglu(gate_up, limit=1.5), expected)  # the merged [gate | up] form
     assert torch.equal(swiglu(*gate_up.chunk(2, dim=-1), limit=1.5), expected)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(swiglu(gate_up), F.silu(gate) * up)  # without a limit: plain SwiGLU
 
 
-def test_grouped_rejects_counts_that_do_not_cover_rows():
-    w13, s13, w2, s2 = _experts(2, seed=11)
+def test_grouped_rejects_bad_counts_weights_and_rows():
+    experts = _experts(2, seed=11)
     x = torch.randn(4, HIDDEN)
     with pytest.raises(ValueError, match="sum to"):
-        grouped_w8a8(x, torch.tensor([1, 2]), w13, s13, w2, s2)
-    with pytest.raises(ValueError, match="w13"):
-        grouped_w8a8(x, torch.tensor([1, 1, 2]), w13, s13, w2, s2)
+        grouped_mlp(x, torch.tensor([1, 2]), experts)
+    with pytest.raises(ValueError, match="expert counts"):
+        grouped_mlp(x, torch.tensor([1, 1, 2]), experts)
+    with pytest.raises(ValueError, match="out_dtype"):
+        grouped_mlp(*quantize_activations(x)[:1], [2, 2], experts, x_scale=quantize_activations(x)[1])
+    with pytest.raises(ValueError, match="need W8A8 experts"):
+        grouped_mlp(x, [2, 2], _experts(2, seed=11, int8=False), x_scale=torch.ones(4, 1), out_dtype=x.dtype)
+    with pytest.raises(ValueError, match="w2"):
+        ExpertWeights(experts.w13, experts.w2[:, :, :-1], experts.w13_scale, experts.w2_scale)
+    with pytest.raises(ValueError, match="need scales"):
+        ExpertWeights(experts.w13, experts.w2, experts.w13_scale)

@@ -10,6 +10,8 @@ import pytest
 from scripts.bench_quantize import BENCH_CONFIG, BENCH_FILE_BYTES
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # multi-process or large-checkpoint runs
+
 MIN_CHECKPOINT_BYTES = 2 * 10**9
 RSS_LIMIT_BYTES = 10**9
 

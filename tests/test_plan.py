@@ -79,7 +79,7 @@ def plan_entries(models):
     def get(path, key):
         if (path, key) not in cache:
             family, arch, _ = models[path]
-            recipe = recipe_for(None, family.name) if key == "w8a8" else None
+            recipe = recipe_for(None, family) if key == "w8a8" else None
             cache[path, key] = list(entries(family, arch, recipe))
         return cache[path, key]
 
@@ -94,8 +94,8 @@ def expected(models):
     def get(path, layout):
         if (path, layout) not in cache:
             family, arch, specs = models[path]
-            recipes = {"bf16": None, "w8a8": recipe_for(None, family.name)}
-            cache[path, layout] = brute_force(specs, family.name, arch, layout, recipes)
+            recipes = {"bf16": None, "w8a8": recipe_for(None, family)}
+            cache[path, layout] = brute_force(specs, family, arch, layout, recipes)
         return cache[path, layout]
 
     return get
@@ -104,9 +104,9 @@ def expected(models):
 @pytest.mark.parametrize("path,layout", LAYOUTS, ids=["v4-flash-ep16", "v32-ep16", "v32-attn-tp8"])
 def test_rank_bytes_equal_brute_force(models, plan_entries, expected, path, layout):
     family, arch, specs = models[path]
-    check_layout(family.name, arch, layout)
-    for key, recipe in {"bf16": None, "w8a8": recipe_for(None, family.name)}.items():
-        per_rank, per_dir = footprint(plan_entries(path, key), family.name, arch, layout)
+    check_layout(family, arch, layout)
+    for key, recipe in {"bf16": None, "w8a8": recipe_for(None, family)}.items():
+        per_rank, per_dir = footprint(plan_entries(path, key), family, arch, layout)
         for rank in range(layout.world_size):
             assert per_rank[rank] == {c: expected(path, layout)[key][rank][c] for c in CATEGORIES}, (key, rank)
         # On disk every tensor is written once: split pieces add up to it, a whole scale is shared
@@ -130,7 +130,7 @@ def test_w8a8_footprint_near_reference_estimate(models, plan_entries, path, expe
     # replicated one is an estimate only (V4 keeps wo_a/wo_b in BF16: ~5.8 GB of its real ~10.7 GB).
     family, arch, _ = models[path]
     main_layers = [e for e in plan_entries(path, "w8a8") if not e.spec.mtp]
-    per_rank = rank_bytes(main_layers, family.name, arch, Layout(ep=16, tp=16))
+    per_rank = rank_bytes(main_layers, family, arch, Layout(ep=16, tp=16))
     experts = per_rank[0]["experts"] / GB
     replicated = sum(per_rank[0][c] for c in ("attention", "embed", "other")) / GB
     print(f"{family.name} W8A8 EP16 without MTP: {experts:.2f} GB experts, {replicated:.2f} GB replicated "
@@ -142,18 +142,18 @@ def test_w8a8_footprint_near_reference_estimate(models, plan_entries, path, expe
 def test_kv_cache_from_config_numbers(models):
     family, arch, _ = models[V32_EXP]
     # MLA latent 512 + rope key 64, indexer key 128, BF16, 61 layers
-    assert sum(kv_cache_bytes_per_token(family.name, arch).values()) == 61 * (512 + 64 + 128) * 2
-    assert kv_cache_bytes_per_sequence(family.name, arch) == {}
-    assert kv_cache_bytes(family.name, arch, batch=3, seq=1000) == 3 * 1000 * 61 * 704 * 2
+    assert sum(kv_cache_bytes_per_token(family, arch).values()) == 61 * (512 + 64 + 128) * 2
+    assert kv_cache_bytes_per_sequence(family, arch) == {}
+    assert kv_cache_bytes(family, arch, batch=3, seq=1000) == 3 * 1000 * 61 * 704 * 2
 
     family, arch, _ = models[V4_FLASH]
     # 43 main layers: 2 sliding, 21 CSA (ratio 4), 20 HCA (ratio 128); head_dim 512, index_head_dim 128
-    per_token = kv_cache_bytes_per_token(family.name, arch)
+    per_token = kv_cache_bytes_per_token(family, arch)
     assert sum(per_token.values()) == 21 * (512 + 128) * 2 / 4 + 20 * 512 * 2 / 128
-    per_sequence = kv_cache_bytes_per_sequence(family.name, arch)
+    per_sequence = kv_cache_bytes_per_sequence(family, arch)
     assert per_sequence["sliding window"] == 43 * 128 * 512 * 2
     per_seq_total = sum(per_sequence.values())
-    assert kv_cache_bytes(family.name, arch, batch=2, seq=4096) == 2 * (4096 * 6880 + per_seq_total)
+    assert kv_cache_bytes(family, arch, batch=2, seq=4096) == 2 * (4096 * 6880 + per_seq_total)
 
 
 def run_plan(*args):

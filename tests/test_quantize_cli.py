@@ -209,6 +209,7 @@ def cli_process(src, out, *extra):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_run_resumes_byte_identical(tiny_source, tmp_path, sig):
     src = tiny_source("deepseek_v3", "bf16", config_overrides={"moe_intermediate_size": 1024})

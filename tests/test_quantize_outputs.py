@@ -4,50 +4,10 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from dsconv.convert.formats import ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME
-from dsconv.convert.quantize import build_plan, run_quantize
-from tests.conftest import FAMILIES
-
-COSINE_MIN = 0.9999
-SMALL_FILES = 2_000_000  # bytes; forces several output files on the tiny fixtures
-
-
-def read_all(directory, index_name):
-    """name -> tensor for every tensor of a checkpoint, through safetensors' own loader and the index."""
-    index = json.loads((directory / index_name).read_text())
-    tensors = {}
-    for file_name in sorted(set(index["weight_map"].values())):
-        with safe_open(directory / file_name, "pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    assert set(tensors) == set(index["weight_map"]), "index and files disagree"
-    return tensors, index
-
-
-def source_reference(src):
-    """Source tensors decoded to float32 by transformers' dequantization (independent of our decoders)."""
-    raw, _ = read_all(src, "model.safetensors.index.json")
-    scale_of = {}  # weight name -> its scale's name
-    for name in raw:
-        for suffix in (".weight_scale_inv", ".scale"):
-            weight = name.removesuffix(suffix) + ".weight"
-            if name.endswith(suffix) and weight in raw:
-                scale_of[weight] = name
-    dequantize = Fp8Dequantize(None)._dequantize_one
-    return {name: dequantize(value, raw[scale_of[name]], output_dtype=torch.float32) if name in scale_of else value
-            for name, value in raw.items() if name not in scale_of.values()}
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def quantize(src, out, fmt="ascend", recipe=None):
-    plan = build_plan(src, recipe, fmt, SMALL_FILES)
-    return run_quantize(plan, out, workers=2, on_progress=lambda n: None)
+from dsconv.convert.quantize import build_plan
+from tests.helpers import COSINE_MIN, FAMILIES, SMALL_FILES, cosine, quantize, read_all, source_reference
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,28 +3,10 @@ attention DP2 x TP8, several prompts of different lengths spread over the attent
 
 import pytest
 
-from dsconv.comm.launch import launch
-from dsconv.runner.cli import collect
-from dsconv.runner.weights import load_manifest
 from dsconv.shard.layout import Layout
-from tests.test_shard import shard
+from tests.helpers import NEW_TOKENS, run_ranks, shard
 
-PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]  # 37 > one 16-token cache block
-NEW_TOKENS = 10
-TIMEOUT_S = 120
-
-
-def run(shards, tmp_path, prompts=PROMPTS, dtype="float32"):
-    results = tmp_path / f"results-{shards.name}"
-    results.mkdir()
-    manifest = load_manifest(shards)
-    code = launch("dsconv.runner.engine:rank_main",
-                  {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": NEW_TOKENS,
-                   "eos_id": None, "dtype": dtype, "cache_tokens": 256, "result_dir": str(results)},
-                  world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=TIMEOUT_S,
-                  log_dir=results / "logs")
-    assert code == 0, [p.read_text()[-2000:] for p in (results / "logs").glob("*.log")]
-    return collect(results, len(prompts))[0]
+pytestmark = pytest.mark.slow  # multi-process or large-checkpoint runs
 
 
 @pytest.mark.parametrize("family,layouts", [
@@ -36,7 +18,7 @@ def test_same_tokens_at_every_world_size(tiny_source, tmp_path, family, layouts)
     for layout in layouts:
         shards = tmp_path / f"w{layout.world_size}-tp{layout.attn_tp}"
         shard(tiny_source(family, "fp8"), shards, layout)
-        tokens.append(run(shards, tmp_path))
+        tokens.append(run_ranks(shards, tmp_path))
     assert all(len(t) == NEW_TOKENS for t in tokens[0])
     for other in tokens[1:]:
         assert other == tokens[0]
@@ -47,5 +29,5 @@ def test_w8a8_same_tokens_at_world_16_as_world_1(w8a8_source, tmp_path):
     for layout in (Layout(1, 1, 1, 1), Layout(16, 16, 16, 1)):
         shards = tmp_path / f"w8a8-w{layout.world_size}"
         shard(w8a8_source("deepseek_v3"), shards, layout)
-        tokens.append(run(shards, tmp_path))
+        tokens.append(run_ranks(shards, tmp_path))
     assert tokens[1] == tokens[0]

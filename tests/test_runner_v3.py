@@ -9,19 +9,16 @@ from dsconv.errors import InputError
 from dsconv.runner.cache import LatentCache
 from dsconv.runner.dist import Dist
 from dsconv.runner.generate import greedy
-from dsconv.runner.model_v3 import DeepseekV3, Proj, cache_fields
+from dsconv.runner.layers import Proj
+from dsconv.runner.model_v3 import DeepseekV3, cache_fields
 from dsconv.runner.weights import load_manifest, load_rank
 from dsconv.shard.layout import Layout
-from tests.test_shard import shard
+from tests.helpers import cosine, shard
 
 COSINE_MIN = 0.999
 PROMPT_LEN = 40
 NEW_TOKENS = 20
 BLOCK_SIZE = 16  # smaller than the prompt: prefill spans several cache blocks
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
@@ -39,7 +36,7 @@ def pair(family, tiny_source, tmp_path_factory):
     def ours():
         manifest = load_manifest(shards)
         cfg = parse_config(manifest["model"]["config"])
-        model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
+        model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist(), torch.float32)
         cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
         return model, cache, cfg
 
@@ -104,7 +101,11 @@ def test_batch_of_different_lengths_equals_each_alone(pair):
     assert greedy(model, cache, prompts, new_tokens, eos_id=None) == alone
 
 
-W8A8_COSINE_MIN = 0.99
+# What the README reports for this fixture (random weights, fixed seed): logits cosine 0.99795 (V3) and 0.99781
+# (V3.2); greedy tokens equal to BF16's for the first 4 (V3) and 20 (V3.2) of 20. Random weights leave near-ties
+# between top tokens, so agreement is asserted with a margin below what was measured.
+W8A8_COSINE_MIN = 0.997
+W8A8_AGREEMENT_MIN = {"deepseek_v3": 3, "deepseek_v32": 16}
 
 
 def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
@@ -120,7 +121,7 @@ def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
     shard(w8a8_source(family), shards, Layout(1, 1, 1, 1))
     manifest = load_manifest(shards)
     assert manifest["precision"] == "w8a8"
-    model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
+    model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist(), torch.float32)
     cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
     ids = prompt(cfg.vocab_size, seed=2)
     with torch.no_grad():
@@ -137,6 +138,7 @@ def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
         want = greedy(bf16_model, bf16_cache, [ids], NEW_TOKENS, eos_id=None)[0]
     agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
     print(f"{family} W8A8 greedy tokens equal to BF16 for the first {agree} of {NEW_TOKENS}")
+    assert agree >= W8A8_AGREEMENT_MIN[family]
 
 
 # V3 measured 0.99997. V3.2 measured 0.985 both before and after the float32 decode products: BF16 rounding
@@ -150,7 +152,7 @@ def test_bf16_decode_steps_close_to_float32(family, pair):
     ours, _ = pair
     model32, cache32, cfg = ours()
     manifest = load_manifest(ours.shards)
-    model16 = DeepseekV3(cfg, load_rank(ours.shards, manifest, 0), Dist.single(), torch.bfloat16)
+    model16 = DeepseekV3(cfg, load_rank(ours.shards, manifest, 0), Dist(), torch.bfloat16)
     cache16 = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.bfloat16)
     ids = prompt(cfg.vocab_size, seed=3)
     tokens = torch.tensor(ids)

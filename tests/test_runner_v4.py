@@ -14,8 +14,7 @@ from dsconv.runner.generate import greedy
 from dsconv.runner.model_v4 import DeepseekV4
 from dsconv.runner.weights import load_manifest, load_rank
 from dsconv.shard.layout import Layout
-from tests.test_runner_dist import NEW_TOKENS as DIST_NEW_TOKENS, run
-from tests.test_shard import shard
+from tests.helpers import NEW_TOKENS as DIST_NEW_TOKENS, cosine, run_ranks, shard
 
 COSINE_MIN = 0.999
 # The tiny config's sliding_window is 16, its compress rates 4 and 128, its index_topk 8: 300 tokens cross
@@ -27,10 +26,6 @@ GEN_PROMPT_LEN = 240
 NEW_TOKENS = 20
 
 
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_source, tmp_path_factory):
     """(our model, its config, transformers' model) on identical float32 weights."""
@@ -39,7 +34,7 @@ def pair(tiny_source, tmp_path_factory):
     reference = AutoModelForCausalLM.from_pretrained(tiny_source("deepseek_v4", "bf16"), dtype=torch.float32).eval()
     manifest = load_manifest(shards)
     cfg = parse_config(manifest["model"]["config"])
-    model = DeepseekV4(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
+    model = DeepseekV4(cfg, load_rank(shards, manifest, 0), Dist(), torch.float32)
     return model, cfg, reference, shards
 
 
@@ -75,7 +70,7 @@ def test_mtp_tensors_are_dropped_and_nothing_is_left(tiny_source, tmp_path):
     manifest = load_manifest(shards)
     weights = load_rank(shards, manifest, 0)
     assert any(name.startswith("mtp.") for name in weights.tensors)
-    DeepseekV4(parse_config(manifest["model"]["config"]), weights, Dist.single(), torch.float32)
+    DeepseekV4(parse_config(manifest["model"]["config"]), weights, Dist(), torch.float32)
     assert not weights.tensors
 
 
@@ -168,6 +163,7 @@ def test_cache_capacity_and_release(pair):
     cache.step([(1, 5)])
 
 
+@pytest.mark.slow
 def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
     """EP16 + lm_head TP16 through dsrun's rank_main, three prompts of different lengths on different attention-DP
     ranks (13 ranks have none and run zero-token steps); the longest completes an HCA entry and crosses 8
@@ -176,26 +172,29 @@ def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (3, cfg.hca_compress_rate + 2, 20)]
     shards = tmp_path / "w16"
     shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
-    got = run(shards, tmp_path, prompts)
+    got = run_ranks(shards, tmp_path, prompts)
     with torch.no_grad():
         want = greedy(model, V4Cache(cfg, 256, torch.float32), prompts, DIST_NEW_TOKENS, eos_id=None)
     assert all(len(t) == DIST_NEW_TOKENS for t in want)
     assert got == want
 
 
-W8A8_COSINE_MIN = 0.99
+# What the README reports for this fixture: logits cosine 0.99917, greedy tokens equal to BF16's for the first
+# 17 of 20 (asserted with a margin: random weights leave near-ties between top tokens).
+W8A8_COSINE_MIN = 0.999
+W8A8_AGREEMENT_MIN = 14
 
 
 def test_w8a8_logits_close_to_bf16(pair, w8a8_source, tmp_path):
     """dsconv's W8A8 output of the FP8 + FP4 fixture against the BF16 path, both computed in float32, over a
-    prompt that reaches every layer type's compressed entries; greedy agreement over 20 tokens is reported."""
+    prompt that reaches every layer type's compressed entries, and greedy agreement over 20 tokens."""
     model, cfg, _, _ = pair
     shards = tmp_path / "w8a8-shards"
     shard(w8a8_source("deepseek_v4"), shards, Layout(1, 1, 1, 1))
     manifest = load_manifest(shards)
     assert manifest["precision"] == "w8a8"
-    w8a8 = DeepseekV4(cfg, load_rank(shards, manifest, 0), Dist.single(), torch.float32)
-    assert w8a8.layers[2].ffn.experts[0].int8  # the experts really run W8A8
+    w8a8 = DeepseekV4(cfg, load_rank(shards, manifest, 0), Dist(), torch.float32)
+    assert w8a8.layers[2].ffn.experts.int8  # the experts really run W8A8
     ids = prompt(cfg.vocab_size, PROMPT_LEN, seed=2)
     with torch.no_grad():
         similarity = cosine(w8a8.forward_full(torch.tensor(ids)), model.forward_full(torch.tensor(ids)))
@@ -205,3 +204,4 @@ def test_w8a8_logits_close_to_bf16(pair, w8a8_source, tmp_path):
     print(f"deepseek_v4 W8A8 vs BF16 logits cosine over {len(ids)} positions: {similarity:.5f}; greedy tokens "
           f"equal for the first {agree} of {NEW_TOKENS} ({sum(a == b for a, b in zip(got, want))} positionwise)")
     assert similarity >= W8A8_COSINE_MIN
+    assert agree >= W8A8_AGREEMENT_MIN

@@ -11,13 +11,7 @@ from typer.testing import CliRunner
 from dsconv.convert.cli import app
 from dsconv.manifest.verify import verify
 from dsconv.shard.layout import Layout
-from dsconv.shard.shard import make_shard_plan, run_shard
-from tests.conftest import SMALL_FILES
-from tests.test_quantize_outputs import read_all, source_reference
-
-
-def shard(src, out, layout):
-    return run_shard(make_shard_plan(src, layout, SMALL_FILES), out, 2, lambda n: None)
+from tests.helpers import SMALL_FILES, read_all, shard, source_reference
 
 
 def reassemble(out):

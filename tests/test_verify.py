@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from dsconv.convert.cli import app
 from dsconv.shard.layout import Layout
-from tests.test_shard import shard
+from tests.helpers import shard
 
 
 @pytest.fixture(scope="session")

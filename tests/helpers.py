@@ -1,0 +1,75 @@
+"""What several test modules share: building outputs, reading them back with other projects' loaders, running
+ranks. Test modules import from here (or take conftest's fixtures), never from each other."""
+
+import json
+
+import torch
+from safetensors import safe_open
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+from dsconv.comm.launch import launch
+from dsconv.convert.quantize import build_plan, run_quantize
+from dsconv.runner.cli import collect
+from dsconv.runner.weights import load_manifest
+from dsconv.shard.shard import make_shard_plan, run_shard
+
+FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+SMALL_FILES = 1_000_000  # bytes: a file cap that gives several output files even on the tiny fixtures
+COSINE_MIN = 0.9999  # every INT8 tensor against its source, dequantized (README: measured minimum 0.99997)
+
+# Distributed runs: prompts of different lengths, one longer than a 16-token cache block
+PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]
+NEW_TOKENS = 10
+RANKS_TIMEOUT_S = 120
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def quantize(src, out, fmt="ascend", recipe=None):
+    return run_quantize(build_plan(src, recipe, fmt, SMALL_FILES), out, workers=2, on_progress=lambda n: None)
+
+
+def shard(src, out, layout):
+    return run_shard(make_shard_plan(src, layout, SMALL_FILES), out, 2, lambda n: None)
+
+
+def read_all(directory, index_name):
+    """name -> tensor for every tensor of a checkpoint, through safetensors' own loader and the index."""
+    index = json.loads((directory / index_name).read_text())
+    tensors = {}
+    for file_name in sorted(set(index["weight_map"].values())):
+        with safe_open(directory / file_name, "pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    assert set(tensors) == set(index["weight_map"]), "index and files disagree"
+    return tensors, index
+
+
+def source_reference(src):
+    """Source tensors decoded to float32 by transformers' dequantization (independent of our decoders)."""
+    raw, _ = read_all(src, "model.safetensors.index.json")
+    scale_of = {}  # weight name -> its scale's name
+    for name in raw:
+        for suffix in (".weight_scale_inv", ".scale"):
+            weight = name.removesuffix(suffix) + ".weight"
+            if name.endswith(suffix) and weight in raw:
+                scale_of[weight] = name
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    return {name: dequantize(value, raw[scale_of[name]], output_dtype=torch.float32) if name in scale_of else value
+            for name, value in raw.items() if name not in scale_of.values()}
+
+
+def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS):
+    """Every rank of the shards' layout as local processes over gloo -> each prompt's generated tokens."""
+    results = tmp_path / f"results-{shards.name}"
+    results.mkdir()
+    manifest = load_manifest(shards)
+    code = launch("dsconv.runner.engine:rank_main",
+                  {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": new_tokens,
+                   "eos_id": None, "dtype": dtype, "cache_tokens": 256, "result_dir": str(results)},
+                  world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=RANKS_TIMEOUT_S,
+                  log_dir=results / "logs")
+    assert code == 0, [p.read_text()[-2000:] for p in (results / "logs").glob("*.log")]
+    return collect(results, len(prompts))[0]
