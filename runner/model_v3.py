@@ -33,7 +33,6 @@ MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 class Attention:
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
         self.cfg = cfg
-        self.heads = cfg.num_attention_heads // dist.attn_tp  # this rank's heads
         # q_a, kv_a and V3.2's indexer wk and weights_proj all read the layer input: one merged projection, output
         # columns [q_lora | kv_lora + rope | index_head_dim | index_n_heads] (convert.recipes gives them one type)
         names = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
@@ -43,6 +42,8 @@ class Attention:
             self.input_split += [cfg.index_head_dim, cfg.index_n_heads]
         self.wqkv_a = Proj.merged(w, names, dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
+        # this rank's heads: the rows of the q_b_proj slice the placement table gave it (all heads without TP)
+        self.heads = self.wq_b.weight.shape[0] // (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         self.q_norm = RMSNorm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
         # expands the latent with them, decode absorbs them. Copies (dequantized if INT8) in the dtype decode
