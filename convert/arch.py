@@ -106,6 +106,12 @@ class Family:
     name: str  # the config's model_type
     parse_config: Callable[[dict], Any]  # validated dataclass from config.json
     inventory: Callable[[Any], Iterator[TensorSpec]]  # every tensor the checkpoint holds, MTP included
+    # Checkpoints saved by transformers: its tensor name -> the hub's (the name every stage uses), and any
+    # config.json -> the hub's form for the tensors the checkpoint holds (what quantize and shard write)
+    hub_name: Callable[[str], str]
+    hub_config: Callable[[dict, Any], dict]  # (config.json, parsed config) -> config.json
+    # msModelSlim's Ascend layout also stores these copies per MTP layer: copy name -> the tensor it copies
+    ascend_mtp_copies: Callable[[Any], dict[str, str]]
     scale_suffix: str  # FP8/FP4 scale name next to `X.weight`: "weight_scale_inv" (V3) or "scale" (V4)
     scale_is_e8m0: bool  # V4 stores scales as float8_e8m0fnu
     recipes: tuple[Recipe, ...]  # its W8A8 recipes, the default first; recipes.ALL_LINEARS applies to every family
@@ -119,6 +125,9 @@ class Family:
     # a family module stays cheap.
     new_model: Callable[[Any, Any, Any, Any], Any] | None  # (config, RankWeights, Dist, dtype) -> model
     new_cache: Callable[[Any, Any, int, Any], Any] | None  # (config, model, capacity_tokens, device) -> cache
+    # runner/chat.py's encoder: (messages, thinking, tokenizer_config.json) -> prompt text; None: no chat format
+    # (prompts are fed as raw text, dsrun --no-chat)
+    encode_chat: Callable[[Any, bool, Mapping], str] | None
 
 
 # The families that ship with dsconv; each module registers its Family when imported.
@@ -164,3 +173,10 @@ def _load_families() -> None:
     # Imported for their register() side effect; late so the family modules can import this one.
     for module in BUILTIN_FAMILY_MODULES:
         importlib.import_module(module)
+
+
+def hub_dtype_key(config: dict) -> dict:
+    """transformers 5 writes `dtype` where the hub (and the transformers 4 that engines pin) reads `torch_dtype`."""
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config.pop("dtype")
+    return config

@@ -22,8 +22,9 @@ import functools
 from typing import Iterator
 
 from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
-from dsconv.convert.arch_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, parse_config
+from dsconv.convert.arch_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, hub_config, parse_config
 from dsconv.convert.recipes import EXPERTS, FUSED_PAIRS, Recipe
+from dsconv.runner.chat import encode_v32, render_template
 
 __all__ = ["V3Config", "parse_config", "inventory", "tiny_config"]
 
@@ -195,6 +196,14 @@ def kv_cache_bytes_per_sequence(cfg: V3Config, itemsize: int) -> dict[str, int]:
     return {}  # everything MLA caches grows with the sequence
 
 
+def hub_name(name: str) -> str:
+    return name  # transformers saves V3 / V3.2 under the hub's names (its MTP layers it does not save at all)
+
+
+def ascend_mtp_copies(cfg: V3Config) -> dict[str, str]:
+    return {}  # the hub's V3 MTP layers ship their own embed_tokens and shared_head.head
+
+
 def new_model(cfg: V3Config, weights, dist, dtype):
     from dsconv.runner.model_v3 import DeepseekV3
 
@@ -210,10 +219,11 @@ def new_cache(cfg: V3Config, model, capacity_tokens: int, device):
 
 
 for _model_type in ARCHITECTURES:
-    register(Family(name=_model_type, parse_config=parse_config, inventory=inventory,
+    register(Family(name=_model_type, parse_config=parse_config, inventory=inventory, hub_name=hub_name,
+                    hub_config=hub_config, ascend_mtp_copies=ascend_mtp_copies,
                     scale_suffix="weight_scale_inv", scale_is_e8m0=False, recipes=(RECIPE,),
                     fused=FUSED_PAIRS + (MLA_FUSED,), attention_tp=ATTENTION_TP, check_attention_tp=None,
                     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
                     kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
                     tiny_config=functools.partial(tiny_config, _model_type), new_model=new_model,
-                    new_cache=new_cache))
+                    new_cache=new_cache, encode_chat=encode_v32 if _model_type == V32 else render_template))

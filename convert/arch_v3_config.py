@@ -1,14 +1,18 @@
-"""DeepSeek-V3 / V3.2(-Exp) config.json, validated.
+"""DeepSeek-V3 / V3.2(-Exp) config.json, validated, and written back in the hub's form.
 
 Accepts the hub's spellings and the ones transformers 5 re-saves (`rope_parameters`); keys older or re-saved
-configs may omit get the value their absence means. V3.2 adds the lightning indexer's `index_*` keys.
+configs may omit get the value their absence means (`scoring_func` and `topk_method`: the sigmoid / noaux_tc
+routing transformers assumes). V3.2 adds the lightning indexer's `index_*` keys.
+
+transformers saves no MTP tensors but keeps `num_nextn_predict_layers`: a config in its form (`rope_parameters`,
+which the hub never writes) describes a checkpoint without MTP layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from dsconv.convert.arch import ArchError
+from dsconv.convert.arch import ArchError, hub_dtype_key
 
 V3 = "deepseek_v3"
 V32 = "deepseek_v32"
@@ -121,9 +125,10 @@ class V3Config:
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
              "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "num_experts_per_tok", "n_group",
-             "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "rms_norm_eps")
+             "topk_group", "routed_scaling_factor", "norm_topk_prob", "rms_norm_eps")
 # Keys older or re-saved configs may omit, with the value their absence means.
-_OPTIONAL = {"num_nextn_predict_layers": 0, "moe_layer_freq": 1, "tie_word_embeddings": False}
+_OPTIONAL = {"num_nextn_predict_layers": 0, "moe_layer_freq": 1, "tie_word_embeddings": False,
+             "scoring_func": SUPPORTED_SCORING, "topk_method": SUPPORTED_TOPK_METHOD}
 _INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
 
 
@@ -141,6 +146,8 @@ def parse_config(d: dict) -> V3Config:
         raise ArchError("q_lora_rank=None (V2-Lite-style single q_proj) is not supported; V3 uses q_a/q_b")
     values = {k: d[k] for k in keys}
     values.update({k: d.get(k, default) for k, default in _OPTIONAL.items()})
+    if is_transformers_form(d):
+        values["num_nextn_predict_layers"] = 0
     rope_theta, rope_scaling = _rope(d)
     fp8, scale_fmt = _quantization(d.get("quantization_config"))
     return V3Config(model_type=model_type, q_lora_rank=d["q_lora_rank"], rope_theta=rope_theta,
@@ -172,3 +179,19 @@ def _quantization(q: dict | None) -> tuple[bool, str | None]:
         raise ArchError(f"quantization_config.weight_block_size={q.get('weight_block_size')!r} "
                         f"is not supported (only {FP8_BLOCK})")
     return True, q.get("scale_fmt")
+
+
+def is_transformers_form(d: dict) -> bool:
+    return d.get("rope_parameters") is not None
+
+
+def hub_config(raw: dict, cfg: V3Config) -> dict:
+    """config.json in the hub's form (rope_theta + rope_scaling, the routing keys, the MTP layers the checkpoint
+    holds), whatever form came in: what vllm-ascend and DeepSeek's own code read."""
+    config = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    config.update(num_nextn_predict_layers=cfg.num_nextn_predict_layers, scoring_func=cfg.scoring_func,
+                  topk_method=cfg.topk_method, rope_theta=cfg.rope_theta)
+    if cfg.rope_scaling is not None:
+        scaling = {k: v for k, v in cfg.rope_scaling.items() if k not in ("rope_type", "type")}
+        config["rope_scaling"] = {**scaling, "type": SUPPORTED_ROPE_SCALING}
+    return hub_dtype_key(config)

@@ -3,7 +3,8 @@
 Hub facts this module encodes (deepseek-ai/DeepSeek-V4-Flash `config.json`, `model.safetensors.index.json`
 and shard headers; DeepSeek's V4 inference `model.py`; transformers 5.23 `deepseek_v4`):
 - `compress_ratios` has one entry per decoder layer plus one per MTP layer: 0 = sliding window only,
-  4 = CSA (overlapping compressor + lightning indexer), 128 = HCA (plain compressor, no indexer).
+  4 = CSA (overlapping compressor + lightning indexer), any other ratio (the hub ships 128) = HCA (plain
+  compressor, no indexer).
 - The first `num_hash_layers` layers route by `ffn.gate.tid2eid[token]` (int64) and carry no `gate.bias`;
   MTP layers are never hash-routed.
 - Linears ship FP8 with an e8m0 `.scale`; norms, the router, compressor projections, the indexer's
@@ -16,14 +17,16 @@ and shard headers; DeepSeek's V4 inference `model.py`; transformers 5.23 `deepse
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
 from dsconv.convert.arch import ArchError, Encoding, Family, Role, TensorSpec, register
-from dsconv.convert.arch_v4_config import AttnType, MlpType, V4Config, parse_config
+from dsconv.convert.arch_v4_config import AttnType, MlpType, V4Config, attn_type_of, hub_config, parse_config
 from dsconv.convert.recipes import EXPERTS, FUSED_PAIRS, Recipe
+from dsconv.runner.chat import encode_v4
 
-__all__ = ["AttnType", "MlpType", "V4Config", "parse_config", "inventory", "tiny_config", "FAMILY"]
+__all__ = ["AttnType", "MlpType", "V4Config", "attn_type_of", "parse_config", "inventory", "tiny_config", "FAMILY"]
 
 HC_SCALE_PARTS = 3  # pre, post and comb mixes each have one learned scale
 HC_HEAD_SCALE_PARTS = 1  # the final collapse has only a "pre" mix
@@ -61,7 +64,7 @@ def _compressor(scope: _Scope, path: str, cfg: V4Config, ratio: int, head_dim: i
     yield scope.spec(f"{path}.norm.weight", (head_dim,), Role.NORM, Encoding.BF16)
 
 
-def _attention(scope: _Scope, cfg: V4Config, attn_type: AttnType) -> Iterator[TensorSpec]:
+def _attention(scope: _Scope, cfg: V4Config, ratio: int) -> Iterator[TensorSpec]:
     fp8 = _fp8(cfg)
     heads_dim = cfg.num_attention_heads * cfg.head_dim
     o_dim = cfg.o_groups * cfg.o_lora_rank
@@ -75,9 +78,9 @@ def _attention(scope: _Scope, cfg: V4Config, attn_type: AttnType) -> Iterator[Te
     # Grouped output projection: each of o_groups head groups goes to its own o_lora_rank slice
     yield scope.spec("attn.wo_a.weight", (o_dim, heads_dim // cfg.o_groups), Role.ATTN_O_A, fp8)
     yield scope.spec("attn.wo_b.weight", (cfg.hidden_size, o_dim), Role.ATTN_O_B, fp8)
+    attn_type = attn_type_of(ratio)
     if attn_type is AttnType.SLIDING:
         return
-    ratio = cfg.compress_rate(attn_type)
     overlap = attn_type is AttnType.CSA
     yield from _compressor(scope, "attn.compressor", cfg, ratio, cfg.head_dim, overlap)
     if attn_type is AttnType.CSA:
@@ -126,12 +129,12 @@ def _hc_head(cfg: V4Config, prefix: str, layer: int | None, mtp: bool) -> Iterat
         yield TensorSpec(f"{prefix}hc_head_{part}", shape, Role.HC, Encoding.F32, layer, None, mtp)
 
 
-def _block(scope: _Scope, cfg: V4Config, attn_type: AttnType, mlp_type: MlpType) -> Iterator[TensorSpec]:
+def _block(scope: _Scope, cfg: V4Config, ratio: int, mlp_type: MlpType) -> Iterator[TensorSpec]:
     yield scope.spec("attn_norm.weight", (cfg.hidden_size,), Role.NORM, Encoding.BF16)
     yield scope.spec("ffn_norm.weight", (cfg.hidden_size,), Role.NORM, Encoding.BF16)
     yield from _hyper_connection(scope, cfg, "hc_attn")
     yield from _hyper_connection(scope, cfg, "hc_ffn")
-    yield from _attention(scope, cfg, attn_type)
+    yield from _attention(scope, cfg, ratio)
     yield from _moe(scope, cfg, mlp_type)
 
 
@@ -155,11 +158,11 @@ def inventory(cfg: V4Config) -> Iterator[TensorSpec]:
         yield TensorSpec("head.weight", (cfg.vocab_size, hidden), Role.HEAD, Encoding.BF16)
     yield TensorSpec("norm.weight", (hidden,), Role.NORM, Encoding.BF16)
     yield from _hc_head(cfg, "", None, False)
-    for layer, (attn_type, mlp_type) in enumerate(zip(cfg.attn_types, cfg.mlp_types)):
-        yield from _block(_Scope(f"layers.{layer}", layer, False), cfg, attn_type, mlp_type)
-    for index, attn_type in enumerate(cfg.mtp_attn_types):
+    for layer, mlp_type in enumerate(cfg.mlp_types):
+        yield from _block(_Scope(f"layers.{layer}", layer, False), cfg, cfg.compress_ratios[layer], mlp_type)
+    for index in range(cfg.num_nextn_predict_layers):
         scope = _Scope(f"mtp.{index}", cfg.num_hidden_layers + index, True)
-        yield from _block(scope, cfg, attn_type, MlpType.MOE)
+        yield from _block(scope, cfg, cfg.compress_ratios[scope.layer], MlpType.MOE)
         yield from _mtp_extras(scope, cfg)
 
 
@@ -260,25 +263,26 @@ def check_attention_tp(cfg: V4Config, attn_tp: int) -> None:
 
 
 # KV cache per rank and sequence, main decoder layers only. V4 has one KV head, so attention TP does not split it.
+# Each compressed layer keeps one entry per `ratio` tokens, its own ratio.
 def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int) -> dict[str, float]:
-    csa, hca = _layers_of(cfg, AttnType.CSA), _layers_of(cfg, AttnType.HCA)
+    csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
     return {
-        # One compressed K=V entry per `ratio` tokens
-        "CSA compressed KV": csa * cfg.head_dim * itemsize / cfg.csa_compress_rate,
-        "CSA indexer keys": csa * cfg.index_head_dim * itemsize / cfg.csa_compress_rate,
-        "HCA compressed KV": hca * cfg.head_dim * itemsize / cfg.hca_compress_rate,
+        "CSA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in csa),
+        "CSA indexer keys": sum(cfg.index_head_dim * itemsize / ratio for ratio in csa),
+        "HCA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in hca),
     }
 
 
 def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
-    csa, hca = _layers_of(cfg, AttnType.CSA), _layers_of(cfg, AttnType.HCA)
+    csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
+    state = sum(_compressor_state(r, cfg.head_dim, overlap=True)
+                + _compressor_state(r, cfg.index_head_dim, overlap=True) for r in csa)
+    state += sum(_compressor_state(r, cfg.head_dim, overlap=False) for r in hca)
     return {
         # Every layer keeps the last `sliding_window` K=V entries of its single KV head: a fixed buffer, counted
         # whole even for a sequence shorter than the window
         "sliding window": cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * itemsize,
-        "compressor state": (csa * (_compressor_state(cfg.csa_compress_rate, cfg.head_dim, overlap=True)
-                                    + _compressor_state(cfg.csa_compress_rate, cfg.index_head_dim, overlap=True))
-                             + hca * _compressor_state(cfg.hca_compress_rate, cfg.head_dim, overlap=False)) * itemsize,
+        "compressor state": state * itemsize,
     }
 
 
@@ -290,8 +294,34 @@ def _compressor_state(ratio: int, head_dim: int, overlap: bool) -> int:
     return buffered + carried
 
 
-def _layers_of(cfg: V4Config, attn_type: AttnType) -> int:
-    return sum(kind is attn_type for kind in cfg.attn_types)
+def _ratios_of(cfg: V4Config, attn_type: AttnType) -> list[int]:
+    return [r for r, kind in zip(cfg.compress_ratios, cfg.attn_types) if kind is attn_type]
+
+
+# transformers' DeepseekV4ForCausalLM saves the hub's names under `model.` (all but `head.weight`), with its own
+# names for these (found by saving a model built from tiny_config() and matching tensors by value)
+_TRANSFORMERS_NAMES = (
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^(layers\.\d+\.attn)\.norm\.(weight)$"), r"\1.kv_norm.\2"),
+)
+
+
+def hub_name(name: str) -> str:
+    name = name.removeprefix("model.")
+    for pattern, replacement in _TRANSFORMERS_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def ascend_mtp_copies(cfg: V4Config) -> dict[str, str]:
+    """msModelSlim's V4 saver gives each MTP layer its own head and embedding (float copies of the main ones);
+    vllm-ascend's deepseek_v4_mtp drafter loads `mtp.{i}.head.weight` as its head."""
+    copies = {}
+    for index in range(cfg.num_nextn_predict_layers):
+        copies[f"mtp.{index}.head.weight"] = "head.weight"
+        copies[f"mtp.{index}.emb.tok_emb.weight"] = "embed.weight"
+    return copies
 
 
 def new_model(cfg: V4Config, weights, dist, dtype):
@@ -311,6 +341,9 @@ FAMILY = register(
         name="deepseek_v4",
         parse_config=parse_config,
         inventory=inventory,
+        hub_name=hub_name,
+        hub_config=hub_config,
+        ascend_mtp_copies=ascend_mtp_copies,
         scale_suffix="scale",
         scale_is_e8m0=True,
         recipes=(RECIPE,),
@@ -322,5 +355,6 @@ FAMILY = register(
         tiny_config=tiny_config,
         new_model=new_model,
         new_cache=new_cache,
+        encode_chat=encode_v4,
     )
 )

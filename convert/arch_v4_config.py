@@ -1,9 +1,17 @@
-"""DeepSeek-V4 config.json, validated.
+"""DeepSeek-V4 config.json, validated, and written back in the hub's form.
 
 Accepts the hub's spellings (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`,
 top-level `expert_dtype`) and the ones transformers' `DeepseekV4Config` reads or writes (`layer_types` +
 `compress_rates`, legacy `compress_rate_csa` / `compress_rate_hca`, `mlp_layer_types`,
 `partial_rotary_factor`, `rope_parameters`, `expert_dtype` inside `quantization_config`).
+
+Compression follows DeepSeek's reference `model.py`: each layer has its own `compress_ratios` entry; 0 is
+sliding-window only, 4 an overlapping compressor with a lightning indexer (CSA), any other positive ratio a
+plain compressor attended densely (HCA). transformers folds the ratios into one rate per layer type.
+
+transformers saves `layer_types` for the decoder layers only and no MTP tensors, while keeping
+`num_nextn_predict_layers`: a config without `compress_ratios` whose `layer_types` covers the decoder layers
+alone describes a checkpoint without MTP layers.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from dsconv.convert.arch import ArchError
+from dsconv.convert.arch import ArchError, hub_dtype_key
 
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")
@@ -30,9 +38,15 @@ class MlpType(str, enum.Enum):
     MOE = "moe"  # experts chosen by score + bias top-k
 
 
-# The per-layer `compress_ratios` values the hub writes, and the type each one means (as transformers folds them)
-HUB_RATIO_TYPES = {0: AttnType.SLIDING, 4: AttnType.CSA, 128: AttnType.HCA}
-DEFAULT_COMPRESS_RATES = {AttnType.CSA: 4, AttnType.HCA: 128}
+CSA_RATIO = 4  # the one ratio DeepSeek's reference compresses with overlap and indexes
+DEFAULT_COMPRESS_RATES = {AttnType.CSA: CSA_RATIO, AttnType.HCA: 128}  # transformers' defaults per layer type
+
+
+def attn_type_of(ratio: int) -> AttnType:
+    """DeepSeek's rule: no compressor at 0, overlap + indexer at 4, a plain compressor at any other ratio."""
+    if ratio == 0:
+        return AttnType.SLIDING
+    return AttnType.CSA if ratio == CSA_RATIO else AttnType.HCA
 
 
 @dataclass(frozen=True)
@@ -63,10 +77,7 @@ class V4Config:
     routed_scaling_factor: float
     norm_topk_prob: bool
     swiglu_limit: float
-    attn_types: tuple[AttnType, ...]  # one per decoder layer
-    mtp_attn_types: tuple[AttnType, ...]  # one per MTP layer
-    csa_compress_rate: int
-    hca_compress_rate: int
+    compress_ratios: tuple[int, ...]  # one per decoder layer, then one per MTP layer, as the hub writes them
     mlp_types: tuple[MlpType, ...]  # one per decoder layer
     sliding_window: int
     index_n_heads: int
@@ -90,7 +101,7 @@ class V4Config:
             "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
             "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts",
             "n_shared_experts", "num_experts_per_tok", "sliding_window", "index_n_heads", "index_head_dim",
-            "index_topk", "hc_mult", "hc_sinkhorn_iters", "csa_compress_rate", "hca_compress_rate",
+            "index_topk", "hc_mult", "hc_sinkhorn_iters",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -119,18 +130,21 @@ class V4Config:
             )
         if self.scoring_func not in SCORING_FUNCS:
             raise ArchError(f"scoring_func={self.scoring_func!r} is not one of {SCORING_FUNCS}")
-        if self.csa_compress_rate == self.hca_compress_rate:
-            raise ArchError(f"CSA and HCA compress rates are both {self.csa_compress_rate}; they must differ")
-        if len(self.attn_types) != self.num_hidden_layers or len(self.mlp_types) != self.num_hidden_layers:
+        expected = self.num_hidden_layers + self.num_nextn_predict_layers
+        if len(self.compress_ratios) != expected:
+            raise ArchError(f"compress_ratios has {len(self.compress_ratios)} entries; expected num_hidden_layers + "
+                            f"num_nextn_predict_layers = {expected}")
+        for layer, ratio in enumerate(self.compress_ratios):
+            if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
+                raise ArchError(f"compress_ratios[{layer}]={ratio!r} must be 0 (no compression) or a positive integer")
+        if len(self.mlp_types) != self.num_hidden_layers:
             raise ArchError(
-                f"num_hidden_layers={self.num_hidden_layers} but {len(self.attn_types)} attention types and "
-                f"{len(self.mlp_types)} MLP types were given"
+                f"num_hidden_layers={self.num_hidden_layers} but {len(self.mlp_types)} MLP types were given"
             )
-        if len(self.mtp_attn_types) != self.num_nextn_predict_layers:
-            raise ArchError(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers} but {len(self.mtp_attn_types)} MTP "
-                "attention types were given"
-            )
+        # DeepSeek's code hash-routes layers below num_hash_layers: hash layers must come first
+        if MlpType.HASH in self.mlp_types[self.num_hash_layers:]:
+            raise ArchError(f"mlp_layer_types {[t.value for t in self.mlp_types]} puts a hash_moe layer after a moe "
+                            "layer; DeepSeek-V4 hash-routes the first num_hash_layers layers only")
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise ArchError(f"expert_dtype={self.expert_dtype!r} is not one of {EXPERT_DTYPES}")
         if self.expert_dtype == "fp4":
@@ -143,13 +157,23 @@ class V4Config:
         return sum(mlp is MlpType.HASH for mlp in self.mlp_types)
 
     @property
-    def compress_ratios(self) -> tuple[int, ...]:
-        # The hub's per-layer spelling, decoder layers then MTP layers
-        return tuple(self.compress_rate(kind) for kind in self.attn_types + self.mtp_attn_types)
+    def attn_types(self) -> tuple[AttnType, ...]:
+        """One per decoder layer."""
+        return tuple(attn_type_of(r) for r in self.compress_ratios[:self.num_hidden_layers])
 
-    def compress_rate(self, attn_type: AttnType) -> int:
-        rates = {AttnType.SLIDING: 0, AttnType.CSA: self.csa_compress_rate, AttnType.HCA: self.hca_compress_rate}
-        return rates[attn_type]
+    @property
+    def mtp_attn_types(self) -> tuple[AttnType, ...]:
+        return tuple(attn_type_of(r) for r in self.compress_ratios[self.num_hidden_layers:])
+
+    @property
+    def csa_compress_rate(self) -> int:
+        return CSA_RATIO
+
+    @property
+    def hca_compress_rate(self) -> int | None:
+        """The heavy ratio when every HCA decoder layer shares one (as transformers' configs must), else None."""
+        heavy = {r for r, kind in zip(self.compress_ratios, self.attn_types) if kind is AttnType.HCA}
+        return heavy.pop() if len(heavy) == 1 else None
 
 
 def _require(raw: dict, key: str) -> Any:
@@ -158,7 +182,10 @@ def _require(raw: dict, key: str) -> Any:
     return raw[key]
 
 
-def _compress_rates(raw: dict) -> dict[AttnType, int]:
+def _compress_rates(raw: dict) -> dict[AttnType, int] | None:
+    """transformers' per-type rates (`compress_rates`, legacy `compress_rate_csa` / `compress_rate_hca`), or None."""
+    if all(raw.get(key) is None for key in ("compress_rates", "compress_rate_csa", "compress_rate_hca")):
+        return None
     rates = dict(DEFAULT_COMPRESS_RATES)
     for key, rate in (raw.get("compress_rates") or {}).items():
         try:
@@ -168,39 +195,42 @@ def _compress_rates(raw: dict) -> dict[AttnType, int]:
     for key, attn_type in (("compress_rate_csa", AttnType.CSA), ("compress_rate_hca", AttnType.HCA)):
         if raw.get(key) is not None:
             rates[attn_type] = raw[key]
+    # Under DeepSeek's rule the ratio decides the layer's kind; a rate that says otherwise has no reference model
+    if rates[AttnType.CSA] != CSA_RATIO:
+        raise ArchError(f"compressed_sparse_attention rate {rates[AttnType.CSA]} is not {CSA_RATIO}; DeepSeek-V4 "
+                        f"overlaps and indexes only at ratio {CSA_RATIO}")
+    hca = rates[AttnType.HCA]
+    if isinstance(hca, bool) or not isinstance(hca, int) or hca <= 0 or hca == CSA_RATIO:
+        raise ArchError(f"heavily_compressed_attention rate {hca!r} must be a positive integer other than {CSA_RATIO}")
     return rates
 
 
-def _attention_schedule(raw: dict, n_layers: int, n_mtp: int, rates: dict) -> tuple[tuple, tuple]:
+def _compress_ratios(raw: dict, n_layers: int, n_mtp: int) -> tuple[tuple[int, ...], int]:
+    """-> (ratios of the decoder and MTP layers, MTP layers the checkpoint holds)."""
+    rates = _compress_rates(raw)
     if "compress_ratios" in raw:
-        ratios = list(raw["compress_ratios"])
-        if len(ratios) != n_layers + n_mtp:
-            raise ArchError(
-                f"compress_ratios has {len(ratios)} entries; expected num_hidden_layers + "
-                f"num_nextn_predict_layers = {n_layers + n_mtp}"
-            )
-        types = []
+        ratios = raw["compress_ratios"]
+        if not isinstance(ratios, list):
+            raise ArchError(f"compress_ratios={ratios!r} is not a list")
         for layer, ratio in enumerate(ratios):
-            if ratio not in HUB_RATIO_TYPES:
-                raise ArchError(f"compress_ratios[{layer}]={ratio!r} is not one of {sorted(HUB_RATIO_TYPES)}")
-            kind = HUB_RATIO_TYPES[ratio]
-            if kind is not AttnType.SLIDING and rates[kind] != ratio:
+            if rates is not None and isinstance(ratio, int) and ratio and rates[attn_type_of(ratio)] != ratio:
+                kind = attn_type_of(ratio)
                 raise ArchError(f"compress_ratios[{layer}]={ratio} contradicts {kind.value} rate {rates[kind]}")
-            types.append(kind)
-        return tuple(types[:n_layers]), tuple(types[n_layers:])
+        return tuple(ratios), n_mtp
     if "layer_types" not in raw:
         raise ArchError("config.json has neither 'compress_ratios' nor 'layer_types'")
+    rates = rates or DEFAULT_COMPRESS_RATES
     try:
         types = [AttnType(name) for name in raw["layer_types"]]
     except ValueError as error:
         raise ArchError(f"layer_types: {error}") from None
-    # transformers writes one entry per decoder layer only; MTP layers need theirs too
+    ratios = tuple(0 if kind is AttnType.SLIDING else rates[kind] for kind in types)
+    if len(types) == n_layers:
+        return ratios, 0  # transformers' own form: it saves neither MTP layer types nor MTP tensors
     if len(types) != n_layers + n_mtp:
-        raise ArchError(
-            f"layer_types has {len(types)} entries; expected num_hidden_layers + num_nextn_predict_layers = "
-            f"{n_layers + n_mtp}"
-        )
-    return tuple(types[:n_layers]), tuple(types[n_layers:])
+        raise ArchError(f"layer_types has {len(types)} entries; expected num_hidden_layers={n_layers} (no MTP "
+                        f"layers) or num_hidden_layers + num_nextn_predict_layers = {n_layers + n_mtp}")
+    return ratios, n_mtp
 
 
 def _mlp_schedule(raw: dict, n_layers: int) -> tuple[MlpType, ...]:
@@ -264,8 +294,7 @@ def parse_config(raw: dict) -> V4Config:
     n_layers = _require(raw, "num_hidden_layers")
     n_mtp = _require(raw, "num_nextn_predict_layers")
     head_dim = _require(raw, "head_dim")
-    rates = _compress_rates(raw)
-    attn_types, mtp_attn_types = _attention_schedule(raw, n_layers, n_mtp, rates)
+    compress_ratios, n_mtp = _compress_ratios(raw, n_layers, n_mtp)
     quantized, block, expert_dtype = _quantization(raw)
     plain = {
         key: _require(raw, key)
@@ -283,10 +312,7 @@ def parse_config(raw: dict) -> V4Config:
         num_nextn_predict_layers=n_mtp,
         head_dim=head_dim,
         qk_rope_head_dim=_rope_head_dim(raw, head_dim),
-        attn_types=attn_types,
-        mtp_attn_types=mtp_attn_types,
-        csa_compress_rate=rates[AttnType.CSA],
-        hca_compress_rate=rates[AttnType.HCA],
+        compress_ratios=compress_ratios,
         mlp_types=_mlp_schedule(raw, n_layers),
         rope_scaling=_yarn(raw),
         # transformers' default when a config omits it; the hub writes false
@@ -295,3 +321,37 @@ def parse_config(raw: dict) -> V4Config:
         weight_block_size=block,
         expert_dtype=expert_dtype,
     )
+
+
+# What transformers writes in place of the hub's keys; hub_config writes the hub's instead
+TRANSFORMERS_KEYS = ("layer_types", "compress_rates", "compress_rate_csa", "compress_rate_hca", "mlp_layer_types",
+                     "partial_rotary_factor", "rope_parameters")
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
+def hub_config(raw: dict, cfg: V4Config) -> dict:
+    """config.json in the hub's form, whatever form came in, for the tensors the checkpoint holds: what
+    vllm-ascend and DeepSeek's own code read (compress_ratios with the MTP entries, num_hash_layers, the rope keys)."""
+    config = {k: v for k, v in raw.items() if k not in TRANSFORMERS_KEYS and k != "rope_scaling"}
+    config.update(
+        num_nextn_predict_layers=cfg.num_nextn_predict_layers,
+        compress_ratios=list(cfg.compress_ratios),
+        num_hash_layers=cfg.num_hash_layers,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        rope_theta=cfg.rope_theta,
+        compress_rope_theta=cfg.compress_rope_theta,
+    )
+    if cfg.rope_scaling is not None:
+        yarn = cfg.rope_scaling
+        config["rope_scaling"] = {
+            "beta_fast": _number(yarn.beta_fast),
+            "beta_slow": _number(yarn.beta_slow),
+            "factor": _number(yarn.factor),
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "type": "yarn",
+        }
+    config.setdefault("topk_method", "noaux_tc")  # transformers' V4 config has no such key; the hub writes it
+    return hub_dtype_key(config)

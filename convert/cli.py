@@ -85,7 +85,7 @@ def quantize(
         if dry_run:
             _print_plan(plan)
             return
-        with byte_progress("quantize", plan.checkpoint.nbytes) as update:
+        with byte_progress("quantize", plan.source_bytes) as update:
             result = run_quantize(plan, out, n_workers, update)
     _print_summary(result)
 
@@ -99,6 +99,8 @@ def _print_summary(result) -> None:
     int8 = sum(1 for item in plan.items if item.action == "int8")
     table.add_row("model", f"{plan.checkpoint.family.name}, recipe {plan.recipe.name}, format {plan.fmt.name}")
     table.add_row("tensors", f"{len(plan.items)} in -> {n_out} out ({int8} INT8 linears)")
+    mtp = len({w.spec.layer for w in plan.checkpoint.weights if w.spec.mtp})
+    table.add_row("MTP layers", f"{mtp}" if mtp else "none: no MTP tensors")
     table.add_row("bytes", f"{_gb(result.bytes_in)} in -> {_gb(result.bytes_out)} out")
     table.add_row("INT8 share of output", f"{result.int8_bytes / max(result.bytes_out, 1):.1%}")
     table.add_row("files", f"{len(plan.parts)} weight files" + (f" ({result.resumed_parts} kept from an earlier run)"

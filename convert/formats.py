@@ -1,8 +1,9 @@
 """Output layouts that engines read: msModelSlim's (vllm-ascend, MindIE) and compressed-tensors' (vLLM).
 
 A format names the weight files and the index, says which tensors an INT8 linear becomes, and writes the
-side files (config.json, the Ascend quantization description). Tensor names stay as the source has them:
-HF names for V3/V3.2, DeepSeek's original names for V4 (which is what transformers reads for V4 too).
+side files (config.json, the Ascend quantization description). Tensor names are the hub's, whatever names the
+source had: HF names for V3/V3.2, DeepSeek's original names for V4 (which is what transformers reads for V4 too),
+and config.json is in the hub's form (the family's `hub_config`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class OutputFormat:
     index_name: str
     int8_tensors: tuple[IntTensor, ...]
     help: str
+    mtp_copies: bool = False  # also write the family's `ascend_mtp_copies`, as msModelSlim does
 
     def part_name(self, i: int, n: int) -> str:
         return f"{self.part_stem}-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -46,6 +48,7 @@ ASCEND = OutputFormat(
     "ascend", "quant_model_weights", "quant_model_weights.safetensors.index.json", (_WEIGHT, _SCALE, _OFFSET),
     "msModelSlim W8A8_DYNAMIC layout read by vllm-ascend (--quantization ascend) and MindIE: "
     "quant_model_weights-*.safetensors + quant_model_description.json",
+    mtp_copies=True,
 )
 COMPRESSED_TENSORS = OutputFormat(
     "compressed-tensors", "model", "model.safetensors.index.json", WEIGHT_AND_SCALE,
@@ -96,9 +99,10 @@ def compressed_tensors_config(ignore: list[str]) -> dict:
     }
 
 
-def output_config(source_config: dict, fmt: OutputFormat, ignore: list[str]) -> dict:
-    """config.json for the output: the source's FP8 quantization_config no longer describes the weights."""
-    config = {k: v for k, v in source_config.items() if k != "quantization_config"}
+def output_config(hub_config: dict, fmt: OutputFormat, ignore: list[str]) -> dict:
+    """config.json for the output, from the source's in the hub's form: the source's FP8 quantization_config
+    no longer describes the weights."""
+    config = {k: v for k, v in hub_config.items() if k != "quantization_config"}
     if fmt is COMPRESSED_TENSORS:
         config["quantization_config"] = compressed_tensors_config(ignore)
     return config

@@ -6,6 +6,7 @@ a resumed run can tell a finished file from a stale one, and `--dry-run` shows w
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -100,6 +101,11 @@ class Plan:
     def items(self) -> list[Item]:
         return [item for part in self.parts for item in part.items]
 
+    @property
+    def source_bytes(self) -> int:
+        """Bytes read from the source, copies included."""
+        return sum(item.source_bytes for item in self.items)
+
     def digest(self) -> str:
         return job_digest(self.checkpoint.files, [self.recipe.name, self.fmt.name], self.parts)
 
@@ -146,8 +152,18 @@ def pack(items: list, tensors_of, max_file_bytes: int) -> list[list]:
     return files
 
 
+def mtp_copies(checkpoint: Checkpoint) -> list[SourceWeight]:
+    """The family's per-MTP-layer copies of other tensors (msModelSlim's Ascend layout), read from the originals."""
+    by_name = {w.spec.name: w for w in checkpoint.weights}
+    copies = checkpoint.family.ascend_mtp_copies(checkpoint.arch)
+    return [dataclasses.replace(by_name[original], spec=dataclasses.replace(by_name[original].spec, name=copy,
+                                                                             mtp=True))
+            for copy, original in copies.items()]
+
+
 def make_plan(checkpoint: Checkpoint, recipe: Recipe, fmt: OutputFormat, max_file_bytes: int) -> Plan:
-    items = [_item(w, recipe, fmt) for w in checkpoint.weights]
+    weights = checkpoint.weights + (mtp_copies(checkpoint) if fmt.mtp_copies else [])
+    items = [_item(w, recipe, fmt) for w in weights]
     groups = pack(items, lambda item: item.outputs, max_file_bytes)
     parts = tuple(Part(fmt.part_name(i, len(groups)), tuple(g)) for i, g in enumerate(groups))
     return Plan(checkpoint, recipe, fmt, parts)

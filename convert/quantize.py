@@ -53,7 +53,7 @@ def _write_side_files(plan: Plan, out: Path) -> None:
     # Float linears (kept out of INT8) are what compressed-tensors' `ignore` lists, by module name.
     ignore = [item.weight.spec.name.removesuffix(".weight") for item in plan.items
               if item.action != TO_INT8 and item.weight.spec.is_linear]
-    write_json_atomic(out / "config.json", output_config(checkpoint.config, fmt, ignore))
+    write_json_atomic(out / "config.json", output_config(checkpoint.hub_config, fmt, ignore))
     if fmt is ASCEND:
         types = {t.name: (ASCEND_INT8 if item.action == TO_INT8 else ASCEND_FLOAT)
                  for item in plan.items for t in item.outputs}

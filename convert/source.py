@@ -3,6 +3,8 @@
 Opening checks everything that can be checked from headers: the index against the files, every file's
 header against its size, every tensor against the architecture's inventory (nothing missing, nothing
 left over), every FP8/FP4 weight against its scale. Values are read later, one tensor at a time.
+Tensor names are the hub's from here on: a checkpoint saved by transformers is read through the family's
+`hub_name`, and the MTP copies of msModelSlim's Ascend layout (our own output) are checked and left out.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.weights)
+
+    @property
+    def hub_config(self) -> dict:
+        """config.json in the hub's form, describing the tensors this checkpoint holds (the names every stage uses)."""
+        return self.family.hub_config(self.config, self.arch)
 
 
 def _load_json(path: Path, what: str) -> dict:
@@ -137,11 +144,15 @@ def open_checkpoint(root: Path) -> Checkpoint:
     for name, file_name in weight_map.items():
         if name not in stored:
             raise InputError(f"index maps {name} to {file_name}, but that file does not hold it")
+    stored = _hub_names(stored, family)
+    _drop_ascend_copies(stored, family, arch)
 
     weights = []
     for spec in family.inventory(arch):
         if spec.name not in stored:
-            raise InputError(f"checkpoint lacks tensor {spec.name} (expected by {family.name} with this config.json)")
+            why = ("config.json declares MTP layers (num_nextn_predict_layers): an incomplete download?" if spec.mtp
+                   else f"expected by {family.name} with this config.json")
+            raise InputError(f"checkpoint lacks tensor {spec.name} ({why})")
         value = stored.pop(spec.name)
         base = spec.name.removesuffix("weight")
         if value.entry.dtype == torch.int8 and base + W8A8_SCALE in stored:
@@ -155,6 +166,25 @@ def open_checkpoint(root: Path) -> Checkpoint:
                          f"for this config.json")
     files = sorted({t.path for w in weights for t in (w.value, w.scale, w.offset) if t is not None})
     return Checkpoint(root, config, family, arch, block, weights, files)
+
+
+def _hub_names(stored: dict[str, StoredTensor], family: Family) -> dict[str, StoredTensor]:
+    renamed: dict[str, StoredTensor] = {}
+    for name, tensor in stored.items():
+        hub = family.hub_name(name)
+        if hub in renamed:
+            raise InputError(f"tensors {renamed[hub].entry.name} and {name} both stand for {hub}")
+        renamed[hub] = tensor
+    return renamed
+
+
+def _drop_ascend_copies(stored: dict[str, StoredTensor], family: Family, arch) -> None:
+    for copy, original in family.ascend_mtp_copies(arch).items():
+        if copy not in stored:
+            continue
+        value, source = stored.pop(copy), stored.get(original)
+        if source is None or (value.entry.dtype, value.entry.shape) != (source.entry.dtype, source.entry.shape):
+            raise InputError(f"{copy} is not a copy of {original} (dtype and shape differ)")
 
 
 def _pair(spec: TensorSpec, value: StoredTensor, scale: StoredTensor | None,

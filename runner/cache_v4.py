@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsconv.convert.arch_v4 import AttnType, V4Config
+from dsconv.convert.arch_v4 import AttnType, V4Config, attn_type_of
 from dsconv.runner.cache import SeqStep, StepMeta, cache_full, concat
 
 
@@ -64,11 +64,11 @@ class LayerState:
     indexer: CompressorState | None  # CSA layers: the indexer's own compressed keys
 
     @classmethod
-    def empty(cls, cfg: V4Config, attn_type: AttnType, dtype: torch.dtype, device: torch.device) -> LayerState:
+    def empty(cls, cfg: V4Config, ratio: int, dtype: torch.dtype, device: torch.device) -> LayerState:
         compressor = indexer = None
+        attn_type = attn_type_of(ratio)
         if attn_type is not AttnType.SLIDING:
-            compressor = CompressorState.empty(cfg.compress_rate(attn_type), cfg.head_dim,
-                                               attn_type is AttnType.CSA, dtype, device)
+            compressor = CompressorState.empty(ratio, cfg.head_dim, attn_type is AttnType.CSA, dtype, device)
         if attn_type is AttnType.CSA:
             indexer = CompressorState.empty(cfg.csa_compress_rate, cfg.index_head_dim, True, dtype, device)
         return cls(torch.zeros(0, cfg.head_dim, dtype=dtype, device=device), compressor, indexer)
@@ -89,8 +89,8 @@ class V4Cache:
             if sum(self.lengths.values()) + n_new > self.capacity_tokens:
                 raise cache_full(self.capacity_tokens, seq_id, start + n_new)
             if seq_id not in self.states:
-                self.states[seq_id] = [LayerState.empty(self.cfg, t, self.dtype, self.device)
-                                        for t in self.cfg.attn_types]
+                self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
+                                        for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
             self.lengths[seq_id] = start + n_new
             seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
             positions.append(torch.arange(start, start + n_new, device=self.device))

@@ -17,10 +17,6 @@ from dsconv.errors import InputError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek shards written by `dsconv shard` on their ranks and generate text.")
 
-# The V3 family's chat prompt, as its tokenizer chat template renders a single user turn.
-BOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
-
-
 @app.callback()
 def main() -> None:
     """Run DeepSeek shards written by `dsconv shard` on their ranks and generate text."""
@@ -37,10 +33,19 @@ def _tokenizer(shards: Path):
     return Tokenizer.from_file(str(path)), path
 
 
-def _encode(tokenizer, text: str, chat: bool, vocab_size: int) -> list[int]:
+def _prompt_text(text: str, family, chat: bool, system: str | None, thinking: bool, tokenizer_config: dict) -> str:
+    from dsconv.runner.chat import encode_chat
+
     if not text.strip():
         raise InputError("--prompt is empty")
-    ids = tokenizer.encode(f"{BOS}{USER}{text}{ASSISTANT}" if chat else text, add_special_tokens=False).ids
+    if not chat:
+        return text
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return encode_chat(family, messages + [{"role": "user", "content": text}], thinking, tokenizer_config)
+
+
+def _encode(tokenizer, text: str, vocab_size: int) -> list[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids  # the chat format writes BOS itself
     too_big = [i for i in ids if i >= vocab_size]
     if too_big:
         raise InputError(f"token id {too_big[0]} is outside the model's vocabulary ({vocab_size}): the shards' "
@@ -61,13 +66,20 @@ def generate(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (token ids, text, timings) "
                                                              "instead of streaming text.")] = False,
     no_chat: Annotated[bool, typer.Option("--no-chat", help="Feed the prompt as is, without the chat "
-                                                            "template.")] = False,
+                                                            "format.")] = False,
+    thinking: Annotated[bool, typer.Option("--thinking", help="Open the reply in thinking mode (V3.2 / V4: "
+                                                              "`<think>` instead of `</think>`; V3: passed to the "
+                                                              "chat template as `thinking`).")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt, given with every "
+                                                                   "--prompt (chat format only).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     from dsconv.comm.launch import launch
+    from dsconv.convert.arch import family_for
+    from dsconv.runner.chat import read_tokenizer_config
     from dsconv.runner.engine import DTYPES
     from dsconv.runner.weights import load_manifest
 
@@ -76,6 +88,10 @@ def generate(
             raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+        if no_chat and (thinking or system is not None):
+            raise InputError("--thinking and --system shape the chat prompt; they cannot be used with --no-chat")
+        if system is not None and not system.strip():
+            raise InputError("--system is empty")
         if shards is None:
             from dsconv.convert.demo import demo_shards
 
@@ -89,7 +105,9 @@ def generate(
             raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
-        prompts = [_encode(tokenizer, p, not no_chat, config["vocab_size"]) for p in prompt]
+        family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
+        prompts = [_encode(tokenizer, _prompt_text(p, family, not no_chat, system, thinking, tokenizer_config),
+                           config["vocab_size"]) for p in prompt]
         dp = manifest["layout"]["dp"]  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
         if need > cache_tokens:

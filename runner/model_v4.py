@@ -8,7 +8,8 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
 - Attention is shared-KV MQA (one head serves as key and value) with a per-head sink, partial RoPE on the
   last qk_rope_head_dim dims (interleaved pairs, layout kept) and a grouped low-rank output projection.
   Every layer attends over a sliding window; CSA layers add ratio-4 overlapping compressed entries chosen
-  per query by the Lightning indexer (top `index_topk`), HCA layers add every ratio-128 compressed entry.
+  per query by the Lightning indexer (top `index_topk`), HCA layers add every compressed entry of their own
+  ratio (128 on the hub; DeepSeek's code takes any ratio other than 4 as HCA).
 - MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
   on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config
+from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
@@ -120,8 +121,8 @@ class Indexer:
 
 
 class Attention:
-    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, attn_type: AttnType, ropes: dict,
-                 dtype: torch.dtype):
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, ropes: dict, dtype: torch.dtype):
+        attn_type = attn_type_of(ratio)  # DeepSeek's rule: overlap and an indexer at ratio 4 only
         self.cfg, self.attn_type = cfg, attn_type
         self.rope = ropes["main"] if attn_type is AttnType.SLIDING else ropes["compress"]
         self.wq_a, self.wq_b = Proj(w, f"{prefix}.wq_a", dtype), Proj(w, f"{prefix}.wq_b", dtype)
@@ -133,7 +134,7 @@ class Attention:
         self.sinks = w.take(f"{prefix}.attn_sink").float()  # [heads]
         self.compressor = self.indexer = None
         if attn_type is not AttnType.SLIDING:
-            self.ratio = cfg.compress_rate(attn_type)
+            self.ratio = ratio
             self.compressor = Compressor(cfg, w, f"{prefix}.compressor", self.ratio, cfg.head_dim,
                                          attn_type is AttnType.CSA, self.rope, dtype)
         if attn_type is AttnType.CSA:
@@ -267,7 +268,7 @@ class Block:
         p = f"layers.{layer}"
         self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
         self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
-        self.attn = Attention(cfg, w, f"{p}.attn", cfg.attn_types[layer], ropes, dtype)
+        self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype)
         self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 

@@ -54,7 +54,7 @@ class ShardPlan:
     def config(self) -> dict:
         """config.json for the shards: BF16 shards decoded from an FP8 source no longer match its FP8
         quantization_config, so it goes; a W8A8 input's config already describes its INT8 weights."""
-        config = self.checkpoint.config
+        config = self.checkpoint.hub_config
         return {k: v for k, v in config.items() if k != "quantization_config"} if self.precision == BF16 else config
 
     @property

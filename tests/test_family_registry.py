@@ -104,9 +104,11 @@ def tiny_config(partial_block: bool = False, **overrides) -> dict:
 TOY_RECIPE = Recipe("toy-w8a8", frozenset({Role.ATTN_Q_B, Role.ATTN_O} | EXPERTS), "toy: wq, wo and experts")
 TOY_FAMILY = Family(
     name=TOY, parse_config=parse_config, inventory=inventory, scale_suffix="scale", scale_is_e8m0=False,
+    hub_name=lambda name: name, hub_config=lambda raw, cfg: raw, ascend_mtp_copies=lambda cfg: {},
     recipes=(TOY_RECIPE,), fused=FUSED_PAIRS, attention_tp={Role.ATTN_Q_B: 0, Role.ATTN_O: 1},
     check_attention_tp=check_attention_tp, kv_cache_bytes_per_token=kv_cache_bytes_per_token,
     kv_cache_bytes_per_sequence=lambda cfg, itemsize: {}, tiny_config=tiny_config, new_model=None, new_cache=None,
+    encode_chat=None,  # no chat format: dsrun feeds its prompts as raw text only
 )
 
 
