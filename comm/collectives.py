@@ -37,14 +37,15 @@ def all_gather_cat(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tensor,
-                        group: Group) -> tuple[torch.Tensor, list[int]]:
+def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tensor, group: Group,
+                        recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """EP exchange: rows `send[offset_j : offset_j + send_counts[j]]` go to group rank j.
 
     send: [N, ...] rows grouped by destination, in group-rank order; send_counts: [group.size], sum N.
     Returns recv: [M, ...] (same trailing shape and dtype), the rows from rank 0 first, then rank 1, ...;
     and recv_counts: rows received from each rank, sum M. Zero rows to or from any rank are fine, including
-    N = 0 (a rank with no tokens still takes part).
+    N = 0 (a rank with no tokens still takes part). recv_counts, when the caller already knows them (the
+    reverse of an earlier exchange), skip the exchange of counts.
     """
     send_counts = [int(c) for c in (send_counts.tolist() if torch.is_tensor(send_counts) else send_counts)]
     if len(send_counts) != group.size or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
@@ -53,11 +54,14 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
     if group.size == 1:
         return send, send_counts
 
-    # 1. Counts first: every rank learns how many rows each peer will send it, to size its receive buffer.
-    counts_out = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
-    counts_in = torch.empty_like(counts_out)
-    dist.all_to_all_single(counts_in, counts_out, group=group.handle)
-    recv_counts = counts_in.tolist()
+    if recv_counts is None:
+        # 1. Counts first: every rank learns how many rows each peer will send it, to size its receive buffer.
+        counts_out = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+        counts_in = torch.empty_like(counts_out)
+        dist.all_to_all_single(counts_in, counts_out, group=group.handle)
+        recv_counts = counts_in.tolist()
+    elif len(recv_counts) != group.size:
+        raise ValueError(f"recv_counts={recv_counts} must have one entry per rank of group {group.name}")
 
     # 2. The rows. An all-to-all only moves data, so it moves bytes: each row becomes `row_bytes` uint8
     # values. One code path for every dtype, including float8 and the e8m0 scales that gloo cannot send
@@ -65,11 +69,24 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
     row_shape = send.shape[1:]
     row_bytes = math.prod(row_shape) * send.element_size()
     send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
-    recv_bytes = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=send.device)
-    dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_counts,
-                           input_split_sizes=send_counts, group=group.handle)
+    # A rank that sends or receives nothing would hand the backend an empty buffer (a null data pointer, which
+    # HCCL does not document as valid): it sends itself one extra row instead, dropped on arrival. Each rank
+    # decides alone; its peers' counts are unchanged.
+    pad = group.rank if (sum(send_counts) == 0 or sum(recv_counts) == 0) else None
+    send_splits, recv_splits = list(send_counts), list(recv_counts)
+    if pad is not None:
+        end = sum(send_counts[:pad + 1])
+        send_bytes = torch.cat([send_bytes[:end], send_bytes.new_zeros(1, row_bytes), send_bytes[end:]])
+        send_splits[pad] += 1
+        recv_splits[pad] += 1
+    recv_bytes = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_splits,
+                           input_split_sizes=send_splits, group=group.handle)
+    if pad is not None:
+        end = sum(recv_splits[:pad + 1])  # the extra row closes this rank's own part
+        recv_bytes = torch.cat([recv_bytes[:end - 1], recv_bytes[end:]])
     recv = recv_bytes.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape)
-    return recv, recv_counts
+    return recv, list(recv_counts)
 
 
 def barrier(group: Group) -> None:

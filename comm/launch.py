@@ -3,14 +3,16 @@
 Under torchrun (`torchrun --nnodes 2 --nproc-per-node 8 -m ...`) torchrun owns the processes and this module
 only initialises the process group from its environment and runs the entry in the current process.
 
-Otherwise `launch` starts the ranks itself and supervises them. They are `multiprocessing` processes from the
-"forkserver" context: the fork server is a fresh interpreter (exec'ed, so it shares no threads, CUDA state or
+Otherwise `launch` starts the ranks itself and supervises them, one rank per visible device for cuda / npu (a
+machine with fewer devices than ranks is refused before any rank starts: start one process per device on each
+node with torchrun instead). CPU ranks are `multiprocessing` processes from the "forkserver" context: the fork server is a fresh interpreter (exec'ed, so it shares no threads, CUDA state or
 sockets with this process) that imports torch once; each rank is forked from it. With "spawn" every rank
 imports torch again, about 2 s of CPU each: 16 gloo ranks and one all_reduce took 41 s with spawn and 3 s
 with the fork server on a 2-core machine. Failure handling is the same as with spawn: `Process.exitcode`
 tells an exception (positive) from a signal (negative), `Process.sentinel` lets the supervisor sleep until
 any rank exits, and `terminate`/`kill` reach a rank even while it is blocked inside a C++ collective, which
-no in-process timeout can interrupt.
+no in-process timeout can interrupt. Accelerator ranks start with "spawn": each initialises its device runtime
+in a fresh interpreter, and a device start-up of seconds dwarfs the import cost.
 
 As with any multiprocessing program, each rank re-imports the caller's main module, so a script that calls
 `launch` must do so under `if __name__ == "__main__":` (console scripts such as `dsrun` already do). Rank 0
@@ -83,6 +85,8 @@ def launch(entry: str | Callable, args: tuple | dict = (), *, world_size: int, d
     torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its log file.
     """
     backend_for(device)  # a wrong device fails here, once, not in every rank
+    if not under_torchrun() and device != "cpu":
+        _check_local_devices(device, world_size)
     log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="dsrun-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):  # an earlier job's errors in a reused log_dir must not be reported as ours
@@ -90,6 +94,19 @@ def launch(entry: str | Callable, args: tuple | dict = (), *, world_size: int, d
     if under_torchrun():
         return _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir)
     return _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir)
+
+
+def visible_devices(device: str) -> int:
+    """How many devices of this kind this process can see (torch.cuda / torch.npu, the latter from torch_npu)."""
+    return getattr(torch, device).device_count()
+
+
+def _check_local_devices(device: str, world_size: int) -> None:
+    count = visible_devices(device)
+    if world_size > count:
+        raise InputError(f"{world_size} ranks need {world_size} {device} devices, but this machine sees {count}: "
+                         f"start one process per device on each node with torchrun (e.g. torchrun --nnodes "
+                         f"{-(-world_size // max(count, 1))} --nproc-per-node {count} ...)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,6 +121,10 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
         backend = backend_for(device)  # imports torch_npu in this process when the device is npu
         fn = _resolve(entry)
         local_rank = int(os.environ["LOCAL_RANK"])
+        if backend != "gloo" and local_rank >= visible_devices(device):
+            raise InputError(f"LOCAL_RANK {local_rank}, but this node has {visible_devices(device)} visible {device} "
+                             f"devices: start one process per device (torchrun --nproc-per-node "
+                             f"{visible_devices(device)})")
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         elif backend == "hccl":
@@ -193,9 +214,10 @@ def _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir) -> 
 # Local launch: start `world_size` ranks from a fork server and supervise them.
 
 def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir) -> int:
-    ctx = multiprocessing.get_context("forkserver")
-    # Must come before the first forkserver process starts; the server imports these once for every rank.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    ctx = multiprocessing.get_context("forkserver" if device == "cpu" else "spawn")
+    if device == "cpu":
+        # Must come before the first forkserver process starts; the server imports these once for every rank.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     # The store every rank meets at lives here: port 0 lets the OS pick a free port, so no probe-then-bind
     # race with other jobs on the machine, and it outlives any one rank.
     store = dist.TCPStore(LOCAL_ADDR, 0, world_size, is_master=True, wait_for_workers=False,

@@ -1,7 +1,9 @@
 """Device dispatch: a tensor on an Ascend NPU takes the torch_npu path, any other tensor the plain torch path.
 
 The choice follows the tensor, never the environment, so a CPU test run cannot reach NPU code and an NPU run
-cannot quietly fall back to the slow path. The NPU branches are not run in CI (there is no NPU there).
+cannot quietly fall back to the slow path. There is no NPU in CI: the NPU branches run there against a
+contract double of torch_npu (tests/npu_double.py), which a test installs with `route_to_npu_path`, the one
+hook that sends other tensors down the NPU branches.
 """
 
 from __future__ import annotations
@@ -13,13 +15,30 @@ import torch
 
 NPU_DEVICE_TYPE = "npu"
 
+_npu_types = frozenset({NPU_DEVICE_TYPE})  # device types whose tensors take the NPU branches
+_torch_npu: ModuleType | None = None  # the module those branches call; None: import the real torch_npu
+
 
 def is_npu(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == NPU_DEVICE_TYPE
+    return tensor.device.type in _npu_types
+
+
+def route_to_npu_path(device_type: str, torch_npu: ModuleType) -> None:
+    """For tests only: tensors on `device_type` (e.g. "cpu") take the NPU branches, which call `torch_npu`
+    (a stand-in module) instead of the real one. Undo with `reset_npu_path`."""
+    global _npu_types, _torch_npu
+    _npu_types, _torch_npu = frozenset({NPU_DEVICE_TYPE, device_type}), torch_npu
+
+
+def reset_npu_path() -> None:
+    global _npu_types, _torch_npu
+    _npu_types, _torch_npu = frozenset({NPU_DEVICE_TYPE}), None
 
 
 def require_torch_npu() -> ModuleType:
-    """The torch_npu module, or a RuntimeError saying why the NPU path cannot run."""
+    """The module the NPU branches call (torch_npu), or a RuntimeError saying why the NPU path cannot run."""
+    if _torch_npu is not None:
+        return _torch_npu
     try:
         return importlib.import_module("torch_npu")
     except ImportError as e:

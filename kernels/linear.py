@@ -79,6 +79,8 @@ def w8a8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, k] float -> (int8 [M, k], float32 scale [M, 1]): the per-token dynamic quantization of W8A8,
     also used to send INT8 activations through the EP all-to-all."""
+    if is_npu(x):
+        return _quantize_npu(x)
     x2d = x.to(torch.float32, copy=True)  # a private copy: quantized in place
     x_q = torch.empty(x2d.shape, dtype=torch.int8, device=x.device)
     x_scale = torch.empty(x2d.shape[0], 1, dtype=torch.float32, device=x.device)
@@ -90,9 +92,7 @@ def w8a8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight_int8:
                           weight_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Already-quantized activations (x_q int8 [M, k], x_scale [M, 1]) -> [M, n] in out_dtype."""
     if is_npu(x_q):
-        torch_npu = require_torch_npu()
-        return torch_npu.npu_quant_matmul(x_q, weight_int8.T, weight_scale.view(-1), pertoken_scale=x_scale.view(-1),
-                                          output_dtype=out_dtype)
+        return _quant_matmul_npu(x_q, x_scale, weight_int8, weight_scale, out_dtype)
     return _dequantize(int8_matmul(x_q, weight_int8), x_scale, weight_scale, out_dtype)
 
 
@@ -143,17 +143,40 @@ def _check_w8a8(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.
         raise ValueError(f"W8A8 input must be floating point, got {x.dtype}")
 
 
-# --- NPU (torch_npu), not run in CI ---------------------------------------------------------------------------
+# --- NPU (torch_npu; in CI against tests/npu_double.py) ----------------------------------------------------------
+# Each call passes only what the op's documentation accepts: no empty x1 (npu_quant_matmul), float16/bfloat16
+# input to npu_dynamic_quant, float16/bfloat16 output from npu_quant_matmul. float32 compute (--dtype float32)
+# takes the BF16 route: activations quantized from BF16, products returned in BF16 and widened.
 def _w8a8_linear_npu(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
-    torch_npu = require_torch_npu()
+    x_q, x_scale = _quantize_npu(x.reshape(-1, x.shape[-1]))
+    y = _quant_matmul_npu(x_q, x_scale, weight_int8, weight_scale, out_dtype)
+    return y.reshape(*x.shape[:-1], weight_int8.shape[0])
+
+
+def _quantize_npu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, k] float -> (int8 [M, k], float32 [M, 1]). Same symmetric per-token formula as kernels.int8, though
+    the NPU's rounding is not promised bit-equal."""
+    if x.shape[0] == 0:  # an idle rank's step: nothing to quantize
+        return (torch.empty(x.shape, dtype=torch.int8, device=x.device),
+                torch.empty(0, 1, dtype=torch.float32, device=x.device))
+    x_q, x_scale = require_torch_npu().npu_dynamic_quant(cast(x, npu_half(x.dtype)))  # int8 [M, k], float32 [M]
+    return x_q, x_scale[:, None]
+
+
+def _quant_matmul_npu(x_q: torch.Tensor, x_scale: torch.Tensor, weight_int8: torch.Tensor,
+                      weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     n, k = weight_int8.shape
     if k > NPU_QUANT_MATMUL_MAX_DIM or n > NPU_QUANT_MATMUL_MAX_DIM:
         raise ValueError(f"npu_quant_matmul needs in, out <= {NPU_QUANT_MATMUL_MAX_DIM}; weight is [{n}, {k}]: "
                          "shard it over TP or keep it in BF16")
-    x2d = x.reshape(-1, k)
-    # Same symmetric per-token formula as kernels.int8, though the NPU's rounding is not promised bit-equal.
-    x_q, x_scale = torch_npu.npu_dynamic_quant(x2d)  # int8 [M, k], float32 [M]
-    y = torch_npu.npu_quant_matmul(x_q, weight_int8.T, weight_scale.view(-1), pertoken_scale=x_scale,
-                                   output_dtype=out_dtype)  # weight as [k, n], a transposed view
-    return y.reshape(*x.shape[:-1], n)
+    if x_q.shape[0] == 0:  # npu_quant_matmul rejects an empty x1; an idle rank's step has no rows
+        return torch.empty(0, n, dtype=out_dtype, device=x_q.device)
+    y = require_torch_npu().npu_quant_matmul(x_q, weight_int8.T, weight_scale.view(-1),  # weight as [k, n], a view
+                                             pertoken_scale=x_scale.view(-1), output_dtype=npu_half(out_dtype))
+    return cast(y, out_dtype)
+
+
+def npu_half(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an NPU INT8 op takes in or gives out for `dtype`: float16 / bfloat16 as is, BF16 otherwise."""
+    return dtype if dtype in HALF_DTYPES else torch.bfloat16

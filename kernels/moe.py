@@ -9,7 +9,8 @@ with float weights, or INT8 ones with per-output-channel scales (W8A8: activatio
 formula of kernels.linear). The rows may arrive already quantized by their sender (INT8 plus per-token scales),
 as W8A8 experts behind the EP all-to-all receive them. The projections run per expert group, the activation
 once over all rows, and under W8A8 the down projection's input is quantized once for all rows: a decode token's
-k experts make one activation call, not k.
+k experts make one activation call, not k. On NPU each projection is one npu_grouped_matmul over all local
+experts, with the counts kept on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsconv.kernels.device import is_npu, require_torch_npu
+from dsconv.kernels.device import cast, is_npu, require_torch_npu
 from dsconv.kernels.linear import (linear, linear_t, quantize_activations, w8a8_linear_quantized,
                                    w8a8_linear_reference)
 
@@ -55,7 +56,6 @@ class ExpertWeights:
                                  f"{tuple(scale.shape)}")
         self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
         self.experts, self.hidden = experts, hidden
-        self.npu = is_npu(w13)  # the rows are where the weights are
         # each expert's projection operands, made once (views): a list index per group instead of tensor selects
         if self.int8:
             self._w13, self._w2 = list(zip(w13.unbind(), w13_scale.unbind())), list(zip(w2.unbind(), w2_scale.unbind()))
@@ -70,6 +70,12 @@ def grouped_mlp(x: torch.Tensor, counts: torch.Tensor | list[int], experts: Expe
     order. Float rows give their own dtype; INT8 rows quantized by their sender (W8A8 experts only), with
     per-token scales x_scale [N, 1], give out_dtype. limit: V4's swiglu_limit."""
     _check_rows(x, x_scale, out_dtype, experts)
+    if is_npu(x):  # the counts stay on the device: no host sync
+        counts = torch.as_tensor(counts, device=x.device)
+        if tuple(counts.shape) != (experts.experts,) or counts.dtype.is_floating_point:
+            raise ValueError(f"counts must be an integer tensor [{experts.experts}], got {counts.dtype} "
+                             f"{tuple(counts.shape)}")
+        return _grouped_mlp_npu(x, counts, experts, x_scale, x.dtype if x_scale is None else out_dtype, limit)
     if isinstance(counts, torch.Tensor):
         if counts.dim() != 1 or counts.dtype.is_floating_point:
             raise ValueError(f"counts must be a 1-D integer tensor [E], got {counts.dtype} {tuple(counts.shape)}")
@@ -80,9 +86,6 @@ def grouped_mlp(x: torch.Tensor, counts: torch.Tensor | list[int], experts: Expe
         raise ValueError(f"{len(counts_list)} expert counts for {experts.experts} experts (w13)")
     if sum(counts_list) != x.shape[0] or min(counts_list, default=0) < 0:
         raise ValueError(f"counts {counts_list} must be non-negative and sum to x's {x.shape[0]} rows")
-    if experts.npu and experts.experts > 1:  # a one-expert rank takes the loop (its group is every row)
-        return _grouped_mlp_npu(x, torch.as_tensor(counts, device=x.device), experts, x_scale,
-                                x.dtype if x_scale is None else out_dtype, limit)
     groups, start = [], 0  # (expert, first row, end row) of each expert with rows
     for e, n in enumerate(counts_list):
         if n:
@@ -99,6 +102,19 @@ def token_mlp(x: torch.Tensor, expert_ids: list[int], experts: ExpertWeights, x_
     _check_rows(x, x_scale, out_dtype, experts)
     if x.shape[0] != 1:
         raise ValueError(f"token_mlp takes one token, got {x.shape[0]} rows")
+    if is_npu(x):  # the token's row once per expert, grouped in expert order for the one grouped call
+        order = sorted(range(len(expert_ids)), key=expert_ids.__getitem__)
+        counts = [0] * experts.experts
+        for e in expert_ids:
+            counts[e] += 1
+        rows = x.expand(len(expert_ids), -1)
+        scales = None if x_scale is None else x_scale.expand(len(expert_ids), -1)
+        out = _grouped_mlp_npu(rows, torch.tensor(counts, device=x.device), experts, scales,
+                               x.dtype if x_scale is None else out_dtype, limit)  # row j: expert_ids[order[j]]
+        position = [0] * len(order)
+        for j, i in enumerate(order):
+            position[i] = j
+        return out[torch.tensor(position, device=x.device)]
     return _grouped(x, x_scale, [(e, j, j + 1) for j, e in enumerate(expert_ids)], experts, out_dtype, limit)
 
 
@@ -153,25 +169,36 @@ def _project_groups(x, x_scale, groups, weights, int8: bool, out_dtype) -> torch
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-# --- NPU (torch_npu), not run in CI ---------------------------------------------------------------------------
+# --- NPU (torch_npu; in CI against tests/npu_double.py) ----------------------------------------------------------
 def _grouped_mlp_npu(x, counts, experts: ExpertWeights, x_scale, out_dtype, limit) -> torch.Tensor:
+    """Every local expert's rows in one npu_grouped_matmul per projection, whatever the number of experts.
+
+    group_list_type 0 (cumulative row counts) accepts one expert too; type 1 (per-group counts) refuses a
+    one-entry list. INT8 projections return the exact int32 sums (output_dtype int32, no scales), dequantized
+    here in float32 by kernels.linear's formula, so the NPU path keeps the weight scales in float32 where the
+    fused per-token form would take them in BF16.
+    """
+    if x.shape[0] == 0:  # an idle rank's step: no rows, no kernel call
+        return torch.empty(0, experts.hidden, dtype=out_dtype, device=x.device)
     torch_npu = require_torch_npu()
-    # npu_grouped_matmul with group_list_type=1 takes per-group sizes; a one-expert rank takes the loop above
-    group_list = counts.to(torch.int64)
+    group_list = counts.to(torch.int64).cumsum(0)  # [E] end row of each expert's group
+    row_expert = None
+    if experts.int8:  # each row's expert [N], to pick its weight scales; output_size: no host sync
+        row_expert = torch.repeat_interleave(torch.arange(experts.experts, device=x.device), counts,
+                                             output_size=x.shape[0])
 
-    def grouped(rows, row_scale, w, w_scale):
-        if w_scale is None:  # float experts: the rows' dtype in, the same out
-            (y,) = torch_npu.npu_grouped_matmul([rows], [w.transpose(1, 2)], group_list=group_list, split_item=2,
-                                                group_type=0, group_list_type=1)
-            return y.to(out_dtype)
+    def project(rows, row_scale, w, w_scale):
+        if w_scale is None:  # float experts: the weights' dtype in and out
+            (y,) = torch_npu.npu_grouped_matmul([cast(rows, w.dtype)], [w.transpose(1, 2)], group_list=group_list,
+                                                split_item=2, group_type=0, group_list_type=0)
+            return cast(y, out_dtype)
         if row_scale is None:
-            rows, row_scale = torch_npu.npu_dynamic_quant(rows)  # int8 [N, k], float32 [N]
-        (y,) = torch_npu.npu_grouped_matmul(
-            [rows], [w.transpose(1, 2)],  # weight as [E, k, n], a transposed view
-            # per-token INT8 with BF16 output takes the weight scale in BF16 [E, n]
-            scale=[w_scale.squeeze(-1).to(torch.bfloat16)], per_token_scale=[row_scale.reshape(-1)],
-            group_list=group_list, split_item=2, group_type=0, group_list_type=1, output_dtype=torch.bfloat16)
-        return y.to(out_dtype)
+            rows, row_scale = quantize_activations(rows)  # npu_dynamic_quant: int8 [N, k], float32 [N, 1]
+        (acc,) = torch_npu.npu_grouped_matmul([rows], [w.transpose(1, 2)],  # weight as [E, k, n], a view
+                                              group_list=group_list, split_item=2, group_type=0, group_list_type=0,
+                                              output_dtype=torch.int32)
+        # acc [N, n] int32; per token times per output channel of the row's expert, as kernels.linear dequantizes
+        return (acc.to(torch.float32) * row_scale * w_scale[:, :, 0][row_expert]).to(out_dtype)
 
-    hidden = swiglu(grouped(x, x_scale, experts.w13, experts.w13_scale), limit=limit)
-    return grouped(hidden, None, experts.w2, experts.w2_scale)
+    hidden = swiglu(project(x, x_scale, experts.w13, experts.w13_scale), limit=limit)
+    return project(hidden, None, experts.w2, experts.w2_scale)

@@ -1,4 +1,5 @@
-"""`dsrun`: generate text from `dsconv shard` output on `world_size` ranks (local processes, or torchrun's)."""
+"""`dsrun`: generate text from `dsconv shard` output, or score a text's perplexity, on `world_size` ranks (local
+processes, or torchrun's)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,20 @@ def _prompt_text(text: str, family, chat: bool, system: str | None, thinking: bo
     return encode_chat(family, messages + [{"role": "user", "content": text}], thinking, tokenizer_config)
 
 
+def _open_shards(shards: Path, world_size: int | None, dtype: str) -> dict:
+    """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
+    from dsconv.runner.engine import DTYPES
+    from dsconv.runner.weights import load_manifest
+
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    manifest = load_manifest(shards)
+    world = manifest["layout"]["world_size"]
+    if world_size is not None and world_size != world:
+        raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
+    return manifest
+
+
 def _encode(tokenizer, text: str, vocab_size: int) -> list[int]:
     ids = tokenizer.encode(text, add_special_tokens=False).ids  # the chat format writes BOS itself
     too_big = [i for i in ids if i >= vocab_size]
@@ -77,15 +92,10 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
-    from dsconv.comm.launch import launch
     from dsconv.convert.arch import family_for
     from dsconv.runner.chat import read_tokenizer_config
-    from dsconv.runner.engine import DTYPES
-    from dsconv.runner.weights import load_manifest
 
     try:
-        if dtype not in DTYPES:
-            raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1")
         if no_chat and (thinking or system is not None):
@@ -99,10 +109,7 @@ def generate(
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
                               "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
-        manifest = load_manifest(shards)  # refuses shards that fail `dsconv verify`
-        world = manifest["layout"]["world_size"]
-        if world_size is not None and world_size != world:
-            raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
+        manifest = _open_shards(shards, world_size, dtype)
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
@@ -113,21 +120,80 @@ def generate(
         if need > cache_tokens:
             raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
                              f"exceed the KV cache (--cache-tokens {cache_tokens})")
-        results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
-        args = {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-                "result_dir": str(results), "stream_tokenizer": None if json_output else str(tokenizer_path),
-                "device": device}
         started = time.perf_counter()
-        code = launch("dsconv.runner.engine:rank_main", args, world_size=world, device=device, timeout_s=timeout,
-                      log_dir=results / "logs")
+        results = _run_ranks("dsconv.runner.engine:rank_main", {
+            "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
+            "stream_tokenizer": None if json_output else str(tokenizer_path)}, manifest, device, timeout)
     except InputError as exc:
         fail(str(exc))
+    if results is not None:
+        _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
+
+
+@app.command()
+def perplexity(
+    shards: Annotated[Path, typer.Option(help="A `dsconv shard` output directory.")],
+    file: Annotated[Path, typer.Option(help="The text to score (UTF-8).")],
+    context: Annotated[int, typer.Option(help="Tokens per window, BOS included in the first: each token after "
+                                              "a window's first is scored given the window's earlier ones.")] = 512,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu (gloo), cuda (nccl) or npu (hccl, needs torch_npu).")] = "cpu",
+    world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (perplexity, tokens "
+                                                             "scored, windows).")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+) -> None:
+    """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
+    in consecutive windows of --context tokens spread over the attention-DP ranks."""
+    from dsconv.runner.perplexity import summarize, windows
+
+    try:
+        manifest = _open_shards(shards, world_size, dtype)
+        config = manifest["model"]["config"]
+        if config.get("bos_token_id") is None:
+            raise InputError(f"{shards}/config.json has no bos_token_id: the text's first window starts with BOS")
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise InputError(f"--file {file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        if not text.strip():
+            raise InputError(f"--file {file} holds no text")
+        tokenizer, _ = _tokenizer(Path(shards))
+        cut = windows([config["bos_token_id"]] + _encode(tokenizer, text, config["vocab_size"]), context)
+        started = time.perf_counter()
+        results = _run_ranks("dsconv.runner.perplexity:rank_main", {
+            "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output}, manifest, device,
+            timeout)
+    except InputError as exc:
+        fail(str(exc))
+    if results is None:
+        return
+    from dsconv.runner.engine import RESULTS_NAME
+
+    summary = summarize(json.loads((results / RESULTS_NAME).read_text()))
+    summary.update(windows=len(cut), context=context, seconds=time.perf_counter() - started)
+    if json_output:
+        print(json.dumps(summary))
+        return
+    console.print(f"perplexity [bold]{summary['perplexity']:.4f}[/] over {summary['tokens']} tokens "
+                  f"({len(cut)} windows of up to {context}); {summary['seconds']:.1f} s", highlight=False)
+
+
+def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: float) -> Path | None:
+    """The manifest's ranks running entry(**args) -> the directory rank 0 wrote its results to, or None on a
+    torchrun rank other than 0 (only rank 0 reports). A failed rank ends the command with its exit code."""
+    from dsconv.comm.launch import launch
+
+    results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
+    code = launch(entry, {**args, "manifest": manifest, "device": device, "result_dir": str(results)},
+                  world_size=manifest["layout"]["world_size"], device=device, timeout_s=timeout,
+                  log_dir=results / "logs")
     if code != 0:
         raise typer.Exit(code)
-    if os.environ.get("RANK", "0") != "0":
-        return  # under torchrun only rank 0 reports
-    _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
+    return results if os.environ.get("RANK", "0") == "0" else None
 
 
 def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:

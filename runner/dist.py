@@ -82,25 +82,29 @@ class Dist:
     def ep_dispatch(self, columns: list[torch.Tensor], send_counts: torch.Tensor):
         """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows
         grouped by destination EP rank (send_counts[d] rows for rank d) -> the same columns as received, and
-        the received counts per source rank. The columns travel packed as bytes in one all-to-all."""
+        the row counts per peer as lists, (received, sent), for `ep_combine`. The columns travel packed as bytes
+        in one all-to-all."""
         if self.ep == 1:
-            return columns, send_counts
+            return columns, None
         widths = [_row_bytes(c) for c in columns]
         packed = torch.cat([c.contiguous().view(torch.uint8).reshape(c.shape[0], w) for c, w in zip(columns, widths)],
                            dim=1)
+        sent = send_counts.tolist()  # host sync: the all-to-all takes its split sizes as lists
         with self._timed():
-            recv, recv_counts = all_to_all_variable(packed, send_counts.tolist(), self.groups.ep)
+            recv, received = all_to_all_variable(packed, sent, self.groups.ep)
         # clone, not contiguous(): a one-row column slice counts as contiguous at an unaligned storage offset
         out = [part.clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(-1, *c.shape[1:])
                for part, c in zip(recv.split(widths, dim=1), columns)]
-        return out, torch.as_tensor(recv_counts)
+        return out, (received, sent)
 
-    def ep_combine(self, out: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
-        """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order."""
+    def ep_combine(self, out: torch.Tensor, counts: tuple[list[int], list[int]] | None) -> torch.Tensor:
+        """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order. counts:
+        what ep_dispatch returned; both sides of this exchange are known, so no counts travel again."""
         if self.ep == 1:
             return out
+        received, sent = counts
         with self._timed():
-            back, _ = all_to_all_variable(out, recv_counts.tolist(), self.groups.ep)
+            back, _ = all_to_all_variable(out, received, self.groups.ep, recv_counts=sent)
         return back
 
     def lm_head_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

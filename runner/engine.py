@@ -42,15 +42,36 @@ def rank_device(device: str) -> torch.device:
     return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
 
 
-def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
-              device: str = "cpu") -> None:
+def start_rank(shards: str, manifest: dict, dtype: str, device: str):
+    """On every rank, after the launcher's init_process_group: -> (rank, Dist, model, new_cache)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     dist = Dist.from_layout(manifest["layout"], rank_device(device)) if torch.distributed.is_initialized() \
         else Dist(device=rank_device(device))
     model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
+    return rank, dist, model, new_cache
+
+
+def dp_share(n_items: int, manifest: dict, rank: int) -> list[int]:
+    """The items (prompts, windows) of this rank's attention-DP index: item i belongs to index i % dp."""
     dp, dp_index = manifest["layout"]["dp"], rank // manifest["layout"]["attn_tp"]
-    mine = [i for i in range(len(prompts)) if i % dp == dp_index]
+    return [i for i in range(n_items) if i % dp == dp_index]
+
+
+def gather_results(result: dict, rank: int, result_dir: str) -> None:
+    """Every rank's result to rank 0, over the process group (no shared filesystem needed across machines);
+    rank 0 writes them for the launcher's process to read."""
+    everyone = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [result]
+    if torch.distributed.is_initialized():
+        torch.distributed.gather_object(result, everyone if rank == 0 else None, dst=0)
+    if rank == 0:
+        (Path(result_dir) / RESULTS_NAME).write_text(json.dumps(everyone))
+
+
+def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
+              device: str = "cpu") -> None:
+    rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
+    mine = dp_share(len(prompts), manifest, rank)
     cache = new_cache(cache_tokens)
 
     printer = _Streamer(stream_tokenizer) if rank == 0 and stream_tokenizer else None
@@ -69,12 +90,7 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
     result = {"rank": rank, "prompts": mine if dist.attn_tp_rank == 0 else [], "generated": outputs,
               "prefill_s": first - started, "decode_s": (steps[-1] - first) if steps else 0.0,
               "comm_s": dist.comm_seconds, "steps": dist.steps}
-    # Results travel to rank 0 over the process group (no shared filesystem needed across machines).
-    everyone = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [result]
-    if torch.distributed.is_initialized():
-        torch.distributed.gather_object(result, everyone if rank == 0 else None, dst=0)
-    if rank == 0:
-        (Path(result_dir) / RESULTS_NAME).write_text(json.dumps(everyone))
+    gather_results(result, rank, result_dir)
 
 
 class _Streamer:

@@ -10,6 +10,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from dsconv.comm.launch import launch
 from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.runner.cli import collect
+from dsconv.runner.engine import RESULTS_NAME
 from dsconv.runner.weights import load_manifest
 from dsconv.shard.shard import make_shard_plan, run_shard
 
@@ -61,15 +62,24 @@ def source_reference(src):
             for name, value in raw.items() if name not in scale_of.values()}
 
 
-def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS):
-    """Every rank of the shards' layout as local processes over gloo -> each prompt's generated tokens."""
-    results = tmp_path / f"results-{shards.name}"
+def launch_ranks(entry, args: dict, shards, results) -> list[dict]:
+    """Every rank of the shards' layout as local processes over gloo, running entry(**args, shards=...,
+    manifest=..., result_dir=results) -> every rank's record from rank 0's results file."""
     results.mkdir()
     manifest = load_manifest(shards)
-    code = launch("dsconv.runner.engine:rank_main",
-                  {"shards": str(shards), "manifest": manifest, "prompts": prompts, "max_new_tokens": new_tokens,
-                   "eos_id": None, "dtype": dtype, "cache_tokens": 256, "result_dir": str(results)},
+    code = launch(entry, {**args, "shards": str(shards), "manifest": manifest, "result_dir": str(results)},
                   world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=RANKS_TIMEOUT_S,
                   log_dir=results / "logs")
     assert code == 0, [p.read_text()[-2000:] for p in (results / "logs").glob("*.log")]
+    return json.loads((results / RESULTS_NAME).read_text())
+
+
+def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS,
+              entry="dsconv.runner.engine:rank_main", results_name=None):
+    """Generation on every rank -> each prompt's generated tokens. entry: the ranks' function (rank_main's
+    arguments), e.g. one that installs a test double first; its results directory is tmp_path / results_name
+    (default: named after the shards)."""
+    results = tmp_path / (results_name or f"results-{shards.name}")
+    launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, "eos_id": None, "dtype": dtype,
+                         "cache_tokens": 256}, shards, results)
     return collect(results, len(prompts))[0]

@@ -1,6 +1,7 @@
 """`dsrun generate` as a user meets it: the demo, --json, bad input, and a rank dying mid-generation."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -40,9 +41,9 @@ def tiny_shards(tiny_source, tmp_path_factory):
     return build
 
 
-def dsrun(demo, *args, timeout=300):
+def dsrun(demo, *args, timeout=300, command="generate"):
     env = {**os.environ, "COLUMNS": "300", "DSCONV_CACHE": str(demo.parent)}  # the demo cache
-    return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", command, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -158,3 +159,34 @@ def test_killing_one_rank_ends_the_run(demo):
     assert proc.returncode != 0
     assert "failed" in stderr and "SIGKILL" in stderr, stderr
     assert stderr.count("failed:") == 1
+
+
+@pytest.mark.slow
+def test_perplexity_json_on_the_demo(demo, tmp_path):
+    from tokenizers import Tokenizer
+
+    text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
+    (tmp_path / "t.txt").write_text(text)
+    proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
+                 command="perplexity")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    n = len(Tokenizer.from_file(str(demo / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
+    windows = -(-(n + 1) // 8)  # BOS + the text's tokens, 8 a window
+    assert out["windows"] == windows and out["tokens"] == n + 1 - windows
+    assert math.isfinite(out["perplexity"]) and out["perplexity"] > 1
+
+
+@pytest.mark.parametrize("make,args,needle", [
+    (lambda f: None, ["--context", "8"], "No such file"),
+    (lambda f: f.write_bytes(b"\xff\xfe text"), ["--context", "8"], "is not UTF-8 text"),
+    (lambda f: f.write_text("   \n"), ["--context", "8"], "holds no text"),
+    (lambda f: f.write_text("some text"), ["--context", "1"], "--context 1 must be at least 2"),
+    (lambda f: f.write_text("some text"), ["--dtype", "float16"], "--dtype"),
+])
+def test_perplexity_bad_input(demo, tmp_path, make, args, needle):
+    make(tmp_path / "t.txt")
+    proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", *args, command="perplexity")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr

@@ -1,0 +1,242 @@
+"""A contract double of torch_npu for CPU tests. It is NOT torch_npu and says so (`IS_CONTRACT_DOUBLE`, its
+module name): it runs nothing on an NPU and proves nothing about NPU numerics.
+
+What it is for: the runner's NPU branches (kernels.device dispatch) run against it on CPU, so a call that the
+real API refuses fails a test here instead of on an Ascend server. Each op takes the real schema's arguments
+(positional, then keyword-only, as torch_npu 2.14.0's op-plugin registers them), refuses what the
+documentation refuses, and computes its result with the torch reference formula (kernels.int8's quantizer,
+exact integer sums), so tokens through it can be compared with the CPU path's. Each refusal cites the text it
+comes from:
+
+    [schema]  op-plugin's registered schemas (torch_npu 2.14.0 / op-plugin master), e.g.
+              npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None,
+              Tensor? pertoken_scale=None, Tensor? bias=None, ScalarType? output_dtype=None, ...)
+    [dq]      op-plugin docs/context/torch_npu-npu_dynamic_quant.md
+    [qmm]     op-plugin docs/context/torch_npu-npu_quant_matmul.md ("Constraints" and "Table 2", Atlas A2/A3)
+    [gmm]     op-plugin docs/context/torch_npu-npu_grouped_matmul.md (parameters, "Table 2", scenario table for
+              group_type 0 "single-single-single")
+    [aclnn]   CANN aclnnQuantMatmulV5: empty tensors are not supported
+    [usage]   vllm-ascend's W8A8 MoE (npu_grouped_matmul with output_dtype=torch.int32 and no scales before
+              npu_dequant_swiglu_quant): evidence of a form the tables list only under tuning_config
+
+What it does not model is refused too (NotImplementedError), never guessed: other group_list_types, bias,
+offset, smoothing, INT4. A conservative choice not in the documentation is marked [assumed].
+
+Install it in a process with `install()` (kernels.device.route_to_npu_path: CPU tensors take the NPU branches);
+ranks started by comm.launch install it through `rank_main`, the launch entry "tests.npu_double:rank_main".
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dsconv.kernels.int8 import quantize_rows_reference
+
+IS_CONTRACT_DOUBLE = True
+CHECKED_AGAINST = "torch_npu 2.14.0 (op-plugin docs and schemas), CANN aclnn docs"
+QUANT_MATMUL_MAX_DIM = 65535  # [qmm] "x1 and x2's last dimension cannot exceed 65535"
+GROUPED_INNER_LIMIT = 65536  # [gmm] "InnerLimit 65536": each tensor's last dim must be below it
+GROUPED_MAX_GROUPS = 1024  # [gmm] group_type 0, single weight tensor: "at most 1024 groups"
+HALF = (torch.float16, torch.bfloat16)
+
+
+class ContractError(RuntimeError):
+    """A call the real torch_npu documents as unsupported."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ContractError(message)
+
+
+class TorchNpuDouble(types.ModuleType):
+    """The three torch_npu ops the runner calls, checked against their documentation; `calls` counts them."""
+
+    def __init__(self):
+        super().__init__("tests.npu_double (contract double, not torch_npu)")
+        self.calls: Counter = Counter()
+
+    def npu_dynamic_quant(self, x, *, smooth_scales=None, group_index=None, dst_type=None):
+        self.calls["npu_dynamic_quant"] += 1
+        _require(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype} [dq]")
+        _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()} [dq]")
+        _require(x.numel() > 0, "npu_dynamic_quant: empty x is not documented as supported [assumed]")
+        if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
+            raise NotImplementedError("the double models npu_dynamic_quant's plain INT8 form only")
+        q, scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]).to(torch.float32))
+        # [dq] y: int8, x's shape; scale: float32, x's shape without the last dimension
+        return q.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+    def npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                         group_sizes=None):
+        self.calls["npu_quant_matmul"] += 1
+        _require(x1.dtype == torch.int8 and x2.dtype == torch.int8,
+                 f"npu_quant_matmul: x1, x2 must both be int8 here, got {x1.dtype}, {x2.dtype} [qmm]")
+        _require(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1, x2 take 2 to 6 dimensions [qmm]")
+        _require(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0,
+                 f"npu_quant_matmul: x1 {tuple(x1.shape)}, x2, scale must not be empty [qmm] [aclnn]")
+        if x1.dim() != 2 or x2.dim() != 2:
+            raise NotImplementedError("the double models 2-D x1 and x2 only")
+        (m, k), (k2, n) = x1.shape, x2.shape
+        _require(k == k2, f"npu_quant_matmul: x1 {tuple(x1.shape)} @ x2 {tuple(x2.shape)}: inner sizes differ")
+        _require(k <= QUANT_MATMUL_MAX_DIM and n <= QUANT_MATMUL_MAX_DIM,
+                 f"npu_quant_matmul: last dimensions must not exceed {QUANT_MATMUL_MAX_DIM}, got k={k}, n={n} [qmm]")
+        _require(scale.dim() == 1 and scale.shape[0] in (1, n),
+                 f"npu_quant_matmul: scale must be 1-D (1,) or ({n},), got {tuple(scale.shape)} [qmm]")
+        if pertoken_scale is not None:
+            _require(pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,),
+                     f"npu_quant_matmul: pertoken_scale must be float32 ({m},), got {pertoken_scale.dtype} "
+                     f"{tuple(pertoken_scale.shape)} [qmm]")
+        # [qmm] Table 2 rows with int8 inputs and a per-token scale: bfloat16 out takes a float32 or bfloat16
+        # scale, float16 out a float32 one. float32 is never an output dtype.
+        allowed = {torch.bfloat16: (torch.float32, torch.bfloat16), torch.float16: (torch.float32,)}
+        _require(output_dtype in (None, torch.int8, torch.float16, torch.bfloat16, torch.int32),
+                 f"npu_quant_matmul: output_dtype {output_dtype} is not one of int8, float16, bfloat16, int32 [qmm]")
+        if pertoken_scale is None or output_dtype not in allowed or offset is not None or bias is not None \
+                or group_sizes is not None:
+            raise NotImplementedError("the double models the per-token form with float16/bfloat16 output only")
+        _require(scale.dtype in allowed[output_dtype],
+                 f"npu_quant_matmul: {output_dtype} output with a per-token scale takes a scale in "
+                 f"{allowed[output_dtype]}, got {scale.dtype} [qmm]")
+        acc = x1.to(torch.int32) @ x2.to(torch.int32)  # exact sums
+        return (acc.to(torch.float32) * pertoken_scale[:, None] * scale.to(torch.float32)[None, :]).to(output_dtype)
+
+    def npu_grouped_matmul(self, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                           antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                           activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                           group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+        self.calls["npu_grouped_matmul"] += 1
+        _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)),
+                 "npu_grouped_matmul: x and weight are lists of tensors [schema]")
+        if len(x) != 1 or len(weight) != 1 or group_type != 0 or split_item not in (2, 3):
+            raise NotImplementedError("the double models group_type 0 with one x, one 3-D weight (single-single-"
+                                      "single, split_item 2 or 3) only")
+        if any(a is not None for a in (bias, offset, antiquant_scale, antiquant_offset, activation_input,
+                                       activation_quant_scale, activation_quant_offset)) or act_type != 0:
+            raise NotImplementedError("the double models no bias, offset, antiquant or activation inputs")
+        (rows,), (w,) = x, weight
+        _require(torch.is_tensor(group_list),
+                 f"npu_grouped_matmul: group_list is a {type(group_list).__name__}; group_list_type, scale in "
+                 "float32/bfloat16 and per_token_scale need group_list as a Tensor [gmm]")
+        _require(group_list.dtype == torch.int64 and group_list.dim() == 1,
+                 f"npu_grouped_matmul: group_list must be a 1-D int64 tensor, got {group_list.dtype} "
+                 f"{tuple(group_list.shape)} [gmm]")
+        _require(rows.dim() == 2 and w.dim() == 3, f"npu_grouped_matmul: single-single-single takes a 2-D x and a "
+                 f"3-D weight, got {tuple(rows.shape)}, {tuple(w.shape)} [gmm]")
+        groups, k, n = w.shape
+        m = rows.shape[0]
+        _require(rows.shape[1] == k, f"npu_grouped_matmul: x {tuple(rows.shape)} against weight {tuple(w.shape)}")
+        _require(k < GROUPED_INNER_LIMIT and n < GROUPED_INNER_LIMIT,
+                 f"npu_grouped_matmul: last dimensions must be below {GROUPED_INNER_LIMIT} [gmm]")
+        _require(group_list.shape[0] == groups and groups <= GROUPED_MAX_GROUPS,
+                 f"npu_grouped_matmul: group_list has {group_list.shape[0]} entries for {groups} weight groups "
+                 f"(at most {GROUPED_MAX_GROUPS}) [gmm]")
+        _require(m > 0, "npu_grouped_matmul: empty x is not documented as supported [assumed]")
+        values = group_list.tolist()
+        _require(min(values) >= 0, f"npu_grouped_matmul: group_list {values} has a negative entry [gmm]")
+        if group_list_type == 0:  # [gmm] cumulative sums: non-decreasing, the last equal to x's rows
+            _require(all(a <= b for a, b in zip(values, values[1:])) and values[-1] == m,
+                     f"npu_grouped_matmul: group_list_type 0 takes non-decreasing cumulative sums ending at "
+                     f"{m}, got {values} [gmm]")
+            ends = values
+        elif group_list_type == 1:  # [gmm] per-group sizes, "and its length cannot be 1", summing to x's rows
+            _require(len(values) != 1, "npu_grouped_matmul: group_list_type 1 refuses a one-entry group_list [gmm]")
+            _require(sum(values) == m, f"npu_grouped_matmul: group sizes {values} must sum to {m} [gmm]")
+            ends = torch.tensor(values).cumsum(0).tolist()
+        else:
+            raise NotImplementedError(f"the double models group_list_type 0 and 1, not {group_list_type}")
+        if rows.dtype in (*HALF, torch.float32):  # [gmm] Table 2, not quantized: x, weight, y in one dtype
+            _require(w.dtype == rows.dtype and output_dtype in (None, rows.dtype) and scale is None
+                     and per_token_scale is None,
+                     f"npu_grouped_matmul: float x {rows.dtype} needs weight in {rows.dtype}, output_dtype None "
+                     f"or {rows.dtype}, no scales [gmm]")
+            return [self._grouped(rows, w, ends, rows.dtype)]
+        _require(rows.dtype == torch.int8 and w.dtype == torch.int8,
+                 f"npu_grouped_matmul: quantized x and weight must be int8, got {rows.dtype}, {w.dtype} [gmm]")
+        if output_dtype == torch.int32:  # [gmm] tuning_config table (int8, int8 -> int32); [usage]
+            _require(scale is None and per_token_scale is None,
+                     "npu_grouped_matmul: int32 output takes no scale or per_token_scale [usage]")
+            return [self._grouped(rows, w, ends, torch.int32)]
+        # [gmm] Table 2, per-token: scale bfloat16 -> bfloat16 out, scale float32 -> float16 out; per_token_scale
+        # float32 1-D [m]
+        allowed = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
+        _require(output_dtype in allowed and scale is not None and per_token_scale is not None,
+                 f"npu_grouped_matmul: int8 x with output_dtype {output_dtype} is not a Table 2 form [gmm]")
+        (w_scale,), (t_scale,) = scale, per_token_scale
+        _require(w_scale.dtype == allowed[output_dtype] and tuple(w_scale.shape) == (groups, n),
+                 f"npu_grouped_matmul: scale must be {allowed[output_dtype]} [{groups}, {n}] for {output_dtype} "
+                 f"output, got {w_scale.dtype} {tuple(w_scale.shape)} [gmm] [usage]")
+        _require(t_scale.dtype == torch.float32 and tuple(t_scale.shape) == (m,),
+                 f"npu_grouped_matmul: per_token_scale must be float32 ({m},), got {t_scale.dtype} "
+                 f"{tuple(t_scale.shape)} [gmm]")
+        acc = self._grouped(rows, w, ends, torch.int32).to(torch.float32)
+        row_group = torch.repeat_interleave(torch.arange(groups), torch.tensor(ends).diff(prepend=torch.tensor([0])))
+        return [(acc * t_scale[:, None] * w_scale.to(torch.float32)[row_group]).to(output_dtype)]
+
+    @staticmethod
+    def _grouped(rows, w, ends, out_dtype):
+        out, start = torch.empty(rows.shape[0], w.shape[2], dtype=out_dtype), 0
+        for g, end in enumerate(ends):
+            if end > start:
+                if out_dtype == torch.int32:
+                    out[start:end] = rows[start:end].to(torch.int32) @ w[g].to(torch.int32)  # exact sums
+                else:
+                    out[start:end] = rows[start:end] @ w[g]
+            start = end
+        return out
+
+
+def install() -> TorchNpuDouble:
+    """A fresh double, made the module the NPU branches call, with CPU tensors routed to them."""
+    from dsconv.kernels.device import route_to_npu_path
+
+    double = TorchNpuDouble()
+    route_to_npu_path("cpu", double)
+    return double
+
+
+def forbid_cpu_int8_path(set_attribute=setattr) -> None:
+    """Make the CPU INT8 kernels fail: under the double every INT8 projection must take the NPU branch.
+    set_attribute: e.g. pytest's monkeypatch.setattr, to undo it after a test."""
+    import dsconv.kernels.linear as linear
+    import dsconv.kernels.moe as moe
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU INT8 kernel ran while the NPU path was installed")
+
+    for module, name in ((linear, "quantize_rows_"), (linear, "int8_matmul"), (moe, "_project_groups")):
+        set_attribute(module, name, refuse)
+
+
+def keep_cpu_attention(set_attribute=setattr) -> None:
+    """Attention on its CPU branch while the double is installed. Its NPU branch calls no torch_npu op (plain
+    torch matmuls in the compute dtype), so the double has nothing to check there, and its BF16 products round
+    differently from the CPU branch's float32 ones: on the random-weight fixtures that alone moves a near-tie
+    token after a few steps. Kept on the CPU branch, the INT8 and expert dispatch is all that differs, and the
+    tokens compare exactly."""
+    import dsconv.kernels.attention as attention
+
+    set_attribute(attention, "is_npu", lambda tensor: False)
+
+
+CALLS_NAME = "npu_calls_rank{rank}.json"
+
+
+def rank_main(**kwargs) -> None:
+    """comm.launch entry: the double installed in this rank, then dsrun's rank_main; the op counts go to
+    result_dir/npu_calls_rank{R}.json."""
+    import torch.distributed as dist
+
+    from dsconv.runner.engine import rank_main as engine_rank_main
+
+    double = install()
+    forbid_cpu_int8_path()
+    keep_cpu_attention()
+    engine_rank_main(**kwargs)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (Path(kwargs["result_dir"]) / CALLS_NAME.format(rank=rank)).write_text(json.dumps(dict(double.calls)))
