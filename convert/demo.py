@@ -19,7 +19,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _build_once(final: Path, build) -> Path:
+def build_once(final: Path, build) -> Path:
     """Build into a temporary sibling and rename: a half-built demo never sits under the final name."""
     if final.is_dir():
         return final
@@ -31,7 +31,7 @@ def _build_once(final: Path, build) -> Path:
 
 
 def demo_source(family: str = DEMO_FAMILY) -> Path:
-    return _build_once(cache_dir() / f"demo-{family}-v{DEMO_VERSION}",
+    return build_once(cache_dir() / f"demo-{family}-v{DEMO_VERSION}",
                        lambda out: make_tiny_checkpoint(out, family, encoding="fp8", real_vocab=True))
 
 
@@ -51,4 +51,4 @@ def demo_shards(family: str = DEMO_FAMILY) -> Path:
                      lambda n: None)
         run_shard(make_shard_plan(quantized, Layout(), 4 * 10**9), out, os.cpu_count() or 1, lambda n: None)
 
-    return _build_once(demo_output("shards-ep16-tp16", family), build)
+    return build_once(demo_output("shards-ep16-tp16", family), build)

@@ -330,8 +330,15 @@ def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: i
     if real_vocab:
         overrides["vocab_size"] = REAL_VOCAB_SIZE
     config = fam.tiny_config(partial_block=partial_block, **overrides)
-    maker = TensorMaker(fam, config, seed)
-    specs = list(fam.inventory(maker.arch))
+    write_checkpoint(out, config, TensorMaker(fam, config, seed), encoding, max_file_bytes)
+    _copy_tokenizer(out)
+    return out
+
+
+def write_checkpoint(out: Path, config: dict, maker: TensorMaker, encoding: str = "fp8",
+                     max_file_bytes: int | None = None) -> None:
+    """Every tensor of config's inventory, as `maker` produces it, in the hub's files, index and config.json."""
+    specs = list(maker.family.inventory(maker.arch))
     items = [item for spec in specs for item in maker.stored(spec, encoding)]
 
     total = sum(item.nbytes for item in items)
@@ -360,8 +367,6 @@ def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: i
     if encoding == "bf16":
         config = {k: v for k, v in config.items() if k != "quantization_config"}
     write_json_atomic(out / "config.json", config)
-    _copy_tokenizer(out)
-    return out
 
 
 def _copy_tokenizer(out: Path) -> None:

@@ -52,3 +52,12 @@ def w8a8_source(tiny_source, tmp_path_factory):
         return cache[family]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def trained_source():
+    """trained_source(family, encoding="fp8") -> the family's trained tiny checkpoint (convert/trained.py),
+    trained into the dsconv cache ($DSCONV_CACHE or ~/.cache/dsconv) on first use, a couple of minutes a family."""
+    from dsconv.convert.trained import trained_source as build
+
+    return build

@@ -2,12 +2,10 @@
 tensors) go through quantize, shard and dsrun like the hub's; outputs are in the hub's form; msModelSlim's MTP
 copies; any positive V4 compression ratio; a hub config whose MTP tensors are missing is refused."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -15,23 +13,12 @@ from typer.testing import CliRunner
 from dsconv.convert.arch_v4 import AttnType, parse_config as parse_v4
 from dsconv.convert.cli import app
 from dsconv.convert.source import open_checkpoint
+from dsconv.convert.trained import transformers_config
 from dsconv.errors import InputError
 from dsconv.shard.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, SMALL_FILES, quantize, read_all, run_ranks, shard
 
-CONFIG_CLASSES = {"deepseek_v3": transformers.DeepseekV3Config, "deepseek_v32": transformers.DeepseekV32Config,
-                  "deepseek_v4": transformers.DeepseekV4Config}
-# Hub keys a config class takes as constructor arguments and folds into its own fields
-LEGACY_KEYS = {"deepseek_v3": ("rope_scaling", "rope_theta"), "deepseek_v32": ("rope_scaling", "rope_theta"),
-               "deepseek_v4": ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")}
 HEAVY_RATIO = 16  # a V4 ratio the hub does not ship: DeepSeek's code compresses it like 128 (no overlap, no indexer)
-
-
-def transformers_config(family: str, raw: dict):
-    """Our config.json as a user gets it from transformers' config class: only the keys the class knows."""
-    cls = CONFIG_CLASSES[family]
-    known = {f.name for f in dataclasses.fields(cls)} | set(LEGACY_KEYS[family])
-    return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 def save_with_transformers(src, out, config) -> None:

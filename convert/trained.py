@@ -1,0 +1,250 @@
+"""Tiny DeepSeek checkpoints with trained weights, in the hub's encodings, built once into the cache.
+
+Random weights give logits with margins so thin that W8A8 against BF16 is a coin toss; a model trained for a
+couple of minutes has real margins, so accuracy figures mean something. The text is the Python standard
+library's own source, which every machine has: `TRAIN_MODULES` train, `HELDOUT_MODULES` evaluate. The tokenizer
+is a 1024-token byte-level BPE trained on the training modules (the tiny configs' vocab_size): with the real
+129280-token vocabulary the embedding and head would be 95% of the parameters and of the step time, and most
+of those rows would never see a gradient in a few minutes. The checkpoint ships its own tokenizer.json.
+
+Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalLM` (float32, CPU, fixed seed,
+starting from the random fixture's weights of the same config), so the model is the reference's; the result is
+written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
+inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
+The same machine gives the same bytes on every run (fixed seed, fixed data order, no threads racing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsconv.convert.arch import Encoding, family_for
+from dsconv.convert.demo import build_once, cache_dir
+from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
+    decode_fp8, make_tiny_checkpoint, write_checkpoint
+
+TRAINED_VERSION = 1  # bump when training or encoding changes, so stale caches are rebuilt
+FAMILIES = ("deepseek_v32", "deepseek_v4")
+ENCODINGS = ("fp8", "bf16")
+
+# Single-file modules in every CPython from 3.10 on (pathlib and zipfile became packages in 3.12 / 3.13)
+TRAIN_MODULES = ("argparse.py", "ast.py", "calendar.py", "configparser.py", "csv.py", "dataclasses.py", "enum.py",
+                 "functools.py", "inspect.py", "logging/__init__.py", "shutil.py", "subprocess.py", "tarfile.py",
+                 "threading.py", "typing.py")
+HELDOUT_MODULES = ("fractions.py", "statistics.py", "textwrap.py", "difflib.py", "heapq.py", "shlex.py", "glob.py",
+                   "fnmatch.py", "string.py", "pprint.py")
+
+VOCAB_SIZE = 1024  # the tiny configs' vocab_size: divides by 16 for lm_head TP16
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # ids 0 and 1, the tiny configs' bos / eos
+
+SEED = 0
+SEQ_LEN = 128
+BATCH = 8
+STEPS = 150  # about 0.75 s each on 2 cores for either family
+LR = 3e-3
+WARMUP = 10
+MIN_LR_FRACTION = 0.1  # cosine decay to this fraction of LR
+GRAD_CLIP = 1.0
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# e2m1 magnitudes and the midpoints between them: a value rounds to the nearer magnitude
+E2M1_MAGNITUDES = torch.tensor(E2M1[:8])
+E2M1_MIDPOINTS = (E2M1_MAGNITUDES[1:] + E2M1_MAGNITUDES[:-1]) / 2
+FP4_SIGN = 8
+SCALE_FLOOR = 2.0 ** -100  # an all-zero block still gets a finite scale that fits e8m0
+
+
+def stdlib_text(modules: tuple[str, ...]) -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(root / module).read_text(encoding="utf-8") for module in modules]
+
+
+def corpus_digest() -> str:
+    """Short digest of the training and held-out text: another Python's stdlib is another model."""
+    digest = hashlib.sha256()
+    for text in stdlib_text(TRAIN_MODULES) + stdlib_text(HELDOUT_MODULES):
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()[:12]
+
+
+def train_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    if (tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS), tokenizer.get_vocab_size()) != (0, 1, VOCAB_SIZE):
+        raise RuntimeError(f"BPE tokenizer came out with vocab {tokenizer.get_vocab_size()}, BOS/EOS ids "
+                           f"{tokenizer.token_to_id(BOS)}/{tokenizer.token_to_id(EOS)}")
+    return tokenizer
+
+
+def training_config(family: str) -> dict:
+    """The family's tiny config without MTP layers: transformers trains and saves none."""
+    overrides = {"num_nextn_predict_layers": 0}
+    if family == "deepseek_v4":
+        overrides["compress_ratios"] = family_for({"model_type": family}).tiny_config()["compress_ratios"][:-1]
+    return family_for({"model_type": family}).tiny_config(**overrides)
+
+
+# transformers' config classes, and the hub keys each takes as constructor arguments and folds into its fields
+LEGACY_KEYS = {"deepseek_v3": ("rope_scaling", "rope_theta"), "deepseek_v32": ("rope_scaling", "rope_theta"),
+               "deepseek_v4": ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")}
+
+
+def transformers_config(family: str, raw: dict):
+    """Our config.json as a user gets it from transformers' config class: only the keys the class knows."""
+    import transformers
+
+    cls = {"deepseek_v3": transformers.DeepseekV3Config, "deepseek_v32": transformers.DeepseekV32Config,
+           "deepseek_v4": transformers.DeepseekV4Config}[family]
+    known = {f.name for f in dataclasses.fields(cls)} | set(LEGACY_KEYS[family])
+    return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def _learning_rate(step: int) -> float:
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, STEPS - WARMUP)
+    return LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log: Callable[[str], None]):
+    """transformers' model of `config`, started from the random fixture's weights, trained on random windows
+    of `tokens` -> the trained model (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    init = make_tiny_checkpoint(work / "init", family, encoding="bf16", seed=SEED,
+                                config_overrides={k: config[k] for k in ("num_nextn_predict_layers",
+                                                                         "compress_ratios") if k in config})
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_pretrained(init, config=transformers_config(family, config),
+                                                 dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    order = torch.Generator().manual_seed(SEED)
+    for step in range(STEPS):
+        starts = torch.randint(0, len(tokens) - SEQ_LEN, (BATCH,), generator=order)
+        batch = torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])  # [BATCH, SEQ_LEN]
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step)
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 25 == 0 or step == STEPS - 1:
+            log(f"{family} step {step}: loss {loss.item():.3f}")
+    return model.eval()
+
+
+def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn codes, float32 power-of-two scale per 128x128 block) with
+    w ~= codes * scale, as DeepSeek's UE8M0 checkpoints store it (each block's amax fits 448)."""
+    rows, cols = w.shape
+    grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    padded = torch.nn.functional.pad(w.float(), (0, grid[1] * FP8_BLOCK - cols, 0, grid[0] * FP8_BLOCK - rows))
+    amax = padded.reshape(grid[0], FP8_BLOCK, grid[1], FP8_BLOCK).abs().amax(dim=(1, 3))  # [grid]
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=SCALE_FLOOR) / FP8_MAX)))
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def encode_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (int8 [out, in / 2], two e2m1 codes per byte, low nibble = even element; float32
+    power-of-two scale per 32 inputs [out, in / 32]) with w ~= e2m1[code] * scale."""
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // FP4_GROUP, FP4_GROUP)
+    amax = groups.abs().amax(dim=-1)  # [out, in / 32]
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=SCALE_FLOOR) / FP4_MAX)))
+    scaled = (groups / scale[..., None]).reshape(rows, cols)
+    codes = torch.bucketize(scaled.abs(), E2M1_MIDPOINTS) + FP4_SIGN * (scaled < 0)
+    codes = codes.to(torch.uint8).reshape(rows, cols // 2, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int8), scale
+
+
+def snap(w: torch.Tensor, encoding: Encoding) -> torch.Tensor:
+    """w rounded to what its hub encoding stores (float32): encoding the result again gives the same values,
+    and BF16 holds them exactly (3 or 1 mantissa bits times a power of two)."""
+    if encoding == Encoding.FP4:
+        packed, scale = encode_fp4(w)
+        return decode_fp4(packed, scale)
+    codes, scale = encode_fp8(w)
+    return decode_fp8(codes, scale)
+
+
+class TrainedMaker(TensorMaker):
+    """Produces trained values (hub names -> float tensors) in the hub's encodings instead of random codes;
+    with encoding="bf16", the decoded values of those encodings, so both forms are one model."""
+
+    def __init__(self, family, config: dict, weights: dict[str, torch.Tensor]):
+        super().__init__(family, config, SEED)
+        specs = {spec.name: spec for spec in family.inventory(self.arch)}
+        self.weights = {name: snap(w, specs[name].encoding) if specs[name].encoding in (Encoding.FP8, Encoding.FP4)
+                        else w for name, w in weights.items()}
+
+    def produce(self, item: Stored) -> torch.Tensor:
+        value = self.weights[item.spec.name]
+        if item.part in ("value", "decoded"):
+            return value.to(item.dtype)
+        payload, scale = (encode_fp4 if item.spec.encoding == Encoding.FP4 else encode_fp8)(value)
+        if item.part == "payload":
+            return payload.view(item.dtype)
+        if item.dtype == torch.float8_e8m0fnu:
+            return (torch.log2(scale).round().to(torch.int32) + E8M0_BIAS).to(torch.uint8).view(item.dtype)
+        return scale
+
+
+def build_trained(out: Path, family: str, log: Callable[[str], None] = print) -> Path:
+    """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
+    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json."""
+    from dsconv.convert.source import open_checkpoint
+
+    texts = stdlib_text(TRAIN_MODULES)
+    tokenizer = train_tokenizer(texts)
+    ids = [token for text in texts for token in [0] + tokenizer.encode(text).ids]  # BOS opens each module
+    config = training_config(family)
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)  # a process-wide switch: restored for whoever called us
+        try:
+            model = train_model(family, config, torch.tensor(ids), work, log)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        model.save_pretrained(work / "saved")
+        saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
+        weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
+    maker = TrainedMaker(family_for(config), config, weights)
+    for encoding in ENCODINGS:
+        (out / encoding).mkdir(parents=True)
+        write_checkpoint(out / encoding, config, maker, encoding)
+        tokenizer.save(str(out / encoding / "tokenizer.json"))
+    return out
+
+
+def trained_source(family: str, encoding: str = "fp8") -> Path:
+    """The family's trained tiny checkpoint (fp8: the hub's encodings; bf16: the same model decoded), built on
+    first use into the cache, keyed by version and by the standard library's text."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} has no trained tiny checkpoint; one of {', '.join(FAMILIES)}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
+    name = f"trained-{family}-v{TRAINED_VERSION}-{corpus_digest()}"
+    return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
+
+
+def heldout_texts() -> list[str]:
+    return stdlib_text(HELDOUT_MODULES)

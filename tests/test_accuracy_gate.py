@@ -1,0 +1,155 @@
+"""The W8A8 accuracy gate on trained tiny checkpoints (convert/trained.py): W8A8 shards (dsconv quantize, the
+default recipe, then shard) against BF16 shards of the same checkpoint, on held-out standard-library source, in
+float32 compute on both sides, so the figures measure the INT8 weights and activations alone. And dsrun
+perplexity on the trained model equals transformers' (float32) of the same windows, on one rank and on 16."""
+
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+from dsconv.convert.trained import FAMILIES, HELDOUT_MODULES, encode_fp4, encode_fp8, heldout_texts, snap
+from dsconv.convert.arch import Encoding
+from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
+from dsconv.runner.engine import start_rank
+from dsconv.runner.generate import greedy
+from dsconv.runner.perplexity import summarize, window_nll, windows
+from dsconv.runner.weights import load_manifest
+from dsconv.shard.layout import Layout
+from tests.helpers import launch_ranks, quantize, shard
+
+CONTEXT = 128  # the training sequence length
+EVAL_TOKENS = 4096  # held-out tokens scored (32 windows)
+PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
+NEW_TOKENS = 64
+# Gate thresholds; measured on 2-core AMD EPYC: perplexity -0.15% (V3.2) / +0.12% (V4), cosine 0.99935 / 0.99998
+PERPLEXITY_RELATIVE = 0.01
+COSINE_MIN = 0.999  # mean over scored positions of the per-position cosine of the logits
+# Share of the 10 x 64 greedy tokens W8A8 generates as BF16 does, up to each sequence's first divergence. V3.2
+# diverges far earlier than V4; the likely cause (not isolated): its indexer keeps 8 keys (index_topk=8), and a
+# key that INT8 error moves across that cut changes the attention outright.
+AGREEMENT_MIN = {"deepseek_v32": 0.4, "deepseek_v4": 0.95}  # measured 0.519 and 0.998
+RELATIVE_TOLERANCE = 1e-4  # dsrun perplexity against transformers
+
+
+def heldout_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(text).ids for text in heldout_texts()]
+
+
+def window_logits(shards, cut: list[list[int]]) -> list[torch.Tensor]:
+    """Every window's logits [len, vocab] from dsrun's model on one rank, in this process, float32."""
+    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    out = []
+    with torch.inference_mode():
+        for window in cut:
+            cache = new_cache(len(window))
+            meta = cache.step([(0, len(window))])
+            out.append(model.forward(torch.tensor(window), meta, cache).float())
+    return out
+
+
+def greedy_tokens(shards, prompts: list[list[int]]) -> list[list[int]]:
+    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    with torch.inference_mode():
+        return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts)), prompts, NEW_TOKENS, None)
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of the reference's tokens matched before each sequence's first divergence (after a divergence the
+    two continue from different texts, so later matches say nothing)."""
+    matched = 0
+    for a, b in zip(ours, reference):
+        matched += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+    return matched / sum(map(len, reference))
+
+
+@pytest.fixture(scope="module")
+def gate_shards(trained_source, tmp_path_factory):
+    """gate_shards(family) -> (BF16 shards, W8A8 shards), one rank each."""
+    cache = {}
+
+    def build(family: str):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"gate-{family}")
+            quantize(trained_source(family), root / "w8a8")
+            shard(trained_source(family), root / "bf16-shards", Layout(1, 1, 1, 1))
+            shard(root / "w8a8", root / "w8a8-shards", Layout(1, 1, 1, 1))
+            cache[family] = root / "bf16-shards", root / "w8a8-shards"
+        return cache[family]
+
+    return build
+
+
+def test_encoders_round_trip():
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 0.05
+    w[:128, :128] = 0  # an all-zero block
+    codes, scale = encode_fp8(w)
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two (UE8M0)
+    decoded = decode_fp8(codes, scale)
+    assert (decoded - w).abs().max() <= w.abs().max() * 2 ** -4  # 3 mantissa bits
+    assert torch.equal(snap(decoded, Encoding.FP8), decoded)  # encoding decoded values keeps them
+    packed, scale4 = encode_fp4(w)
+    assert packed.shape == (256, 192) and scale4.shape == (256, 12)
+    decoded4 = decode_fp4(packed, scale4)
+    assert torch.equal(snap(decoded4, Encoding.FP4), decoded4)
+    assert torch.equal(decoded4.bfloat16().float(), decoded4)  # BF16 holds them exactly
+    assert (decoded4 - w).abs().max() <= w.abs().max() / 2  # e2m1: 1 mantissa bit, amax within 6 * scale
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_w8a8_accuracy_gate(family, trained_source, gate_shards):
+    bf16, w8a8 = gate_shards(family)
+    tokenizer = Tokenizer.from_file(str(trained_source(family) / "tokenizer.json"))
+    ids = [0] + [t for module in heldout_ids(tokenizer) for t in module][:EVAL_TOKENS - 1]
+    cut = windows(ids, CONTEXT)
+    base, quant = window_logits(bf16, cut), window_logits(w8a8, cut)
+    tokens = sum(len(w) - 1 for w in cut)
+    ppl_base = math.exp(sum(window_nll(l, w) for l, w in zip(base, cut)) / tokens)
+    ppl_quant = math.exp(sum(window_nll(l, w) for l, w in zip(quant, cut)) / tokens)
+    cosines = torch.nn.functional.cosine_similarity(torch.cat(base).double(), torch.cat(quant).double(), dim=-1)
+
+    prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
+    assert len(prompts) == len(HELDOUT_MODULES) == 10
+    agree = agreement(greedy_tokens(w8a8, prompts), greedy_tokens(bf16, prompts))
+    report = (f"{family}: perplexity bf16 {ppl_base:.4f} w8a8 {ppl_quant:.4f} ({ppl_quant / ppl_base - 1:+.3%}); "
+              f"logits cosine mean {cosines.mean():.6f} min {cosines.min():.6f}; greedy agreement {agree:.3f}")
+    print(report)
+    assert abs(ppl_quant / ppl_base - 1) <= PERPLEXITY_RELATIVE, report
+    assert cosines.mean() >= COSINE_MIN, report
+    assert agree >= AGREEMENT_MIN[family], report
+
+
+def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for window in cut:
+            logits = model(torch.tensor([window])).logits[0]
+            nll += window_nll(logits.double(), window)
+            tokens += len(window) - 1
+    return math.exp(nll / tokens), tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout", [
+    ("deepseek_v32", Layout(1, 1, 1, 1)),
+    ("deepseek_v32", Layout(16, 16, 16, 8)),
+    ("deepseek_v4", Layout(1, 1, 1, 1)),
+    ("deepseek_v4", Layout(16, 16, 16, 1)),
+])
+def test_trained_perplexity_equals_transformers(family, layout, trained_source, tmp_path):
+    shards = tmp_path / "shards"
+    shard(trained_source(family), shards, layout)
+    reference = AutoModelForCausalLM.from_pretrained(trained_source(family, "bf16"), dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(trained_source(family) / "tokenizer.json"))
+    ids = [0] + heldout_ids(tokenizer)[0][:CONTEXT * 3 - 20]
+    for context in (CONTEXT * 4, CONTEXT):  # one window; three
+        cut = windows(ids, context)
+        assert len(cut) == (1 if context > CONTEXT else 3)
+        records = launch_ranks("dsconv.runner.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
+                               tmp_path / f"results-{context}")
+        ours = summarize(records)
+        expected, tokens = transformers_perplexity(reference, cut)
+        assert ours["tokens"] == tokens
+        assert abs(ours["perplexity"] - expected) <= RELATIVE_TOLERANCE * expected, (ours, expected)
