@@ -9,6 +9,8 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from dsconv.comm.launch import launch
 from dsconv.convert.quantize import build_plan, run_quantize
+from dsconv.kernels.int8 import quantize_rows_reference
+from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.cli import collect
 from dsconv.runner.engine import RESULTS_NAME
 from dsconv.runner.weights import load_manifest
@@ -22,6 +24,22 @@ COSINE_MIN = 0.9999  # every INT8 tensor against its source, dequantized (README
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]
 NEW_TOKENS = 10
 RANKS_TIMEOUT_S = 120
+
+
+def quantized_weight(out_features, in_features, gen):
+    """A random weight as INT8 [out, in] with its per-channel scale [out, 1] (the reference quantizer)."""
+    return quantize_rows_reference(torch.randn(out_features, in_features, generator=gen))
+
+
+def random_experts(n_experts, hidden, inter, seed, int8=True) -> ExpertWeights:
+    """n_experts random stacked experts: BF16, or INT8 with their scales."""
+    gen = torch.Generator().manual_seed(seed)
+    if not int8:
+        return ExpertWeights(torch.randn(n_experts, 2 * inter, hidden, generator=gen).to(torch.bfloat16),
+                             torch.randn(n_experts, hidden, inter, generator=gen).to(torch.bfloat16))
+    w13, s13 = zip(*(quantized_weight(2 * inter, hidden, gen) for _ in range(n_experts)))
+    w2, s2 = zip(*(quantized_weight(hidden, inter, gen) for _ in range(n_experts)))
+    return ExpertWeights(torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
 
 
 def cosine(a, b) -> float:

@@ -13,13 +13,14 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from dsconv.kernels.attention import attention, attention_reference, causal_mask
 from dsconv.kernels.device import require_torch_npu
-from dsconv.kernels.int8 import INT8_MAX, quantize_rows_reference
+from dsconv.kernels.int8 import INT8_MAX
 from dsconv.kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
                                    matmul_dtype, quantize_activations, w8a8_linear, w8a8_linear_reference)
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, grouped_mlp_reference, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_IN_FLOAT32, rms_norm, rms_norm_reference
 from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, rope_tail,
                                  softmax_scale)
+from tests.helpers import quantized_weight, random_experts
 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -29,11 +30,6 @@ ROPE_THETA = 10000
 
 def _int8(*shape, gen):
     return torch.randint(-INT8_MAX, INT8_MAX + 1, shape, dtype=torch.int8, generator=gen)
-
-
-def _quantized_weight(out_features, in_features, gen):
-    q, scale = quantize_rows_reference(torch.randn(out_features, in_features, generator=gen))
-    return q, scale
 
 
 # --- linear ---------------------------------------------------------------------------------------------------
@@ -60,7 +56,7 @@ def test_int8_matmul_exact_at_worst_case_sums():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_linear_matches_reference_exactly(lead, dtype):
     gen = torch.Generator().manual_seed(len(lead) * 7 + lead[0])
-    w, w_scale = _quantized_weight(19, 45, gen)
+    w, w_scale = quantized_weight(19, 45, gen)
     x = torch.randn(*lead, 45, generator=gen).to(dtype)
     x[..., :1, :] = 0  # an all-zero token (when there is one) must dequantize to exact zeros
     out = w8a8_linear(x, w, w_scale, out_dtype=dtype)
@@ -72,7 +68,7 @@ def test_w8a8_linear_matches_reference_exactly(lead, dtype):
 
 def test_w8a8_linear_close_to_float_matmul():
     gen = torch.Generator().manual_seed(0)
-    w, w_scale = _quantized_weight(256, 1536, gen)
+    w, w_scale = quantized_weight(256, 1536, gen)
     x = torch.randn(32, 1536, generator=gen)
     expected = x @ (w.to(torch.float32) * w_scale).T
     got = w8a8_linear(x, w, w_scale, out_dtype=torch.float32)
@@ -81,7 +77,7 @@ def test_w8a8_linear_close_to_float_matmul():
 
 def test_w8a8_linear_rejects_bad_weight_and_scale():
     gen = torch.Generator().manual_seed(0)
-    w, w_scale = _quantized_weight(4, 8, gen)
+    w, w_scale = quantized_weight(4, 8, gen)
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="weight_scale"):
         w8a8_linear(x, w, w_scale.view(-1))
@@ -381,13 +377,7 @@ HIDDEN, INTER = 48, 64
 
 
 def _experts(n_experts, seed, int8=True):
-    gen = torch.Generator().manual_seed(seed)
-    if not int8:
-        return ExpertWeights(torch.randn(n_experts, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
-                             torch.randn(n_experts, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
-    w13, s13 = zip(*(_quantized_weight(2 * INTER, HIDDEN, gen) for _ in range(n_experts)))
-    w2, s2 = zip(*(_quantized_weight(HIDDEN, INTER, gen) for _ in range(n_experts)))
-    return ExpertWeights(torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
+    return random_experts(n_experts, HIDDEN, INTER, seed, int8)
 
 
 def _per_token_w8a8(x, expert_of_row, experts, limit):

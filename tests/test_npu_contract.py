@@ -12,15 +12,14 @@ import dsconv.comm.launch as launch_module
 from dsconv.comm.launch import TORCHRUN_ENV, launch
 from dsconv.errors import InputError
 from dsconv.kernels.device import reset_npu_path
-from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
-from dsconv.kernels.moe import ExpertWeights, grouped_mlp, token_mlp
+from dsconv.kernels.moe import grouped_mlp, token_mlp
 from dsconv.runner.dist import Dist
 from dsconv.runner.engine import build_model
 from dsconv.runner.generate import greedy
 from dsconv.runner.weights import load_manifest
 from dsconv.shard.layout import Layout
-from tests.helpers import NEW_TOKENS, PROMPTS, run_ranks, shard
+from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, random_experts, run_ranks, shard
 from tests.npu_double import CALLS_NAME, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
 
 HIDDEN, INTER = 48, 64
@@ -46,18 +45,8 @@ def on_npu(monkeypatch):
     return installed
 
 
-def _weight(n, k, gen):
-    return quantize_rows_reference(torch.randn(n, k, generator=gen))
-
-
 def _experts(n_experts, seed, int8=True):
-    gen = torch.Generator().manual_seed(seed)
-    if not int8:
-        return ExpertWeights(torch.randn(n_experts, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
-                             torch.randn(n_experts, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
-    w13, s13 = zip(*(_weight(2 * INTER, HIDDEN, gen) for _ in range(n_experts)))
-    w2, s2 = zip(*(_weight(HIDDEN, INTER, gen) for _ in range(n_experts)))
-    return ExpertWeights(torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
+    return random_experts(n_experts, HIDDEN, INTER, seed, int8)
 
 
 # --- the double refuses what the real API refuses ----------------------------------------------------------------
@@ -68,7 +57,7 @@ def test_double_is_not_torch_npu():
 
 def test_double_rejects_an_empty_x1():
     double, gen = TorchNpuDouble(), torch.Generator().manual_seed(0)
-    w, s = _weight(8, 16, gen)
+    w, s = quantized_weight(8, 16, gen)
     with pytest.raises(ContractError, match="must not be empty"):
         double.npu_quant_matmul(torch.empty(0, 16, dtype=torch.int8), w.T, s.view(-1),
                                 pertoken_scale=torch.empty(0), output_dtype=torch.bfloat16)
@@ -78,7 +67,7 @@ def test_double_rejects_float32_quantize_input_and_float32_output():
     double, gen = TorchNpuDouble(), torch.Generator().manual_seed(0)
     with pytest.raises(ContractError, match="float16 or bfloat16"):
         double.npu_dynamic_quant(torch.randn(2, 16))
-    w, s = _weight(8, 16, gen)
+    w, s = quantized_weight(8, 16, gen)
     x_q, x_scale = double.npu_dynamic_quant(torch.randn(2, 16).to(torch.bfloat16))
     with pytest.raises(ContractError, match="output_dtype"):
         double.npu_quant_matmul(x_q, w.T, s.view(-1), pertoken_scale=x_scale, output_dtype=torch.float32)
@@ -109,7 +98,7 @@ def test_double_rejects_wrong_group_list_type_and_form():
 @pytest.mark.parametrize("rows", [0, 1, 7])
 def test_w8a8_linear_npu_branch_equals_cpu_path(rows, on_npu):
     gen = torch.Generator().manual_seed(rows)
-    w, s = _weight(24, 40, gen)
+    w, s = quantized_weight(24, 40, gen)
     x = torch.randn(rows, 40, generator=gen).to(torch.bfloat16)
     want = w8a8_linear(x, w, s, out_dtype=torch.bfloat16)
     with on_npu() as double:
@@ -122,7 +111,7 @@ def test_w8a8_linear_npu_branch_equals_cpu_path(rows, on_npu):
 def test_float32_takes_the_bfloat16_route(on_npu):
     """--dtype float32 on NPU: quantized from BF16, produced in BF16 and widened (the double refuses float32)."""
     gen = torch.Generator().manual_seed(3)
-    w, s = _weight(24, 40, gen)
+    w, s = quantized_weight(24, 40, gen)
     x = torch.randn(5, 40, generator=gen)
     want = w8a8_linear(x.to(torch.bfloat16), w, s, out_dtype=torch.bfloat16).float()
     with on_npu():
