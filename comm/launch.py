@@ -77,12 +77,14 @@ def under_torchrun() -> bool:
 
 
 def launch(entry: str | Callable, args: tuple | dict = (), *, world_size: int, device: str,
-           timeout_s: float, log_dir: str | Path | None = None) -> int:
+           timeout_s: float, log_dir: str | Path | None = None, sigterm_to_rank0: bool = False) -> int:
     """Run `entry(*args)` (or `entry(**args)`) on every rank; return the job's exit code.
 
     `entry` is a module-level function or its "module:function" name; every rank imports it. Rank 0 keeps
     the console; ranks > 0 write stdout and stderr to `log_dir/rank{R}.log` (default: a new temp dir; under
     torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its log file.
+    sigterm_to_rank0: a SIGTERM to this process is passed on to rank 0 alone, which then ends the job (a
+    server draining its requests); by default SIGTERM ends this process as usual.
     """
     backend_for(device)  # a wrong device fails here, once, not in every rank
     if not under_torchrun() and device != "cpu":
@@ -93,7 +95,7 @@ def launch(entry: str | Callable, args: tuple | dict = (), *, world_size: int, d
         _error_path(log_dir, rank).unlink(missing_ok=True)
     if under_torchrun():
         return _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir)
-    return _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir)
+    return _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0)
 
 
 def visible_devices(device: str) -> int:
@@ -213,7 +215,7 @@ def _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir) -> 
 # ---------------------------------------------------------------------------------------------------------
 # Local launch: start `world_size` ranks from a fork server and supervise them.
 
-def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir) -> int:
+def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0=False) -> int:
     ctx = multiprocessing.get_context("forkserver" if device == "cpu" else "spawn")
     if device == "cpu":
         # Must come before the first forkserver process starts; the server imports these once for every rank.
@@ -231,7 +233,14 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir) ->
         for proc in procs:
             proc.start()
         alive_r.close()
-        return _supervise(procs, log_dir)
+        if sigterm_to_rank0:
+            previous = signal.signal(signal.SIGTERM, lambda *_: procs[0].is_alive() and os.kill(procs[0].pid,
+                                                                                             signal.SIGTERM))
+        try:
+            return _supervise(procs, log_dir)
+        finally:
+            if sigterm_to_rank0:
+                signal.signal(signal.SIGTERM, previous)
     except KeyboardInterrupt:
         print(f"interrupted: stopping {world_size} ranks (logs in {log_dir})", file=sys.stderr, flush=True)
         _stop(procs)

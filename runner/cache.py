@@ -19,6 +19,7 @@ import torch
 from dsconv.errors import InputError
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.device import cast
+from dsconv.runner.batch import Batch, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
 
@@ -86,19 +87,16 @@ class LatentCache:
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [length] the slots of its positions so far
+        self.own_tables: set[int] = set()  # sequences whose blocks `step` took from free_blocks (not a scheduler)
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _slots(self, seq_id: int, start: int, stop: int) -> list[int]:
-        """The slots of positions start .. stop - 1, in plain ints: a decode step adds one position."""
-        table, size = self.block_tables[seq_id], self.block_size
-        return [table[p // size] * size + p % size for p in range(start, stop)]
-
     def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
-        """Reserve slots for (seq_id, n_new) pairs, in order; returns the step's flattened metadata."""
-        seqs, positions, slots, step_slots, row = [], [], [], [], 0
+        """Reserve slots for (seq_id, n_new) pairs, in order, from this cache's own free blocks (a scoring or
+        test loop without a scheduler); returns the step's flattened metadata."""
+        batch = Batch()
         for seq_id, n_new in new_tokens:
             start = self.lengths.get(seq_id, 0)
             table = self.block_tables.setdefault(seq_id, [])
@@ -106,20 +104,33 @@ class LatentCache:
             if need > len(self.free_blocks):
                 raise cache_full(self.capacity_tokens, seq_id, start + n_new)
             table.extend(self.free_blocks.pop() for _ in range(need))
-            self.lengths[seq_id] = start + n_new
-            slot_list = self._slots(seq_id, start, start + n_new)
-            step_slots += slot_list
-            new_slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
-            context = torch.cat([self.context_slots[seq_id], new_slots]) if start else new_slots
-            self.context_slots[seq_id] = context  # extended once per step, read by every layer
-            causal = causal_mask(n_new, start + n_new, self.device) if n_new > 1 else None
+            self.own_tables.add(seq_id)
+            batch.add(seq_id, [0] * n_new, start + n_new, table, self.block_size, None, None)
+        return self.begin(batch)
+
+    def begin(self, batch: Batch) -> StepMeta:
+        """The step's metadata from a batch whose block tables the scheduler chose (the token ids are not read)."""
+        for seq_id in batch.releases:
+            self.release(seq_id)
+        seqs, positions = [], []
+        for i, seq_id in enumerate(batch.seq_ids):
+            row, stop, context = batch.query_start_loc[i], batch.query_start_loc[i + 1], batch.context_lens[i]
+            n_new, start = stop - row, context - (stop - row)
+            table = self.block_tables[seq_id] = batch.block_tables[i]
+            new_slots = torch.tensor(batch.slot_mapping[row:stop], dtype=torch.long, device=self.device)
+            if start and self.lengths.get(seq_id) == start:  # extended once per step, read by every layer
+                context_slots = torch.cat([self.context_slots[seq_id], new_slots])
+            else:
+                context_slots = torch.tensor(slots(table, self.block_size, 0, context), dtype=torch.long,
+                                             device=self.device)
+            self.lengths[seq_id], self.context_slots[seq_id] = context, context_slots
+            causal = causal_mask(n_new, context, self.device) if n_new > 1 else None
             first_block = _range_start(table)  # consecutive blocks: the context is one range of slots
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new, context, causal,
+            seqs.append(SeqStep(seq_id, row, stop, context, context_slots, causal,
                                 None if first_block is None else first_block * self.block_size))
-            positions.append(torch.arange(start, start + n_new, device=self.device))
-            slots.append(new_slots)
-            row += n_new
-        return StepMeta(seqs, concat(positions, self.device), concat(slots, self.device), _range_start(step_slots))
+            positions.append(torch.arange(start, context, device=self.device))
+        step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
+        return StepMeta(seqs, concat(positions, self.device), step_slots, _range_start(batch.slot_mapping))
 
     def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
         """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""
@@ -137,6 +148,9 @@ class LatentCache:
         return [torch.index_select(self.data[name][layer], 0, seq.context_slots) for name in names]
 
     def release(self, seq_id: int) -> None:
-        self.free_blocks.extend(reversed(self.block_tables.pop(seq_id, [])))
+        table = self.block_tables.pop(seq_id, [])
+        if seq_id in self.own_tables:  # a scheduler's blocks are its own to reuse
+            self.own_tables.discard(seq_id)
+            self.free_blocks.extend(reversed(table))
         self.lengths.pop(seq_id, None)
         self.context_slots.pop(seq_id, None)

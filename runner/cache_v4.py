@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from dsconv.convert.arch_v4 import AttnType, V4Config, attn_type_of
-from dsconv.runner.cache import SeqStep, StepMeta, cache_full, concat
+from dsconv.runner.batch import Batch
+from dsconv.runner.cache import BLOCK_SIZE, SeqStep, StepMeta, cache_full, concat
 
 
 @dataclass
@@ -80,21 +81,46 @@ class V4Cache:
         self.lengths: dict[int, int] = {}
         self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
 
+    # A scheduler accounts for this cache in blocks of BLOCK_SIZE tokens, as for the paged caches; the slots it
+    # hands out are not used (the state is per request).
+    block_size = BLOCK_SIZE
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity_tokens // BLOCK_SIZE
+
     def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
-        """Reserve (seq_id, n_new) tokens, in order -> the step's metadata (a sequence's slots are its
-        positions: V4 keeps no paged token cache)."""
+        """Reserve (seq_id, n_new) tokens, in order -> the step's metadata (a scoring or test loop without a
+        scheduler)."""
         seqs, positions, row = [], [], 0
         for seq_id, n_new in new_tokens:
             start = self.lengths.get(seq_id, 0)
             if sum(self.lengths.values()) + n_new > self.capacity_tokens:
                 raise cache_full(self.capacity_tokens, seq_id, start + n_new)
-            if seq_id not in self.states:
-                self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
-                                        for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
+            self._ensure_state(seq_id)
             self.lengths[seq_id] = start + n_new
             seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
             positions.append(torch.arange(start, start + n_new, device=self.device))
             row += n_new
+        flat = concat(positions, self.device)
+        return StepMeta(seqs, flat, flat)
+
+    def _ensure_state(self, seq_id: int) -> None:
+        if seq_id not in self.states:
+            self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
+                                    for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
+
+    def begin(self, batch: Batch) -> StepMeta:
+        """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache)."""
+        for seq_id in batch.releases:
+            self.release(seq_id)
+        seqs, positions = [], []
+        for i, seq_id in enumerate(batch.seq_ids):
+            row, stop, context = batch.query_start_loc[i], batch.query_start_loc[i + 1], batch.context_lens[i]
+            self._ensure_state(seq_id)
+            self.lengths[seq_id] = context
+            seqs.append(SeqStep(seq_id, row, stop, context))
+            positions.append(torch.arange(context - (stop - row), context, device=self.device))
         flat = concat(positions, self.device)
         return StepMeta(seqs, flat, flat)
 

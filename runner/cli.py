@@ -182,7 +182,62 @@ def perplexity(
                   f"({len(cut)} windows of up to {context}); {summary['seconds']:.1f} s", highlight=False)
 
 
-def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: float) -> Path | None:
+@app.command()
+def serve(
+    shards: Annotated[Optional[Path], typer.Option(help="A `dsconv shard` output directory. Omit it to serve the "
+                                                        "built-in demo (tiny model, RANDOM weights).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).")] = 8000,
+    device: Annotated[str, typer.Option(help="cpu (gloo), cuda (nccl) or npu (hccl, needs torch_npu).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
+    max_num_seqs: Annotated[int, typer.Option(help="Requests running at once per attention-DP rank.")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens one attention-DP rank feeds per step; longer "
+                                                              "prompts are prefilled in chunks.")] = 4096,
+    cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 16384,
+    dp_balancing: Annotated[str, typer.Option(help="Placing requests on attention-DP ranks: least-loaded (queued "
+                                                   "and running tokens) or round-robin.")] = "least-loaded",
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the "
+                                                                  "shards directory's name).")] = None,
+    world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+    drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
+                                                      "before they are aborted.")] = 30.0,
+) -> None:
+    """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank."""
+    from dsconv.runner.scheduler import BALANCING
+
+    try:
+        if dp_balancing not in BALANCING:
+            raise InputError(f"--dp-balancing {dp_balancing!r} is not one of {', '.join(BALANCING)}")
+        if not 0 <= port < 65536:
+            raise InputError(f"--port {port} is not a port number")
+        for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
+                            ("--cache-tokens", cache_tokens)):
+            if value < 1:
+                raise InputError(f"{name} {value} must be at least 1")
+        if shards is None:
+            from dsconv.convert.demo import demo_shards
+
+            err_console.print("[yellow]No --shards given: serving the built-in demo, a tiny DeepSeek-V4 model with "
+                              "RANDOM weights (the text is noise).[/]")
+            shards = demo_shards()
+        manifest = _open_shards(shards, world_size, dtype)
+        if "max_position_embeddings" not in manifest["model"]["config"]:
+            raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
+        _, tokenizer_path = _tokenizer(Path(shards))
+        _run_ranks("dsconv.runner.serve:rank_main", {
+            "shards": str(shards), "dtype": dtype, "host": host, "port": port,
+            "model_name": served_model_name or Path(shards).resolve().name, "tokenizer_path": str(tokenizer_path),
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "cache_tokens": cache_tokens, "balancing": dp_balancing, "timeout_s": timeout,
+            "drain_timeout_s": drain_timeout}, manifest, device, timeout, sigterm_to_rank0=True)
+    except InputError as exc:
+        fail(str(exc))
+
+
+def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: float, sigterm_to_rank0: bool = False
+               ) -> Path | None:
     """The manifest's ranks running entry(**args) -> the directory rank 0 wrote its results to, or None on a
     torchrun rank other than 0 (only rank 0 reports). A failed rank ends the command with its exit code."""
     from dsconv.comm.launch import launch
@@ -190,7 +245,7 @@ def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: flo
     results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
     code = launch(entry, {**args, "manifest": manifest, "device": device, "result_dir": str(results)},
                   world_size=manifest["layout"]["world_size"], device=device, timeout_s=timeout,
-                  log_dir=results / "logs")
+                  log_dir=results / "logs", sigterm_to_rank0=sigterm_to_rank0)
     if code != 0:
         raise typer.Exit(code)
     return results if os.environ.get("RANK", "0") == "0" else None

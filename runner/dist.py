@@ -119,6 +119,8 @@ class Dist:
         with self._timed():
             counts = all_gather_cat(torch.tensor([h.shape[0]], device=h.device), group, dim=0)  # [tp] rows per rank
             most = int(counts.max())
+            if most == 0:  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
+                return h.new_empty(0, head.shape[0] * group.size)
             padded = F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
             everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order
         sliced = linear(everyone, head)  # [tp * most, vocab / tp]: my slice of everyone's logits

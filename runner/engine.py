@@ -1,14 +1,14 @@
-"""What every rank runs: map its shards, build the model, generate its attention-DP share of the prompts.
-
-Prompt i belongs to attention-DP index i % dp; the attention-TP ranks of that index run it together. Rank 0
-owns the console (it streams its own sequences' text); each rank whose attention-TP index is 0 writes its
-sequences' results for the launcher to collect.
+"""What every rank runs: map its shards, build the model, and run `dsrun generate`'s prompts through the
+serving engine's loop (rank 0 schedules and streams the first prompt's text; the others follow its steps).
+Every rank's timings go to rank 0, which writes them for the launcher to collect.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,11 +16,17 @@ import torch
 from dsconv.convert.arch import family_for
 from dsconv.errors import InputError
 from dsconv.runner.dist import Dist
-from dsconv.runner.generate import greedy
+from dsconv.runner.frontend import EngineClient
+from dsconv.runner.loop import EngineCore, Worker, follow
+from dsconv.runner.requests import SamplingParams
+from dsconv.runner.scheduler import Scheduler
 from dsconv.runner.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and timings
+# Idle ranks wait inside a collective for rank 0's next message: it sends one at least this often, well within
+# any collective timeout dsrun uses (--timeout, default 300 s).
+KEEPALIVE_S = 20.0
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
@@ -70,27 +76,49 @@ def gather_results(result: dict, rank: int, result_dir: str) -> None:
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
               dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
               device: str = "cpu") -> None:
+    """`dsrun generate`: the serving engine's loop with every prompt submitted at the start (prompt i pinned to
+    attention-DP index i % dp), greedy, until all have finished."""
     rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
-    mine = dp_share(len(prompts), manifest, rank)
-    cache = new_cache(cache_tokens)
+    layout = manifest["layout"]
+    worker = Worker(model, new_cache(cache_tokens), dist, dp_index=rank // layout["attn_tp"])
+    result = {"rank": rank, "prompts": [], "generated": [], "prefill_s": 0.0, "decode_s": 0.0}
+    if rank == 0:
+        result.update(_generate_on_rank0(worker, layout, prompts, max_new_tokens, eos_id, stream_tokenizer))
+    elif torch.distributed.is_initialized():
+        follow(worker)
+    result.update(comm_s=dist.comm_seconds, steps=dist.steps)
+    gather_results(result, rank, result_dir)
 
-    printer = _Streamer(stream_tokenizer) if rank == 0 and stream_tokenizer else None
-    steps: list[float] = []
 
-    def on_token(seq: int, token: int) -> None:
-        steps.append(time.perf_counter())
-        if printer is not None and seq == 0:
-            printer.add(token)
+def _generate_on_rank0(worker: Worker, layout: dict, prompts, max_new_tokens, eos_id, stream_tokenizer) -> dict:
+    cache = worker.cache
+    scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=max(1, len(prompts)),
+                          max_num_batched_tokens=max(1, sum(map(len, prompts))), eos_token_id=eos_id)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=sys.maxsize,
+                          max_model_len=sys.maxsize, keepalive_s=KEEPALIVE_S)
+    printer = _Streamer(stream_tokenizer) if stream_tokenizer else None
+    generated: list[list[int]] = [[] for _ in prompts]
+    stamps: list[float] = []
+
+    def on_output(index: int, out) -> None:
+        stamps.extend(time.perf_counter() for _ in out.new_token_ids)
+        generated[index].extend(out.new_token_ids)
+        if printer is not None and index == 0:
+            for token in out.new_token_ids:
+                printer.add(token)
 
     started = time.perf_counter()
-    outputs = greedy(model, cache, [prompts[i] for i in mine], max_new_tokens, eos_id, on_token, dist)
+    client.set_ready()
+    for index, prompt in enumerate(prompts):
+        client.submit(prompt, SamplingParams(max_tokens=max_new_tokens), partial(on_output, index),
+                      dp_rank=index % layout["dp"])
+    client.run(until_idle=True)
     if printer is not None:
         printer.close()
-    first = steps[0] if steps else started
-    result = {"rank": rank, "prompts": mine if dist.attn_tp_rank == 0 else [], "generated": outputs,
-              "prefill_s": first - started, "decode_s": (steps[-1] - first) if steps else 0.0,
-              "comm_s": dist.comm_seconds, "steps": dist.steps}
-    gather_results(result, rank, result_dir)
+    first = stamps[0] if stamps else started
+    return {"prompts": list(range(len(prompts))), "generated": generated, "prefill_s": first - started,
+            "decode_s": (stamps[-1] - first) if stamps else 0.0}
 
 
 class _Streamer:

@@ -1,47 +1,34 @@
-"""Greedy generation over the model's step function: prefill every prompt in one step, then one token per
-sequence per step, each sequence stopping at EOS or its token budget."""
+"""In-process greedy generation through the engine (scheduler, worker, step loop) on one rank: what the tests
+and benchmarks call to run a model without starting ranks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from dsconv.runner.cache import LatentCache
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    prompt: list[int]
-    generated: list[int] = field(default_factory=list)
-    done: bool = False
+from dsconv.runner.dist import Dist
+from dsconv.runner.loop import EngineCore, Worker
+from dsconv.runner.requests import SamplingParams
+from dsconv.runner.scheduler import Scheduler
 
 
-@torch.inference_mode()  # no autograd bookkeeping on any op: generation never backpropagates
-def greedy(model, cache: LatentCache, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-           on_token: Callable[[int, int], None] | None = None, dist=None) -> list[list[int]]:
-    """dist: when distributed, every rank loops until no rank has work left, running zero-token steps when
-    it has none itself, so all ranks enter the same collectives in the same order."""
-    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
-    pending = [(s.seq_id, s.prompt) for s in seqs]  # what each sequence feeds this step
-    while dist.any_active(bool(pending)) if dist is not None else pending:
-        meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in pending])
-        tokens = torch.tensor([t for _, toks in pending for t in toks], dtype=torch.long,
-                              device=meta.positions.device)
-        logits = model.forward(tokens, meta, cache, rows=meta.last_rows)  # [len(pending), vocab]
-        chosen = logits.argmax(dim=-1).tolist()
-        next_pending = []
-        for (seq_id, _), token in zip(pending, chosen):
-            seq = seqs[seq_id]
-            seq.generated.append(token)
-            if on_token is not None:
-                on_token(seq_id, token)
-            seq.done = token == eos_id or len(seq.generated) >= max_new_tokens
-            if seq.done:
-                cache.release(seq_id)  # its cache room goes back to the sequences still running
-            else:
-                next_pending.append((seq_id, [token]))
-        pending = next_pending
-    return [s.generated for s in seqs]
+def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+           on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    """Every prompt admitted at once and prefilled in one step (no chunking), then one token per sequence per
+    step; each stops at EOS (None: never) or after max_new_tokens."""
+    scheduler = Scheduler(dp=1, num_blocks=cache.num_blocks, block_size=cache.block_size,
+                          max_num_seqs=max(1, len(prompts)), max_num_batched_tokens=max(1, sum(map(len, prompts))),
+                          eos_token_id=eos_id)
+    core = EngineCore(scheduler, Worker(model, cache, Dist(), dp_index=0))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for index, prompt in enumerate(prompts):
+        scheduler.add(str(index), prompt, SamplingParams(max_tokens=max_new_tokens), None)
+    while scheduler.has_work:
+        for request, out in core.step():
+            index = int(request.request_id)
+            for token in out.new_token_ids:
+                outputs[index].append(token)
+                if on_token is not None:
+                    on_token(index, token)
+    for seq_id in scheduler.releases[0]:  # finished requests' room, freed on the rank with the next step's batch
+        cache.release(seq_id)
+    return outputs

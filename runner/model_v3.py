@@ -146,7 +146,10 @@ class Indexer:
         index = torch.bmm(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
         if allowed is not None:
             index = index.masked_fill(~allowed, float("-inf"))
-        return index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices  # [S, k] context positions
+        # relu leaves ties (often several positions at exactly 0): a stable sort breaks them by position, so the
+        # choice does not depend on how many queries this call holds (chunked prefill, decode) as topk's may
+        top = index.sort(dim=-1, descending=True, stable=True).indices
+        return top[:, :min(cfg.index_topk, index.shape[-1])]  # [S, k] context positions
 
 
 class MoE:

@@ -141,9 +141,10 @@ def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
     assert agree >= W8A8_AGREEMENT_MIN[family]
 
 
-# V3 measured 0.99997. V3.2 measured 0.985 both before and after the float32 decode products: BF16 rounding
-# reorders some of the indexer's top-8-of-40 choices on this random fixture (see the W8A8 test below)
-BF16_DECODE_COSINE_MIN = {"deepseek_v3": 0.999, "deepseek_v32": 0.98}
+# V3 measured 0.99997. V3.2 measured 0.964: BF16 rounding reorders some of the indexer's top-8-of-40 choices on
+# this random fixture, whose 4 index heads leave many exact ties at 0 (see the W8A8 test below); it was 0.985
+# when torch.topk broke those ties, 0.964 since they are broken by position (for chunk-independent choices)
+BF16_DECODE_COSINE_MIN = {"deepseek_v3": 0.999, "deepseek_v32": 0.95}
 
 
 def test_bf16_decode_steps_close_to_float32(family, pair):

@@ -1,0 +1,115 @@
+"""The bridge between one HTTP request and its engine requests (one per prompt): outputs arrive on the engine's
+thread and are handed to the event loop through a queue; a client that goes away, an error or a stop string
+aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it in
+`finally`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from dsconv.runner.api_choice import Choice
+from dsconv.runner.requests import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from dsconv.runner.frontend import EngineClient
+
+
+CLIENT_GONE = 499  # nginx's status for "client closed request"; logged, never read
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its requests were running."""
+
+
+class EngineRequests:
+    def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.running: set[str] = set()  # submitted, not finished, not aborted
+        self.disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+
+    def submit(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
+        def on_output(out: RequestOutput) -> None:  # on the engine's thread
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+            except RuntimeError:  # the event loop has shut down: nobody is waiting for this output any more
+                pass
+
+        request_id = self.engine.submit(prompt_ids, params, on_output, dp_rank=self.dp_rank)
+        self.running.add(request_id)
+        return request_id
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        """The next output of any of the requests (choice index, output); raises ClientGone on a disconnect."""
+        get = asyncio.ensure_future(self.queue.get())
+        try:
+            await asyncio.wait((get, self.disconnected), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():
+                get.cancel()
+        if not get.done() or get.cancelled():
+            raise ClientGone()
+        index, out = get.result()
+        if out.finished:
+            self.running.discard(out.request_id)
+        return index, out
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running.discard(request_id)
+            self.engine.abort(request_id)
+
+    def close(self) -> None:
+        self.disconnected.cancel()
+        for request_id in list(self.running):
+            self.abort(request_id)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body has been read, the next ASGI message of an HTTP request is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterator[Choice]:
+    """Feeds each engine output to its choice and yields the choice, until every choice is done. A choice a stop
+    string ended has its engine request aborted; outputs still in flight for it are dropped."""
+    while not all(choice.done for choice in choices):
+        index, out = await requests.next()
+        choice = choices[index]
+        if choice.done:
+            continue
+        choice.consume(out)
+        if choice.stopped_here:
+            requests.abort(choice.request_id)
+        yield choice
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+DONE = sse("[DONE]")
+
+
+class EngineStream(StreamingResponse):
+    """A server-sent-event stream that closes its engine requests however the response ends: the client going
+    away may cancel the body iterator before it starts, where its own `finally` would never run."""
+
+    def __init__(self, events: AsyncIterator[str], requests: EngineRequests):
+        super().__init__(events, media_type="text/event-stream")
+        self.requests = requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.requests.close()

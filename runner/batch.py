@@ -1,0 +1,111 @@
+"""One step's work for one attention-DP rank, token-major (vLLM's vocabulary): the scheduler on rank 0 builds
+it, every rank of that DP index receives it, and both sides validate it.
+
+Sequence i feeds input_ids[query_start_loc[i]:query_start_loc[i + 1]], the tokens at positions
+context_lens[i] - query_len .. context_lens[i] - 1; their cache entries go to slot_mapping's slots, which its
+block table gives (slot = block_tables[i][p // block_size] * block_size + p % block_size). A cache without
+paged storage (DeepSeek-V4's state) has block_size 1 and uses the tables for accounting only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """Draw the sequence's next token from its last row's logits."""
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    index: int  # the drawn token's position in the request's output: the draw depends on (seed, index) only
+    logprobs: int | None  # also return the drawn token's logprob and this many top entries
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Score prompt tokens: rows 0 .. len(targets) - 1 of the sequence's chunk predict `targets`."""
+    targets: list[int]
+    top: int  # top entries per row
+
+
+@dataclass
+class Batch:
+    seq_ids: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    query_start_loc: list[int] = field(default_factory=lambda: [0])  # [S + 1] cumulative query lengths
+    context_lens: list[int] = field(default_factory=list)  # [S] tokens cached once this step's are written
+    block_tables: list[list[int]] = field(default_factory=list)  # [S][blocks]
+    slot_mapping: list[int] = field(default_factory=list)  # [T]
+    samples: list[SampleSpec | None] = field(default_factory=list)  # [S]
+    scores: list[PromptScores | None] = field(default_factory=list)  # [S]
+    releases: list[int] = field(default_factory=list)  # sequences whose cache is freed before this step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def add(self, seq_id: int, tokens: list[int], context_len: int, block_table: list[int], block_size: int,
+            sample: SampleSpec | None, scores: PromptScores | None) -> None:
+        self.seq_ids.append(seq_id)
+        self.input_ids.extend(tokens)
+        self.query_start_loc.append(self.query_start_loc[-1] + len(tokens))
+        self.context_lens.append(context_len)
+        self.block_tables.append(list(block_table))
+        self.slot_mapping.extend(slots(block_table, block_size, context_len - len(tokens), context_len))
+        self.samples.append(sample)
+        self.scores.append(scores)
+
+    def logit_rows(self) -> list[int]:
+        """The rows whose logits this step needs, in order: each sequence's scored rows, then its last row
+        when it samples."""
+        rows = []
+        for i in range(len(self.seq_ids)):
+            start, stop = self.query_start_loc[i], self.query_start_loc[i + 1]
+            if self.scores[i] is not None:
+                rows.extend(range(start, start + len(self.scores[i].targets)))
+            if self.samples[i] is not None:
+                rows.append(stop - 1)
+        return rows
+
+    def validate(self, block_size: int, num_blocks: int) -> None:
+        """Raises ValueError naming the first broken invariant (a scheduler bug, never a user's)."""
+        n = len(self.seq_ids)
+        lengths = {"context_lens": self.context_lens, "block_tables": self.block_tables, "samples": self.samples,
+                   "scores": self.scores}
+        for name, values in lengths.items():
+            _check(len(values) == n, f"{name} has {len(values)} entries for {n} sequences")
+        _check(len(set(self.seq_ids)) == n, f"a sequence appears twice: {self.seq_ids}")
+        _check(len(self.query_start_loc) == n + 1 and self.query_start_loc[0] == 0,
+               f"query_start_loc {self.query_start_loc} does not start at 0 with one entry per sequence")
+        _check(self.query_start_loc[-1] == len(self.input_ids) == len(self.slot_mapping),
+               f"{self.query_start_loc[-1]} query tokens, {len(self.input_ids)} input ids, "
+               f"{len(self.slot_mapping)} slots")
+        used: set[int] = set()
+        for i, seq_id in enumerate(self.seq_ids):
+            start, stop, context = self.query_start_loc[i], self.query_start_loc[i + 1], self.context_lens[i]
+            query = stop - start
+            table = self.block_tables[i]
+            _check(query >= 1, f"sequence {seq_id} feeds {query} tokens")
+            _check(context >= query, f"sequence {seq_id}: context {context} < query {query}")
+            _check(len(table) * block_size >= context, f"sequence {seq_id}: {len(table)} blocks for {context} tokens")
+            _check(all(0 <= b < num_blocks for b in table), f"sequence {seq_id}: a block outside 0..{num_blocks - 1}")
+            _check(used.isdisjoint(table), f"sequence {seq_id} shares a block with another sequence")
+            used.update(table)
+            _check(self.slot_mapping[start:stop] == slots(table, block_size, context - query, context),
+                   f"sequence {seq_id}: slot_mapping disagrees with its block table")
+            scored = self.scores[i]
+            if scored is not None:
+                room = query - (1 if self.samples[i] is not None else 0)
+                _check(len(scored.targets) <= room, f"sequence {seq_id}: {len(scored.targets)} scored rows of {query}")
+
+
+def slots(block_table: list[int], block_size: int, start: int, stop: int) -> list[int]:
+    """The cache slots of positions start .. stop - 1."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid step batch: {message}")

