@@ -9,11 +9,11 @@ import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from dsconv.errors import InputError
 from dsconv.runner.api_choice import Choice, Detokenizer, EngineError, chat_logprobs, split_reasoning
-from dsconv.runner.api_engine import CLIENT_GONE, DONE, ClientGone, EngineRequests, EngineStream, follow, sse
+from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
 from dsconv.runner.api_schema import (APIError, ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.runner.chat import encode_chat
@@ -44,22 +44,7 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
     params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     response = ChatCompletion(engine, body, prompt_ids, thinking)
     requests = EngineRequests(engine, request, dp_rank)
-    stream = None  # once made, the stream closes the requests when it ends
-    try:
-        response.choice.request_id = requests.submit(0, prompt_ids, params)
-        if body.stream:
-            stream = EngineStream(response.events(requests), requests)
-            return stream
-        async for _ in follow(requests, [response.choice]):
-            pass
-        return JSONResponse(response.response())
-    except EngineError as exc:
-        raise APIError(500, f"the engine failed: {exc}") from None
-    except ClientGone:
-        return Response(status_code=CLIENT_GONE)
-    finally:
-        if stream is None:
-            requests.close()
+    return await answer(requests, response, [response.choice], body.stream, params)
 
 
 class ChatCompletion:

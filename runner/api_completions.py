@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from dsconv.errors import InputError
 from dsconv.runner.api_choice import (Choice, Detokenizer, EngineError, completion_logprobs, prompt_offsets)
-from dsconv.runner.api_engine import CLIENT_GONE, DONE, ClientGone, EngineRequests, EngineStream, follow, sse
+from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
 from dsconv.runner.api_schema import (COMPLETION_MAX_TOKENS, APIError, CompletionRequest, check_common,
                                       check_token_id, sampling_params, stop_strings)
 
@@ -64,23 +64,7 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
                              prompt_logprobs=body.logprobs if body.echo else None)
     response = Completion(engine, body, inputs)
     requests = EngineRequests(engine, request, dp_rank)
-    stream = None  # once made, the stream closes the requests when it ends
-    try:
-        for choice in response.choices:
-            choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
-        if body.stream:
-            stream = EngineStream(response.events(requests), requests)
-            return stream
-        async for _ in follow(requests, response.choices):
-            pass
-        return JSONResponse(response.response())
-    except EngineError as exc:
-        raise APIError(500, f"the engine failed: {exc}") from None
-    except ClientGone:
-        return Response(status_code=CLIENT_GONE)
-    finally:
-        if stream is None:
-            requests.close()
+    return await answer(requests, response, response.choices, body.stream, params)
 
 
 class Completion:

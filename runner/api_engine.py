@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dsconv.runner.api_choice import Choice
+from dsconv.runner.api_choice import Choice, EngineError
+from dsconv.runner.api_schema import APIError
 from dsconv.runner.requests import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -91,6 +92,30 @@ async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterat
         if choice.stopped_here:
             requests.abort(choice.request_id)
         yield choice
+
+
+async def answer(requests: EngineRequests, response, choices: list[Choice], stream: bool,
+                 params: SamplingParams) -> Response:
+    """Submits every choice's prompt, then returns the SSE stream or, once every choice is done, the whole
+    response (response: the route's Completion or ChatCompletion: `events`, `response`). The requests are
+    closed on every path out: by the stream when it ends, else here."""
+    made = None
+    try:
+        for choice in choices:
+            choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
+        if stream:
+            made = EngineStream(response.events(requests), requests)
+            return made
+        async for _ in follow(requests, choices):
+            pass
+        return JSONResponse(response.response())
+    except EngineError as exc:
+        raise APIError(500, f"the engine failed: {exc}") from None
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    finally:
+        if made is None:
+            requests.close()
 
 
 def sse(data: dict | str) -> str:

@@ -57,6 +57,10 @@ class Batch:
         self.samples.append(sample)
         self.scores.append(scores)
 
+    def span(self, i: int) -> tuple[int, int, int]:
+        """Sequence i's rows (start, stop) in the step and its context length once they are written."""
+        return self.query_start_loc[i], self.query_start_loc[i + 1], self.context_lens[i]
+
     def logit_rows(self) -> list[int]:
         """The rows whose logits this step needs, in order: each sequence's scored rows, then its last row
         when it samples."""
@@ -84,7 +88,7 @@ class Batch:
                f"{len(self.slot_mapping)} slots")
         used: set[int] = set()
         for i, seq_id in enumerate(self.seq_ids):
-            start, stop, context = self.query_start_loc[i], self.query_start_loc[i + 1], self.context_lens[i]
+            start, stop, context = self.span(i)
             query = stop - start
             table = self.block_tables[i]
             _check(query >= 1, f"sequence {seq_id} feeds {query} tokens")

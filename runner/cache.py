@@ -109,12 +109,11 @@ class LatentCache:
         return self.begin(batch)
 
     def begin(self, batch: Batch) -> StepMeta:
-        """The step's metadata from a batch whose block tables the scheduler chose (the token ids are not read)."""
-        for seq_id in batch.releases:
-            self.release(seq_id)
+        """The step's metadata from a batch whose block tables the scheduler chose (the token ids are not read;
+        the batch's releases are the caller's to apply first)."""
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
-            row, stop, context = batch.query_start_loc[i], batch.query_start_loc[i + 1], batch.context_lens[i]
+            row, stop, context = batch.span(i)
             n_new, start = stop - row, context - (stop - row)
             table = self.block_tables[seq_id] = batch.block_tables[i]
             new_slots = torch.tensor(batch.slot_mapping[row:stop], dtype=torch.long, device=self.device)

@@ -112,11 +112,9 @@ class V4Cache:
 
     def begin(self, batch: Batch) -> StepMeta:
         """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache)."""
-        for seq_id in batch.releases:
-            self.release(seq_id)
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
-            row, stop, context = batch.query_start_loc[i], batch.query_start_loc[i + 1], batch.context_lens[i]
+            row, stop, context = batch.span(i)
             self._ensure_state(seq_id)
             self.lengths[seq_id] = context
             seqs.append(SeqStep(seq_id, row, stop, context))

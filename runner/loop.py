@@ -46,6 +46,8 @@ class Worker:
         reporting rank of the DP index (None from the others)."""
         batch.validate(self.cache.block_size, self.cache.num_blocks)  # as received, before anything is written
         self.dist.steps += 1
+        for seq_id in batch.releases:  # finished, aborted or preempted since the last step
+            self.cache.release(seq_id)
         meta = self.cache.begin(batch)
         device = meta.positions.device
         tokens = torch.tensor(batch.input_ids, dtype=torch.long, device=device)

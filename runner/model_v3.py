@@ -93,13 +93,16 @@ class Attention:
                     chosen.scatter_(-1, top, True)
                     allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
             if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
-                ctx = cast(ctx, x.dtype)  # the cache may hold it in decode's product dtype (float32 on CPU)
+                # in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are emulated and
+                # several times slower), rounded to the compute dtype once, at the end
+                product_dtype = w_uk_t.dtype
+                ctx = cast(ctx, product_dtype)
                 ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
-                k_nope = torch.einsum("cl,hln->hcn", ctx_c, cast(w_uk_t, ctx_c.dtype))
-                values = torch.einsum("cl,hvl->hcv", ctx_c, cast(w_uv, ctx_c.dtype))
+                k_nope = torch.einsum("cl,hln->hcn", ctx_c, w_uk_t)
+                values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
                 keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
-                query = torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1)  # [heads, S, qk_head]
-                outs.append(attention(query, keys, values, scale, allowed).transpose(0, 1))
+                query = cast(torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1), product_dtype)
+                outs.append(cast(attention(query, keys, values, scale, allowed).transpose(0, 1), x.dtype))
             else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
                 # in the dtype matmul multiplies in (float32 on CPU, where the BF16 products are slow), rounded
                 # to the compute dtype once, at the end

@@ -55,10 +55,10 @@ class Request:
     def scoring(self) -> bool:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
-    @property
-    def work(self) -> int:
-        """Tokens still to feed: the uncomputed part of prompt + output, and every token not yet generated."""
-        return len(self.tokens) - self.num_computed + self.params.max_tokens - len(self.output)
+    def work(self, horizon: int) -> int:
+        """Tokens this request will feed in the next `horizon` steps at most: its uncomputed prompt (and, after a
+        preemption, output) tokens, then one per step for each token it may still generate."""
+        return len(self.tokens) - self.num_computed + min(horizon, self.params.max_tokens - len(self.output))
 
 
 class BlockPool:
@@ -111,6 +111,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
+        self.preemptions = 0  # in all, over every rank
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -127,20 +128,26 @@ class Scheduler:
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None = None
             ) -> Request:
         self.check(len(prompt), params, dp_rank)
-        rank = dp_rank if dp_rank is not None else self._place()
+        rank = dp_rank if dp_rank is not None else self._place(params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(SEED_BITS)
         request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank)
         self.requests[request_id] = request
         self.waiting[rank].append(request)
         return request
 
-    def load(self, rank: int) -> int:
-        return sum(r.work for r in itertools.chain(self.waiting[rank], self.running[rank]))
+    def load(self, rank: int, horizon: int) -> int:
+        """The tokens a DP rank has to feed over the next `horizon` steps, for the requests it holds now."""
+        return sum(r.work(horizon) for r in itertools.chain(self.waiting[rank], self.running[rank]))
 
-    def _place(self) -> int:
+    def _place(self, max_tokens: int) -> int:
+        """The rank whose load over the new request's lifetime (its prefill and max_tokens decode steps) is
+        least: the step imbalance that request lives through is what placing it can change. Each step a rank
+        feeds one token per decoding request plus prompt chunks, so counting every request's whole remaining
+        output instead would pile short requests onto one rank beside a long one and unbalance every step."""
         if self.balancing == "round-robin":
             return next(self._round_robin)
-        return min(range(self.dp), key=lambda r: (self.load(r), -len(self.pools[r].free), r))
+        horizon = max(1, max_tokens)
+        return min(range(self.dp), key=lambda r: (self.load(r, horizon), -len(self.pools[r].free), r))
 
     @property
     def has_work(self) -> bool:
@@ -179,6 +186,7 @@ class Scheduler:
                     request.first_scheduled = time.perf_counter()
                     started.append(request)
                 budget -= self._feed(batch, pool, request, n)
+            batch.validate(pool.block_size, pool.num_blocks)  # where it is built; the ranks check it again
             batches.append(batch)
         return Step(batches, started, preempted)
 
@@ -199,6 +207,7 @@ class Scheduler:
         return n
 
     def _preempt(self, request: Request, rank: int, batch: Batch) -> None:
+        self.preemptions += 1
         self.pools[rank].release(request.seq_id)
         batch.releases.append(request.seq_id)
         request.num_computed = 0

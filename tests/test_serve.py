@@ -5,6 +5,7 @@ prompt prefill in chunks."""
 
 import json
 import re
+import subprocess
 import threading
 import time
 
@@ -43,9 +44,15 @@ def servers(tiny_source, tmp_path_factory):
 
     get.running = running
     yield get
-    for case, server in running.items():
-        code = server.stop()
-        assert code == 0, f"{case} exited with {code} on SIGTERM:\n{server.log()}"
+    codes = {}
+    for case, server in running.items():  # every server is stopped before any failure is reported
+        try:
+            codes[case] = server.stop()
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            codes[case] = "no exit within the deadline"
+    for case, code in codes.items():
+        assert code == 0, f"{case} exited with {code} on SIGTERM:\n{running[case].log()}"
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +75,10 @@ def prompts(family, tiny_source):
 
 
 def expected_tokens(model, ids, n=NEW_TOKENS):
+    """transformers' greedy tokens, each from a whole forward of the sequence so far (use_cache=False)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+                             pad_token_id=0, use_cache=False)
     return out[0, len(ids):].tolist()
 
 
@@ -314,3 +322,51 @@ def test_killing_one_rank_ends_the_server(servers):
     del servers.running["v4-w16"]
     assert code != 0
     assert "rank 5 failed: killed by SIGKILL" in server.log()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tiny_source, tmp_path_factory):
+    """World 1 V4 with the real vocabulary, so chat prompts tokenize inside it."""
+    shards = tmp_path_factory.mktemp("chat") / "v4-chat"
+    shard(tiny_source("deepseek_v4", "fp8", real_vocab=True), shards, Layout(1, 1, 1, 1))
+    server = Server(shards, shards.parent / "server.log", "--dtype", "float32")
+    server.model = "v4-chat"
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_source, thinking):
+    from tokenizers import Tokenizer
+
+    from dsconv.convert.arch import family_for
+    from dsconv.runner.chat import encode_chat
+
+    source = tiny_source("deepseek_v4", "fp8", real_vocab=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "介绍下北京故宫"}]
+    config = json.loads((source / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = tokenizer.encode(encode_chat(family_for(config), messages, thinking, {}), add_special_tokens=False).ids
+    reference = AutoModelForCausalLM.from_pretrained(tiny_source("deepseek_v4", "bf16", real_vocab=True),
+                                                     dtype=torch.float32).eval()
+    response = chat_server.openai().chat.completions.create(
+        model=chat_server.model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+        extra_body={"chat_template_kwargs": {"thinking": thinking}, "ignore_eos": True,
+                    "return_tokens_as_token_ids": True})
+    assert response.usage.prompt_tokens == len(ids)
+    got = [int(TOKEN_ID.fullmatch(t.token).group(1)) for t in response.choices[0].logprobs.content]
+    # Each token is transformers' argmax given the tokens before it, from one whole forward of prompt + reply.
+    # (On this fixture transformers' forward over the first 15 tokens alone picked another 15th token than its
+    # forward over 18 tokens did at the same position, which ours matched; so no use_cache=False generate here.)
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1]
+    want = logits.argmax(dim=-1).tolist()
+    assert len(got) == NEW_TOKENS and got == want
+    message = response.choices[0].message
+    text = tokenizer.decode(want, skip_special_tokens=True)
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if thinking:  # the reply opened with <think>: what comes before </think> is reasoning
+        before, closed, after = text.partition("</think>")
+        assert reasoning == before and message.content == (after if closed else None)
+    else:
+        assert message.content == text and reasoning is None

@@ -1,0 +1,257 @@
+"""The serving engine's parts without HTTP: token-major batches and their checks, the continuous-batching
+scheduler (chunked prefill, admission order, preemption and recompute, DP placement), and seeded sampling
+against a NumPy reference of temperature / top-k / top-p."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsconv.errors import InputError
+from dsconv.runner.batch import Batch, SampleSpec
+from dsconv.runner.dist import Dist
+from dsconv.runner.engine import build_model
+from dsconv.runner.loop import EngineCore, Worker
+from dsconv.runner.requests import SamplingParams
+from dsconv.runner.sampling import sample
+from dsconv.runner.scheduler import Scheduler
+from dsconv.runner.weights import load_manifest
+from dsconv.shard.layout import Layout
+from tests.helpers import shard
+
+VOCAB = 50
+
+
+def scheduler(dp=1, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, balancing="least-loaded"):
+    return Scheduler(dp, num_blocks, block_size, max_num_seqs, budget, eos_token_id=None, balancing=balancing)
+
+
+def fake_results(step):
+    """A deterministic 'model': the next token is the last fed token + 1 (mod VOCAB)."""
+    return [[((batch.input_ids[batch.query_start_loc[i + 1] - 1] + 1) % VOCAB if spec is not None else None,
+              None, []) for i, spec in enumerate(batch.samples)] for batch in step.batches]
+
+
+def run(s, on_step=None, max_steps=1000):
+    """Steps until every request has finished -> request id -> output tokens."""
+    outputs = {}
+    for _ in range(max_steps):
+        step = s.schedule()
+        if step is None:
+            return outputs
+        if on_step is not None:
+            on_step(step)
+        for request, out in s.update(step, fake_results(step)):
+            outputs.setdefault(request.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("the requests did not finish")
+
+
+def greedy(max_tokens, **kwargs):
+    return SamplingParams(max_tokens=max_tokens, **kwargs)
+
+
+# -- batches ---------------------------------------------------------------------------------------------------
+
+def valid_batch():
+    batch = Batch()
+    batch.add(0, [1, 2, 3], 3, [5], 4, SampleSpec(0.0, 1.0, 0, 0, 0, None), None)
+    batch.add(1, [7], 6, [2, 9], 4, SampleSpec(0.0, 1.0, 0, 0, 0, None), None)
+    return batch
+
+
+def test_batch_is_token_major_and_validates():
+    batch = valid_batch()
+    batch.validate(block_size=4, num_blocks=10)
+    assert batch.query_start_loc == [0, 3, 4] and batch.context_lens == [3, 6]
+    assert batch.slot_mapping == [20, 21, 22, 9 * 4 + 1]  # position 5 of the second sequence: block 9, offset 1
+    assert batch.logit_rows() == [2, 3]
+
+
+@pytest.mark.parametrize("breaks,message", [
+    (lambda b: b.slot_mapping.__setitem__(0, 99), "slot_mapping disagrees"),
+    (lambda b: b.block_tables[1].__setitem__(1, 10), "outside"),
+    (lambda b: b.block_tables[1].__setitem__(0, 5), "shares a block"),
+    (lambda b: b.context_lens.__setitem__(0, 2), "context 2 < query 3"),
+    (lambda b: b.query_start_loc.__setitem__(1, 0), "feeds 0 tokens"),
+    (lambda b: b.seq_ids.__setitem__(1, 0), "appears twice"),
+    (lambda b: b.context_lens.__setitem__(1, 9), "2 blocks for 9 tokens"),
+    (lambda b: b.samples.pop(), "samples has 1 entries"),
+])
+def test_batch_checks_name_the_broken_invariant(breaks, message):
+    batch = valid_batch()
+    breaks(batch)
+    with pytest.raises(ValueError, match=message):
+        batch.validate(block_size=4, num_blocks=10)
+
+
+# -- scheduling ------------------------------------------------------------------------------------------------
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    s = scheduler(budget=8)
+    s.add("a", list(range(20)), greedy(3), None)
+    fed = []
+    outputs = run(s, lambda step: fed.append((step.batches[0].num_tokens, step.batches[0].samples[0] is not None)))
+    assert fed == [(8, False), (8, False), (4, True), (1, True), (1, True)]
+    assert outputs["a"] == [20, 21, 22]
+
+
+def test_running_decodes_come_before_new_prompts():
+    s = scheduler(budget=6)
+    s.add("old", [1, 2], greedy(4), None)
+    run_one = s.schedule()
+    s.update(run_one, fake_results(run_one))
+    s.add("new", list(range(10)), greedy(2), None)
+    batch = s.schedule().batches[0]
+    assert batch.seq_ids == [s.requests["old"].seq_id, s.requests["new"].seq_id]
+    assert batch.query_start_loc == [0, 1, 6]  # the old request's one token, then 5 of the new prompt
+
+
+def test_preempted_request_is_recomputed_and_gives_the_same_tokens():
+    # 6 blocks of 4 tokens: two requests of 8 + 8 tokens cannot both finish in the cache at once
+    alone = run_pair(scheduler(num_blocks=64), expect_preemption=False)
+    tight = scheduler(num_blocks=6)
+    assert run_pair(tight, expect_preemption=True) == alone
+    assert all(not table for table in tight.pools[0].tables.values()) and len(tight.pools[0].free) == 6
+
+
+def run_pair(s, expect_preemption):
+    s.add("first", [1, 2, 3, 4, 5, 6, 7, 8], greedy(8), None)
+    s.add("second", [30, 31, 32, 33, 34, 35, 36, 37], greedy(8), None)
+    preempted, released = [], []
+
+    def watch(step):
+        preempted.append(sum(step.preempted))
+        released.extend(step.batches[0].releases)
+
+    outputs = run(s, watch)
+    assert (sum(preempted) > 0) == expect_preemption
+    if expect_preemption:
+        assert s.pools[0].num_blocks == 6 and released  # the victim's cache is freed on the rank
+    return outputs
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    s = scheduler(num_blocks=4)  # 16 tokens
+    with pytest.raises(InputError, match="need 17 tokens of KV cache; a DP rank holds 16"):
+        s.add("big", list(range(9)), greedy(8), None)
+    with pytest.raises(InputError, match="DP rank 3 is not between 0 and 1"):
+        scheduler(dp=2).add("pinned", [1], greedy(1), None, dp_rank=3)
+
+
+def test_least_loaded_placement_counts_tokens_not_requests():
+    s = scheduler(dp=2)
+    assert s.add("long", list(range(40)), greedy(40), None).dp_rank == 0
+    assert s.add("short1", [1, 2], greedy(2), None).dp_rank == 1
+    # over short2's 2 steps rank 0 feeds 40 prompt tokens + 2, rank 1 short1's 2 + 2
+    assert s.add("short2", [1, 2], greedy(2), None).dp_rank == 1
+    assert s.add("pinned", [1], greedy(1), None, dp_rank=0).dp_rank == 0
+    robin = scheduler(dp=2, balancing="round-robin")
+    assert [robin.add(str(i), [1], greedy(1), None).dp_rank for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_least_loaded_placement_evens_out_decoding_requests():
+    """One long request and many short ones: the short ones spread over both ranks rather than all avoiding the
+    long one (which feeds one token a step, like any other decoding request)."""
+    s = scheduler(dp=2, num_blocks=512)
+    s.add("long", [1, 2], greedy(1000), None)
+    s.update(step := s.schedule(), fake_results(step))
+    ranks = [s.add(str(i), [1, 2], greedy(10), None).dp_rank for i in range(5)]
+    assert sorted(ranks) == [0, 0, 1, 1, 1]
+
+
+def test_idle_dp_ranks_get_zero_token_batches():
+    s = scheduler(dp=3)
+    s.add("a", [1, 2, 3], greedy(1), None, dp_rank=1)
+    step = s.schedule()
+    assert [b.num_tokens for b in step.batches] == [0, 3, 0]
+
+
+def test_abort_frees_the_cache_and_tells_the_rank():
+    s = scheduler()
+    s.add("a", list(range(10)), greedy(5), None)
+    s.update(step := s.schedule(), fake_results(step))
+    request, out = s.abort("a")
+    assert out.finished and out.finish_reason == "abort" and len(s.pools[0].free) == 64
+    assert s.schedule() is None and s.releases[0] == [request.seq_id]
+    assert s.abort("a") is None  # aborting twice is harmless
+
+
+def test_prompt_scoring_without_generation():
+    s = scheduler(budget=4)
+    s.add("score", list(range(10)), greedy(0, prompt_logprobs=1), None)
+    targets = []
+    finished = None
+    while (step := s.schedule()) is not None:
+        batch = step.batches[0]
+        assert batch.samples == [None]
+        targets += batch.scores[0].targets
+        results = [[(None, None, [object()] * len(batch.scores[0].targets))]]
+        for _, out in s.update(step, results):
+            finished = out
+    assert targets == list(range(1, 10))  # rows predict the next prompt token; the last row predicts nothing
+    assert finished.finished and finished.finish_reason == "length" and len(finished.prompt_logprobs) == 10
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_path):
+    """The real step function: tokens with a cache too small for both requests (preemption, recompute) and a
+    budget that chunks every prompt equal those of each request alone with room to spare."""
+    shards = tmp_path / "shards"
+    shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, model.embed.shape[0], (n,), generator=gen).tolist() for n in (21, 30)]
+
+    def generate(cache_tokens, budget, ps):
+        cache = new_cache(cache_tokens)
+        s = Scheduler(1, cache.num_blocks, cache.block_size, 4, budget, None)
+        core = EngineCore(s, Worker(model, cache, Dist(), 0))
+        outputs = {str(i): [] for i in range(len(ps))}
+        for i, p in enumerate(ps):
+            s.add(str(i), p, greedy(12), None)
+        while s.has_work:
+            for request, out in core.step():
+                outputs[request.request_id] += out.new_token_ids
+        return [outputs[str(i)] for i in range(len(ps))], s
+
+    alone = [generate(256, 256, [p])[0][0] for p in prompts]
+    tight, s = generate(64, 7, prompts)  # 4 blocks of 16: 21 + 12 and 30 + 12 tokens do not fit together
+    assert s.preemptions > 0 and tight == alone
+
+
+# -- sampling --------------------------------------------------------------------------------------------------
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """NumPy: softmax at temperature, keep the top_k most likely and the smallest prefix reaching top_p."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = order[:top_k] if top_k else order
+    mass = np.cumsum(p[keep]) - p[keep]
+    keep = keep[mass < top_p] if top_p < 1 else keep
+    out = np.zeros_like(p)
+    out[keep] = p[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 4, 0.9)])
+def test_sampling_follows_the_reference_distribution(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 0.3, 0.2, -1.0, 0.9])
+    want = reference_probs(logits.numpy(), temperature, top_k, top_p)
+    draws = 4000
+    counts = np.bincount([sample(logits, SampleSpec(temperature, top_p, top_k, seed, 0, None))
+                          for seed in range(draws)], minlength=len(want))
+    assert np.all(counts[want == 0] == 0)  # filtered tokens are never drawn
+    sigma = np.sqrt(want * (1 - want) / draws)
+    assert np.all(np.abs(counts / draws - want) <= 4 * sigma + 1e-9), (counts / draws, want)
+
+
+def test_sampling_depends_on_seed_and_index_only():
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    spec = SampleSpec(1.0, 1.0, 0, seed=7, index=3, logprobs=None)
+    first = sample(logits, spec)
+    assert all(sample(logits.clone(), spec) == first for _ in range(5))
+    draws = {sample(logits, SampleSpec(1.0, 1.0, 0, 7, index, None)) for index in range(30)}
+    assert len(draws) > 5  # successive positions draw different numbers
+    assert sample(logits, SampleSpec(0.0, 1.0, 0, 7, 0, None)) == int(logits.argmax())
+    assert sample(logits, SampleSpec(1.0, 1.0, 1, 7, 0, None)) == int(logits.argmax())  # top_k 1 is greedy
