@@ -6,7 +6,6 @@ Every rank's timings go to rank 0, which writes them for the launcher to collect
 from __future__ import annotations
 
 import json
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -24,9 +23,6 @@ from dsconv.runner.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and timings
-# Idle ranks wait inside a collective for rank 0's next message: it sends one at least this often, well within
-# any collective timeout dsrun uses (--timeout, default 300 s).
-KEEPALIVE_S = 20.0
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
@@ -83,20 +79,20 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
     worker = Worker(model, new_cache(cache_tokens), dist, dp_index=rank // layout["attn_tp"])
     result = {"rank": rank, "prompts": [], "generated": [], "prefill_s": 0.0, "decode_s": 0.0}
     if rank == 0:
-        result.update(_generate_on_rank0(worker, layout, prompts, max_new_tokens, eos_id, stream_tokenizer))
+        result.update(_generate_on_rank0(worker, manifest, prompts, max_new_tokens, eos_id, stream_tokenizer))
     elif torch.distributed.is_initialized():
         follow(worker)
     result.update(comm_s=dist.comm_seconds, steps=dist.steps)
     gather_results(result, rank, result_dir)
 
 
-def _generate_on_rank0(worker: Worker, layout: dict, prompts, max_new_tokens, eos_id, stream_tokenizer) -> dict:
-    cache = worker.cache
+def _generate_on_rank0(worker: Worker, manifest: dict, prompts, max_new_tokens, eos_id, stream_tokenizer) -> dict:
+    cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
     scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=max(1, len(prompts)),
                           max_num_batched_tokens=max(1, sum(map(len, prompts))), eos_token_id=eos_id)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=sys.maxsize,
-                          max_model_len=sys.maxsize, keepalive_s=KEEPALIVE_S)
+    client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
+                          max_model_len=config["max_position_embeddings"])
     printer = _Streamer(stream_tokenizer) if stream_tokenizer else None
     generated: list[list[int]] = [[] for _ in prompts]
     stamps: list[float] = []

@@ -21,7 +21,7 @@ from dsconv.runner.requests import NotAccepting, RequestOutput, SamplingParams
 
 
 class EngineClient:
-    def __init__(self, core: EngineCore | None, vocab_size: int, max_model_len: int, keepalive_s: float,
+    def __init__(self, core: EngineCore | None, vocab_size: int, max_model_len: int, keepalive_s: float | None = None,
                  drain_timeout_s: float = 30.0, model_name: str = "", tokenizer=None, family=None,
                  tokenizer_config: dict | None = None, bos_token_id: int | None = None,
                  eos_token_id: int | None = None):
@@ -79,7 +79,8 @@ class EngineClient:
         self._ready.set()
 
     def run(self, until_idle: bool = False) -> None:
-        """The engine loop: until drained, or (until_idle) until every submitted request has finished."""
+        """The engine loop: until drained, or (until_idle) until every submitted request has finished. A loop that
+        waits for requests (not until_idle) sends a keep-alive every keepalive_s while idle."""
         scheduler, deadline = self.core.scheduler, None
         try:
             while True:

@@ -9,18 +9,13 @@ collective; it only sends a keep-alive message often enough that no waiting rank
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
 
-from dsconv.errors import InputError
 from dsconv.runner.batch import Batch
 from dsconv.runner.metrics import ServeMetrics
-from dsconv.runner.requests import FINISH_ABORT, RequestOutput, SamplingParams
 from dsconv.runner.sampling import log_probs, sample, token_logprob
 from dsconv.runner.scheduler import Scheduler, Step
 
@@ -121,14 +116,14 @@ class EngineCore:
             m.rank(m.kv_usage, rank).set(s.pools[rank].used_fraction)
 
     def _record(self, step: Step, outputs: list[tuple]) -> None:
-        m, s, now = self.metrics, self.scheduler, time.perf_counter()
+        m, now = self.metrics, time.perf_counter()
         m.model(m.steps).inc()
         tokens = [b.num_tokens for b in step.batches]
-        if any(tokens):
+        if any(tokens):  # a busy step: its balance, and the ranks that only joined the collectives
             m.model(m.imbalance).observe(max(tokens) * len(tokens) / sum(tokens))
-        for rank, batch in enumerate(step.batches):
-            if not batch.num_tokens:
-                m.rank(m.zero_token_steps, rank).inc()
+            for rank, count in enumerate(tokens):
+                if not count:
+                    m.rank(m.zero_token_steps, rank).inc()
         self.record_queues()
         for rank, count in enumerate(step.preempted):
             if count:

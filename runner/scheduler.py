@@ -43,7 +43,6 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (positions 1, 2, ...)
     prompt_delivered: bool = False
     first_scheduled: float | None = None
-    first_token: float | None = None
     last_token: float | None = None
     previous_token: float | None = None  # the time of the token before the last, for inter-token latency
 
@@ -109,6 +108,7 @@ class Scheduler:
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp)]
         self.running: list[list[Request]] = [[] for _ in range(dp)]
         self.requests: dict[str, Request] = {}
+        self.by_seq: dict[int, Request] = {}  # the same requests by their sequence id (the ranks' name for them)
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
         self.preemptions = 0  # in all, over every rank
@@ -131,7 +131,7 @@ class Scheduler:
         rank = dp_rank if dp_rank is not None else self._place(params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(SEED_BITS)
         request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank)
-        self.requests[request_id] = request
+        self.requests[request_id] = self.by_seq[request.seq_id] = request
         self.waiting[rank].append(request)
         return request
 
@@ -221,10 +221,9 @@ class Scheduler:
         """results[rank][i]: (token | None, its TokenLogprob | None, prompt TokenLogprobs) for the i-th sequence
         of that rank's batch -> the outputs to deliver (finished requests are freed here)."""
         outputs, now = [], time.perf_counter()
-        by_seq = {r.seq_id: r for r in self.requests.values()}
         for rank, (batch, rank_results) in enumerate(zip(step.batches, results)):
             for seq_id, (token, logprob, scored) in zip(batch.seq_ids, rank_results):
-                request = by_seq.get(seq_id)
+                request = self.by_seq.get(seq_id)
                 if request is None:  # aborted while the step ran
                     continue
                 out = RequestOutput(request.request_id, len(request.prompt))
@@ -235,7 +234,6 @@ class Scheduler:
                     request.prompt_delivered = True
                 if token is not None:
                     request.output.append(token)
-                    request.first_token = request.first_token or now
                     request.previous_token, request.last_token = request.last_token, now
                     out.new_token_ids = [token]
                     out.new_logprobs = [logprob] if logprob is not None else None
@@ -267,7 +265,7 @@ class Scheduler:
 
     def _remove(self, request: Request) -> None:
         rank = request.dp_rank
-        del self.requests[request.request_id]
+        del self.requests[request.request_id], self.by_seq[request.seq_id]
         if request in self.running[rank]:
             self.running[rank].remove(request)
         elif request in self.waiting[rank]:
