@@ -24,27 +24,30 @@ def causal_mask(query_len: int, key_len: int, device: torch.device | str = "cpu"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              one_token: bool = False) -> torch.Tensor:
     """q [B?, H, S, D], k [B?, H, T, D], v [B?, H, T, Dv] -> [B?, H, S, Dv] in q's dtype. k and v may drop
     their leading axes ([T, D], [T, Dv]) when every head attends over the same keys, as MLA's absorbed decode
-    does over the latent: one matmul for all heads, no per-head copies.
+    does over the latent: one matmul for all heads, no per-head copies. Batched absorbed decode passes each
+    sequence's heads as its S queries (q [B, heads, D] against k [B, T, D]) with one_token=True: the queries of
+    one token, computed as decode is.
 
     mask: None (every key allowed), or [S, T] / [B, S, T], bool (True = allowed) or additive float.
     A query row must allow at least one key (a fully masked row gives NaN) unless it has a sink.
     sinks: None, or float [H], each head's extra logit (its probability mass dropped).
 
     Prefill without sinks runs torch's SDPA, equal to the reference within float rounding (it does not round
-    the scores to BF16 before the softmax), and far faster than the formula at long prompts. Decode (S = 1)
-    and any step with sinks (SDPA has no sink term) run the reference's formula with kernels.linear's matmul
-    (float32 products of BF16 inputs on CPU, rounded where the reference rounds), which for one query is also
-    faster than SDPA. On NPU the reference runs too (plain matmul/softmax ops): the fused
+    the scores to BF16 before the softmax), and far faster than the formula at long prompts. Decode (S = 1, or
+    one_token) and any step with sinks (SDPA has no sink term) run the reference's formula with kernels.linear's
+    matmul (float32 products of BF16 inputs on CPU, rounded where the reference rounds), which for one token's
+    queries is also faster than SDPA. On NPU the reference runs too (plain matmul/softmax ops): the fused
     npu_fused_infer_attention_score is not wired in yet (its MLA form takes the rope part as separate
     query_rope/key_rope inputs).
     """
     mask = _head_broadcast(mask, q)
     if is_npu(q):
         return _attention_formula(q, k, v, scale, mask, sinks, torch.matmul)
-    if q.shape[-2] == 1 or sinks is not None:
+    if q.shape[-2] == 1 or one_token or sinks is not None:
         return _attention_formula(q, k, v, scale, mask, sinks, matmul)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 

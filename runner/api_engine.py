@@ -1,5 +1,6 @@
 """The bridge between one HTTP request and its engine requests (one per prompt): outputs arrive on the engine's
-thread and are handed to the event loop through a queue; a client that goes away, an error or a stop string
+thread and are handed to the event loop through a queue (one wake-up of the loop per engine step, not one per
+output); a client that goes away, an error or a stop string
 aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it in
 `finally`)."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,45 @@ if TYPE_CHECKING:
 CLIENT_GONE = 499  # nginx's status for "client closed request"; logged, never read
 
 
+class LoopInbox:
+    """Outputs handed from the engine's thread to one event loop. Waking a loop from another thread
+    (call_soon_threadsafe) writes to its self-pipe, a system call taking the GIL from the engine: the first
+    output of a step schedules one wake-up and the step's other outputs join it, so a step streaming to N
+    requests wakes the loop once."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopInbox]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, object]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopInbox":
+        """The loop's inbox (called on the loop's own thread, so never created twice)."""
+        inbox = cls._by_loop.get(loop)
+        if inbox is None:
+            inbox = cls._by_loop[loop] = cls(loop)
+        return inbox
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:
+        """On any thread: item goes into queue on the loop's thread."""
+        with self.lock:
+            self.pending.append((queue, item))
+            if len(self.pending) > 1:  # a wake-up is already scheduled and will take this item too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop has shut down: nobody is waiting for these outputs any more
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected while its requests were running."""
 
@@ -32,17 +74,14 @@ class EngineRequests:
     def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
         self.engine = engine
         self.dp_rank = dp_rank
-        self.loop = asyncio.get_running_loop()
+        self.inbox = LoopInbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.running: set[str] = set()  # submitted, not finished, not aborted
         self.disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
 
     def submit(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
         def on_output(out: RequestOutput) -> None:  # on the engine's thread
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
-            except RuntimeError:  # the event loop has shut down: nobody is waiting for this output any more
-                pass
+            self.inbox.post(self.queue, (index, out))
 
         request_id = self.engine.submit(prompt_ids, params, on_output, dp_rank=self.dp_rank)
         self.running.add(request_id)
@@ -50,15 +89,20 @@ class EngineRequests:
 
     async def next(self) -> tuple[int, RequestOutput]:
         """The next output of any of the requests (choice index, output); raises ClientGone on a disconnect."""
-        get = asyncio.ensure_future(self.queue.get())
-        try:
-            await asyncio.wait((get, self.disconnected), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not get.done():
-                get.cancel()
-        if not get.done() or get.cancelled():
+        if self.disconnected.done():
             raise ClientGone()
-        index, out = get.result()
+        if self.queue.empty():  # wait for an output or the disconnect, whichever comes first
+            get = asyncio.ensure_future(self.queue.get())
+            try:
+                await asyncio.wait((get, self.disconnected), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
+                raise ClientGone()
+            index, out = get.result()
+        else:  # already here (a step's outputs arrive together): no task, no wait
+            index, out = self.queue.get_nowait()
         if out.finished:
             self.running.discard(out.request_id)
         return index, out

@@ -14,6 +14,7 @@ import torch
 
 from dsconv.convert.arch import family_for
 from dsconv.errors import InputError
+from dsconv.kernels.device import flush_denormals
 from dsconv.runner.dist import Dist
 from dsconv.runner.frontend import EngineClient
 from dsconv.runner.loop import EngineCore, Worker, follow
@@ -32,6 +33,7 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
     if family.new_model is None or family.new_cache is None:
         raise InputError(f"dsrun has no model for {family.name} shards (the family defines no runner)")
     cfg = family.parse_config(config)
+    flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
     weights = load_rank(shards, manifest, rank, dist.device)
     model = family.new_model(cfg, weights, dist, dtype)
     return model, cfg, lambda tokens: family.new_cache(cfg, model, tokens, dist.device)

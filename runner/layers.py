@@ -3,8 +3,8 @@ three orders, rotary tables, the gated MLP and a rank's routed experts.
 
 The math lives in kernels/ (one function per primitive, each with a torch reference); a layer takes its weights
 by name from the rank's shards, holds them in the form its kernel takes (made once, at load) and calls it.
-Float weights are used in the compute dtype: a float32 run (used to compare against a float32 reference)
-converts them once at load, a BF16 run keeps the mapped shard as is.
+Float weights are held in the dtype the projections multiply in (`float_weight_dtype`): the compute dtype on
+an accelerator, where a BF16 run keeps the mapped shard as is, and float32 on CPU, converted once at load.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from dsconv.errors import InputError
 from dsconv.kernels.device import cast
-from dsconv.kernels.linear import linear_t, w8a8_linear, w8a8_linear_quantized
+from dsconv.kernels.linear import linear_t, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_AFTER_CAST, rms_norm
 from dsconv.kernels.rope import cos_sin_at, half_split_tables, rope_inv_freq
@@ -24,13 +24,24 @@ from dsconv.runner.weights import RankWeights
 from dsconv.shard.placement import local_experts
 
 
+def float_weight_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a float (not INT8) projection weight is held in for compute dtype `dtype`: kernels.linear's
+    matmul dtype. On CPU a BF16 run multiplies in float32 (each projection's input converted, its output rounded
+    back to BF16 once: a BF16 GEMM's float32 accumulation, up to the order of the sums) with float32 copies of
+    the weights made at load, twice a BF16 copy's bytes and not memory-mapped. A CPU without BF16 instructions
+    (AVX2) emulates BF16 GEMMs at a cost that grows with every row: on 2 AVX2 cores, [8, 128] @ [128, 2048]
+    took 391 us in BF16 and 86 us in float32, [1088, 256] @ [256, 1024] 34 ms and 3.3 ms; one row costs about
+    the same either way. Elsewhere the weights stay in the compute dtype (a BF16 shard used as mapped)."""
+    return matmul_dtype_for(dtype, device)
+
+
 class Proj:
     """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8)."""
 
     def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
         weight = weights.take(f"{name}.weight")
         scale = weights.take_optional(f"{name}.weight_scale")
-        self._set(weight.to(dtype) if scale is None else weight, scale)
+        self._set(weight.to(float_weight_dtype(dtype, weight.device)) if scale is None else weight, scale)
 
     def _set(self, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
         self.weight, self.scale = weight, scale
@@ -93,7 +104,8 @@ def _take_stacked(weights: RankWeights, names: list[list[str]],
         if stacked is None:
             first, int8 = parts[0][0], parts[0][1] is not None
             rows = sum(weight.shape[0] for weight, _ in parts)
-            stacked = torch.empty(len(names), rows, first.shape[1], dtype=first.dtype if int8 else dtype,
+            stacked = torch.empty(len(names), rows, first.shape[1],
+                                  dtype=first.dtype if int8 else float_weight_dtype(dtype, first.device),
                                   device=first.device)
             scales = torch.empty(len(names), rows, 1, dtype=torch.float32, device=first.device) if int8 else None
         start = 0

@@ -18,9 +18,9 @@ from dsconv.kernels.attention import attention
 from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
-from dsconv.runner.cache import LatentCache, StepMeta
+from dsconv.runner.cache import DecodeRows, LatentCache, StepMeta
 from dsconv.runner.dist import Dist
-from dsconv.runner.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
+from dsconv.runner.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope, float_weight_dtype
 from dsconv.runner.moe import expert_parallel
 from dsconv.runner.weights import RankWeights
 
@@ -62,7 +62,7 @@ class Attention:
 
     def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         cfg, heads = self.cfg, self.heads
-        nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         # V3.2: index_k_w = the indexer's key and head weights
         q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.input_split, dim=-1)
         q_resid = self.q_norm(q_a)
@@ -75,46 +75,76 @@ class Attention:
         if self.indexer is not None:
             self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
 
-        w_uk_t, w_uv = self.w_uk_t, self.w_uv  # [heads, lora, nope], [heads, v, lora]
-        outs = []  # [S, heads, v] per sequence, in row order
-        for seq in meta.seqs:  # attention core per sequence; everything else runs on all tokens at once
-            rows = slice(seq.start, seq.stop)
-            (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
-            allowed = seq.causal  # [S, C] True where a query may look; None: one query, which sees everything
-            # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
-            # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
-            if self.indexer is not None and seq.context_len > cfg.index_topk:
-                top = self.indexer.select(q_resid[rows], index_k_w[1][rows], step_rope.index_cos[rows],
-                                          step_rope.index_sin[rows], cache, layer, seq, allowed)
-                if seq.query_len == 1:  # decode: attend over the chosen positions only, [index_topk, lora + rope]
-                    ctx = ctx.index_select(0, top[0])
-                else:  # prefill: each query has its own choice, a mask over the whole context
-                    chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
-                    chosen.scatter_(-1, top, True)
-                    allowed = chosen if allowed is None else allowed & chosen  # new: seq.causal is shared by layers
-            if seq.query_len > 1:  # prefill: expand the latent into per-head keys and values
-                # in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are emulated and
-                # several times slower), rounded to the compute dtype once, at the end
-                product_dtype = w_uk_t.dtype
-                ctx = cast(ctx, product_dtype)
-                ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
-                k_nope = torch.einsum("cl,hln->hcn", ctx_c, w_uk_t)
-                values = torch.einsum("cl,hvl->hcv", ctx_c, w_uv)
-                keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
-                query = cast(torch.cat([q_nope[rows], q_pe[rows]], dim=-1).transpose(0, 1), product_dtype)
-                outs.append(cast(attention(query, keys, values, scale, allowed).transpose(0, 1), x.dtype))
-            else:  # decode: absorb W_UK into the query and W_UV into the output; attend over the latent
-                # in the dtype matmul multiplies in (float32 on CPU, where the BF16 products are slow), rounded
-                # to the compute dtype once, at the end
-                product_dtype = w_uk_t.dtype
-                q_lat = torch.bmm(w_uk_t, cast(q_nope[rows], product_dtype).permute(1, 2, 0))  # [heads, lora, 1]
-                query = torch.cat([q_lat.transpose(1, 2), cast(q_pe[rows].transpose(0, 1), product_dtype)], dim=-1)
-                ctx = cast(ctx, product_dtype)  # [heads, 1, lora + rope] against keys and values shared by all heads
-                o_lat = attention(query, ctx, ctx[:, :lora], scale, allowed)
-                outs.append(cast(torch.bmm(w_uv, o_lat.transpose(1, 2)).permute(2, 0, 1), x.dtype))  # [1, heads, v]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs) if outs else x.new_empty(0, heads, cfg.v_head_dim)
-        o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+        # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
+        decode, v_dim = meta.decode, cfg.v_head_dim
+        if decode is not None and decode.rows is None and len(meta.seqs) == decode.slots.shape[0]:
+            out = self.decode(q_nope, q_pe, q_resid, index_k_w, step_rope, cache, layer, decode, scale)
+        else:
+            out = x.new_empty(x.shape[0], heads, v_dim)
+            for seq in meta.seqs:
+                if seq.query_len > 1:
+                    rows = slice(seq.start, seq.stop)
+                    out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows],
+                                             [w[rows] for w in index_k_w], step_rope, rows, cache, layer, seq, scale)
+            if decode is not None:
+                pick = slice(0, decode.slots.shape[0]) if decode.rows is None else decode.rows
+                out[pick] = self.decode(q_nope[pick], q_pe[pick], q_resid[pick], [w[pick] for w in index_k_w],
+                                        step_rope, cache, layer, decode, scale, pick)
+        o = self.wo(out.reshape(x.shape[0], heads * v_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
+
+    def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
+                seq, scale: float) -> torch.Tensor:
+        """One sequence's chunk of S > 1 queries: the latent expanded into per-head keys and values -> [S, heads,
+        v], in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are emulated and
+        several times slower), rounded to the compute dtype once, at the end."""
+        cfg, heads, lora = self.cfg, self.heads, self.cfg.kv_lora_rank
+        (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
+        allowed = seq.causal  # [S, C] True where a query may look
+        # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
+        # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
+        if self.indexer is not None and seq.context_len > cfg.index_topk:
+            top = self.indexer.select(q_resid, index_k_w[1], step_rope.index_cos[rows], step_rope.index_sin[rows],
+                                      cache, layer, seq, allowed)
+            chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
+            chosen.scatter_(-1, top, True)  # each query has its own choice: a mask over the whole context
+            allowed = allowed & chosen  # new: seq.causal is shared by layers
+        product_dtype = self.w_uk_t.dtype
+        ctx = cast(ctx, product_dtype)
+        ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
+        k_nope = torch.einsum("cl,hln->hcn", ctx_c, self.w_uk_t)
+        values = torch.einsum("cl,hvl->hcv", ctx_c, self.w_uv)
+        keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
+        query = cast(torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1), product_dtype)
+        return cast(attention(query, keys, values, scale, allowed).transpose(0, 1), q_nope.dtype)
+
+    def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, cache: LatentCache, layer: int,
+               decode: DecodeRows, scale: float, rows=None) -> torch.Tensor:
+        """B one-token sequences at once: W_UK absorbed into the queries and W_UV into the outputs, every head
+        attending over the latent itself -> [B, heads, v]. In the dtype matmul multiplies in (float32 on CPU,
+        where the BF16 products are slow), rounded to the compute dtype once, at the end. rows: the decode rows
+        of the step (None: its first B rows), for the rotary tables."""
+        cfg, lora = self.cfg, self.cfg.kv_lora_rank
+        slots, valid = decode.slots, decode.valid  # [B, C]
+        if self.indexer is not None and decode.max_context > cfg.index_topk:
+            # V3.2: each query attends over its index_topk chosen positions only, [B, index_topk, lora + rope]
+            cos, sin = step_rope.index_cos, step_rope.index_sin
+            if rows is not None:
+                cos, sin = cos[rows], sin[rows]
+            top = self.indexer.select_decode(q_resid, index_k_w[1], cos, sin, cache, layer, decode)
+            slots = slots.gather(1, top)
+            valid = None if valid is None else valid.gather(1, top)
+            ctx = cache.read_slots(layer, "c_kv_k_pe", slots)
+        else:
+            ctx = cache.read_decode(layer, decode, "c_kv_k_pe")  # [B, C, lora + rope]
+        product_dtype = self.w_uk_t.dtype
+        ctx = cast(ctx, product_dtype)
+        q_lat = torch.bmm(self.w_uk_t, cast(q_nope, product_dtype).permute(1, 2, 0))  # [heads, lora, B]
+        query = torch.cat([q_lat.permute(2, 0, 1), cast(q_pe, product_dtype)], dim=-1)  # [B, heads, lora + rope]
+        # the heads are one sequence's queries against the keys and values all of them share: [B, heads, lora]
+        o_lat = attention(query, ctx, ctx[..., :lora], scale, None if valid is None else valid[:, None],
+                          one_token=True)
+        return cast(torch.bmm(self.w_uv, o_lat.permute(1, 2, 0)).permute(2, 0, 1), q_nope.dtype)  # [B, heads, v]
 
 
 class Indexer:
@@ -135,24 +165,45 @@ class Indexer:
         cache.write(layer, meta, index_k=k)
 
     def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
-        """head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k] per query the context
-        positions of its top k = min(index_topk, C) index scores."""
-        cfg = self.cfg
-        heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        q = apply_rope_prefix(self.wq_b(q_resid).view(-1, heads, dim), cos, sin, cfg.qk_rope_head_dim)
+        """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
+        per query the context positions of its top k = min(index_topk, C) index scores."""
+        q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
-        # mm / bmm rather than the equivalent einsum or matmul (which fold to these): the same products, without
-        # their per-call setup, and the scaling and relu in place on the product, a new tensor
-        scores = torch.mm(q.float().view(-1, dim), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
-        scores.mul_(dim ** -0.5).relu_()  # [S, heads, C]
-        head_weights = head_weights.float() * heads ** -0.5  # [S, heads] (.float() may return the input itself)
-        index = torch.bmm(head_weights[:, None], scores)[:, 0]  # [S, 1, heads] @ [S, heads, C] -> [S, C]
-        if allowed is not None:
-            index = index.masked_fill(~allowed, float("-inf"))
-        # relu leaves ties (often several positions at exactly 0): a stable sort breaks them by position, so the
-        # choice does not depend on how many queries this call holds (chunked prefill, decode) as topk's may
+        # mm rather than the equivalent einsum or matmul (which fold to it): the same product without their
+        # per-call setup
+        scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
+        return self.top(self.index(scores, head_weights).masked_fill(~allowed, float("-inf")))
+
+    def select_decode(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int,
+                      decode: DecodeRows) -> torch.Tensor:
+        """B one-token sequences at once, their contexts padded to the longest (a padded position scores -inf,
+        after every real one, so a context shorter than index_topk keeps all its positions and pads the rest).
+        -> [B, k] positions, k = min(index_topk, longest context)."""
+        q = self.queries(q_resid, cos, sin)  # [B, heads, dim]
+        keys = cache.read_decode(layer, decode, "index_k")  # [B, C, dim]
+        scores = torch.bmm(q.float(), cast(keys, torch.float32).transpose(1, 2))  # [B, heads, C]
+        index = self.index(scores, head_weights)
+        return self.top(index if decode.valid is None else index.masked_fill(~decode.valid, float("-inf")))
+
+    def queries(self, q_resid, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        q = self.wq_b(q_resid).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        return apply_rope_prefix(q, cos, sin, cfg.qk_rope_head_dim)
+
+    def index(self, scores: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """scores [N, heads, C] (float32, a new tensor: scaled and relu'd in place), head_weights [N, heads] ->
+        the index scores [N, C]: relu(q . k / sqrt(dim)) summed over heads with weights / sqrt(heads)."""
+        heads, dim = self.cfg.index_n_heads, self.cfg.index_head_dim
+        scores.mul_(dim ** -0.5).relu_()
+        head_weights = head_weights.float() * heads ** -0.5  # (.float() may return the input itself)
+        return torch.bmm(head_weights[:, None], scores)[:, 0]  # [N, 1, heads] @ [N, heads, C] -> [N, C]
+
+    def top(self, index: torch.Tensor) -> torch.Tensor:
+        """[N, C] -> [N, min(index_topk, C)] the positions of each row's best scores. relu leaves ties (often
+        several positions at exactly 0): a stable sort breaks them by position, so the choice does not depend on
+        how many queries a call holds (chunked prefill, decode) as topk's may."""
         top = index.sort(dim=-1, descending=True, stable=True).indices
-        return top[:, :min(cfg.index_topk, index.shape[-1])]  # [S, k] context positions
+        return top[:, :min(self.cfg.index_topk, index.shape[-1])]
 
 
 class MoE:
@@ -200,7 +251,8 @@ class DeepseekV3:
                                 Attention(cfg, w, f"{p}.self_attn", dist, dtype),
                                 RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
         self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
-        self.head = w.take("lm_head.weight").to(dtype)  # [vocab / tp, hidden]: this rank's vocabulary rows
+        # [vocab / tp, hidden]: this rank's vocabulary rows
+        self.head = w.take("lm_head.weight").to(float_weight_dtype(dtype, dist.device))
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import math
 import os
@@ -147,6 +148,20 @@ async def run_static(client, model, requests, arrivals, concurrency) -> tuple[li
         await asyncio.sleep(max(0.0, started + ready - time.perf_counter()))
         results += await asyncio.gather(*(send(client, model, r) for r in batch))
     return results, time.perf_counter() - started
+
+
+def step_bound(requests: list[BenchRequest], concurrency: int) -> dict:
+    """The most continuous batching can gain on these requests, from their output lengths alone: the steps each
+    mode takes if every step costs the same, whatever it holds, and prompts cost nothing. Static: each batch
+    takes as many steps as its longest output. Continuous: `concurrency` slots, each request taking the next free
+    slot in arrival order for as many steps as its output; the run ends with its last request. Any engine whose
+    steps cost more with more sequences in them, or whose prompts take time, gets less than this ratio."""
+    outputs = [r.output_len for r in requests]
+    static = sum(max(outputs[i:i + concurrency]) for i in range(0, len(outputs), concurrency))
+    slots = [0] * min(concurrency, len(outputs))
+    for n in outputs:
+        heapq.heapreplace(slots, slots[0] + n)  # the earliest free slot takes the next request
+    return {"static_steps": static, "continuous_steps": max(slots), "ratio": static / max(slots)}
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -299,7 +314,7 @@ async def compare_batching(url: str, args, requests, arrivals) -> dict:
     return rounds
 
 
-def report_batching(rounds: dict, args) -> dict:
+def report_batching(rounds: dict, args, requests: list[BenchRequest]) -> dict:
     best = {name: max(runs, key=lambda s: s["request_throughput"]) for name, runs in rounds.items()}
     ratio = best["continuous"]["request_throughput"] / best["static"]["request_throughput"]
     per_round = [c["request_throughput"] / s["request_throughput"]
@@ -311,7 +326,12 @@ def report_batching(rounds: dict, args) -> dict:
     print_summary("continuous batching", best["continuous"])
     print(f"continuous / static request throughput: {ratio:.2f}x (target >= {CONTINUOUS_TARGET}x); round by round: "
           f"{', '.join(f'{r:.2f}x' for r in per_round)} (median {float(np.median(per_round)):.2f}x)")
-    return {"static": best["static"], "continuous": best["continuous"], "ratio": ratio, "round_ratios": per_round}
+    bound = step_bound(requests, args.max_concurrency)
+    print(f"bound from the output lengths (equal-cost steps, free prompts): {bound['static_steps']} static steps / "
+          f"{bound['continuous_steps']} continuous steps = {bound['ratio']:.2f}x; measured / bound "
+          f"{ratio / bound['ratio']:.2f}")
+    return {"static": best["static"], "continuous": best["continuous"], "ratio": ratio, "round_ratios": per_round,
+            "bound": bound}
 
 
 async def dp_run(url: str, args, requests, arrivals) -> dict:
@@ -390,7 +410,7 @@ def bench() -> int:
     elif args.url:
         figures["machine"] = machine(None)
         print_machine(figures["machine"], None)
-        figures.update(report_batching(asyncio.run(compare_batching(args.url, args, requests, arrivals)), args))
+        figures.update(report_batching(asyncio.run(compare_batching(args.url, args, requests, arrivals)), args, requests))
     else:
         shards = args.shards or shards_for(args.work, args.family, Layout(1, 1, 1, 1))
         world = load_manifest(shards)["layout"]["world_size"]
@@ -399,7 +419,7 @@ def bench() -> int:
         print(f"serving {shards} ({world} ranks, {args.dtype})", flush=True)
         with serving(shards, args.work / "serve.log", *flags) as url:
             rounds = asyncio.run(compare_batching(url, args, requests, arrivals))
-        figures.update(report_batching(rounds, args))
+        figures.update(report_batching(rounds, args, requests))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     failed = sum(figures[k]["failed"] for k in ("static", "continuous", "least-loaded", "round-robin") if k in figures)

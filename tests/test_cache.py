@@ -18,8 +18,10 @@ def test_reads_return_every_position_in_order_for_consecutive_and_scattered_bloc
     lengths = {0: 0, 1: 0, 2: 0, 3: 0}
     consecutive_seen, scattered_seen = set(), set()
     # a prefill alone (a range write of 6 rows), a batched prefill, decode steps of three sequences interleaved
-    # (their blocks end up scattered), steps of sequence 2 alone (one token: a range write), a multi-token step
-    steps = [[(3, 6)], [(0, 3), (1, 6), (2, 9)]] + [[(0, 1), (1, 1), (2, 1)]] * 6 + [[(2, 1)]] * 3 + [[(0, 5)]]
+    # (their blocks end up scattered), steps of sequence 2 alone (one token: a range write), a multi-token step,
+    # and decodes after a prefill chunk (their rows not the step's first)
+    steps = [[(3, 6)], [(0, 3), (1, 6), (2, 9)]] + [[(0, 1), (1, 1), (2, 1)]] * 6 + [[(2, 1)]] * 3 + [[(0, 5)]] + \
+        [[(0, 2), (3, 1), (1, 1)]]
     for new_tokens in steps:
         meta = cache.step(new_tokens)
         values = torch.tensor([row(seq_id, lengths[seq_id] + i) for seq_id, n in new_tokens for i in range(n)],
@@ -34,7 +36,31 @@ def test_reads_return_every_position_in_order_for_consecutive_and_scattered_bloc
             for layer in range(2):
                 (got,) = cache.read(layer, seq, "a")
                 assert torch.equal(got, expected + layer), (new_tokens, seq.seq_id, layer)
+        check_decode_reads(cache, meta)
     assert consecutive_seen and scattered_seen  # both read paths ran
+
+
+def check_decode_reads(cache, meta):
+    """The step's one-token sequences read together: each row its own context, padded to the longest."""
+    decodes = [seq for seq in meta.seqs if seq.query_len == 1]
+    if not decodes:
+        assert meta.decode is None
+        return
+    decode = meta.decode
+    rows = [seq.start for seq in decodes]
+    assert (decode.rows is None and rows == list(range(len(rows)))) or decode.rows.tolist() == rows
+    longest = max(seq.context_len for seq in decodes)
+    assert decode.max_context == longest
+    for layer in range(2):
+        padded = cache.read_decode(layer, decode, "a")
+        assert padded.shape == (len(decodes), longest, DIM)
+        for b, seq in enumerate(decodes):
+            (own,) = cache.read(layer, seq, "a")
+            assert torch.equal(padded[b, :seq.context_len], own)
+            if decode.valid is not None:
+                assert decode.valid[b].tolist() == [p < seq.context_len for p in range(longest)]
+            else:
+                assert seq.context_len == longest
 
 
 def test_first_slot_only_for_consecutive_ranges():

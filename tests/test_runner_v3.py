@@ -101,6 +101,34 @@ def test_batch_of_different_lengths_equals_each_alone(pair):
     assert greedy(model, cache, prompts, new_tokens, eos_id=None) == alone
 
 
+def test_decodes_beside_prefills_equal_each_alone(pair):
+    # a step whose one-token sequences (attended together, padded to the longest context) are not its first rows:
+    # a prefill chunk comes first and another between them; contexts below and above V3.2's index_topk of 8
+    ours, _ = pair
+    model, _, cfg = ours()
+    short, long_, fresh, other = (prompt(cfg.vocab_size, n, seed=n) for n in (3, 30, 17, 11))
+
+    def last_logits(model, cache, steps):
+        """Runs steps of (seq_id, tokens); -> each step's last-row logits per sequence."""
+        out = []
+        for step in steps:
+            meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in step])
+            ids = torch.tensor([t for _, tokens in step for t in tokens])
+            with torch.no_grad():
+                logits = model.forward(ids, meta, cache, rows=meta.last_rows)
+            out.append({seq_id: logits[i] for i, (seq_id, _) in enumerate(step)})
+        return out
+
+    steps = [[(0, short), (1, long_)], [(2, fresh), (0, [7]), (3, other), (1, [9])]]
+    together = last_logits(model, ours()[1], steps)[1]
+    for seq_id in (0, 1):  # each decode alone: its prompt, then its one token
+        alone = last_logits(model, ours()[1], [[(seq_id, dict(s)[seq_id])] for s in steps])[1][seq_id]
+        torch.testing.assert_close(together[seq_id], alone, rtol=1e-5, atol=1e-5)
+    for seq_id, tokens in ((2, fresh), (3, other)):
+        alone = last_logits(model, ours()[1], [[(seq_id, tokens)]])[0][seq_id]
+        torch.testing.assert_close(together[seq_id], alone, rtol=1e-5, atol=1e-5)
+
+
 # What the README reports for this fixture (random weights, fixed seed): logits cosine 0.99795 (V3) and 0.99781
 # (V3.2); greedy tokens equal to BF16's for the first 4 (V3) and 20 (V3.2) of 20. Random weights leave near-ties
 # between top tokens, so agreement is asserted with a margin below what was measured.
