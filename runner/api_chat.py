@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from dsconv.errors import InputError
 from dsconv.runner.api_choice import Choice, Detokenizer, EngineError, chat_logprobs, split_reasoning
 from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
-from dsconv.runner.api_schema import (APIError, ChatCompletionRequest, chat_messages, check_common,
+from dsconv.runner.api_schema import (ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.runner.chat import encode_chat
 
@@ -91,7 +91,7 @@ class ChatCompletion:
         except ClientGone:
             return
         except EngineError as exc:
-            yield sse(APIError(500, f"the engine failed: {exc}").body())
+            yield sse(exc.api_error().body())
         yield DONE
 
     def _chunk(self, delta: dict, logprobs: dict | None, finish: str | None) -> dict:

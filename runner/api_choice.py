@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsconv.runner.api_schema import APIError
 from dsconv.runner.chat import END_THINK
 from dsconv.runner.requests import FINISH_ABORT, FINISH_STOP, RequestOutput, TokenLogprob
 
@@ -14,7 +15,17 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens with t
 
 
 class EngineError(Exception):
-    """The engine gave up on a request (its final output carried an error)."""
+    """The engine gave up on a request (its final output carried an error), or refused it as it began to drain
+    (unavailable: a 503, which a client may retry elsewhere)."""
+
+    def __init__(self, message: str, unavailable: bool = False):
+        super().__init__(message)
+        self.unavailable = unavailable
+
+    def api_error(self) -> APIError:
+        if self.unavailable:
+            return APIError(503, f"{self}; takes no new requests")
+        return APIError(500, f"the engine failed: {self}")
 
 
 class Detokenizer:
@@ -107,7 +118,7 @@ class Choice:
             self.finish_reason, self.done, self.stopped_here = FINISH_STOP, True, not out.finished
         elif out.finished:
             if out.finish_reason == FINISH_ABORT:
-                raise EngineError(out.error or "the engine aborted the request")
+                raise EngineError(out.error or "the engine aborted the request", out.unavailable)
             self.finish_reason, self.done = out.finish_reason, True
 
     def ready_text(self) -> str:

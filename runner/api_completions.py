@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from dsconv.errors import InputError
 from dsconv.runner.api_choice import (Choice, Detokenizer, EngineError, completion_logprobs, prompt_offsets)
 from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
-from dsconv.runner.api_schema import (COMPLETION_MAX_TOKENS, APIError, CompletionRequest, check_common,
+from dsconv.runner.api_schema import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
                                       check_token_id, sampling_params, stop_strings)
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class Completion:
         except ClientGone:
             return
         except EngineError as exc:
-            yield sse(APIError(500, f"the engine failed: {exc}").body())
+            yield sse(exc.api_error().body())
         yield DONE
 
     def _chunk(self, choice: Choice) -> dict | None:

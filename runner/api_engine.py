@@ -17,7 +17,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsconv.runner.api_choice import Choice, EngineError
-from dsconv.runner.api_schema import APIError
 from dsconv.runner.requests import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -154,7 +153,7 @@ async def answer(requests: EngineRequests, response, choices: list[Choice], stre
             pass
         return JSONResponse(response.response())
     except EngineError as exc:
-        raise APIError(500, f"the engine failed: {exc}") from None
+        raise exc.api_error() from None
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
     finally:

@@ -122,7 +122,7 @@ class EngineClient:
             request_id, prompt, params, on_output, dp_rank = args
             if self._draining.is_set():
                 _deliver(on_output, RequestOutput(request_id, len(prompt), finished=True, finish_reason="abort",
-                                                  error="the server is shutting down"))
+                                                  error="the server is shutting down", unavailable=True))
                 return
             self.core.scheduler.add(request_id, prompt, params, on_output, dp_rank)
         elif kind == "abort":

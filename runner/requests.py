@@ -68,3 +68,4 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # FINISH_STOP (EOS or a stop token), FINISH_LENGTH, FINISH_ABORT
     error: str | None = None  # set when the engine gave up on the request (finish_reason FINISH_ABORT)
+    unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from dsconv.convert.arch import families
 from dsconv.errors import InputError
+from dsconv.runner import api
 from dsconv.runner.api import create_app
 from dsconv.runner.api_choice import Detokenizer, partial_tail, split_reasoning
 from dsconv.runner.requests import NotAccepting
@@ -440,6 +441,37 @@ def test_draining_between_our_check_and_submit_is_a_503():
 
     client, _ = make_client(Racing())
     assert "shutting down" in assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+
+
+def test_request_refused_as_draining_begins_is_a_503():
+    # submit() took it, then the engine loop saw the drain before running it (runner/frontend.py)
+    class Refusing(FakeEngine):
+        def submit(self, prompt_ids, params, on_output, dp_rank=None):
+            on_output(RequestOutput("req-x", len(prompt_ids), finished=True, finish_reason=FINISH_ABORT,
+                                    error="the server is shutting down", unavailable=True))
+            return "req-x"
+
+    client, _ = make_client(Refusing())
+    assert "shutting down" in assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+    body = client.post("/v1/completions", json={"prompt": "x", "stream": True}).text
+    assert '"code": 503' in body and body.endswith("data: [DONE]\n\n"), body
+
+
+def test_body_over_the_limit_is_a_413(monkeypatch):
+    monkeypatch.setattr(api, "MAX_BODY_BYTES", 1000)
+    client, engine = make_client(FakeEngine())
+    big = {"prompt": "x" * 2000, "max_tokens": 1}
+    assert "larger than 1000 bytes" in assert_error(client.post("/v1/completions", json=big), 413)
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * 100
+        yield b'"}'
+    assert_error(client.post("/v1/completions", content=chunked()), 413)
+    assert_error(client.post("/tokenize", json={"prompt": "z" * 2000}), 413)
+    assert not engine.submitted
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_metrics_text():
