@@ -34,7 +34,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
     mask: None (every key allowed), or [S, T] / [B, S, T], bool (True = allowed) or additive float.
     A query row must allow at least one key (a fully masked row gives NaN) unless it has a sink.
-    sinks: None, or float [H], each head's extra logit (its probability mass dropped).
+    sinks: None, or float [H], each head's extra logit (its probability mass dropped); with one_token, one per
+    query of the S axis (the token's heads).
 
     Prefill without sinks runs torch's SDPA, equal to the reference within float rounding (it does not round
     the scores to BF16 before the softmax), and far faster than the formula at long prompts. Decode (S = 1, or
@@ -46,20 +47,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """
     mask = _head_broadcast(mask, q)
     if is_npu(q):
-        return _attention_formula(q, k, v, scale, mask, sinks, torch.matmul)
+        return _attention_formula(q, k, v, scale, mask, sinks, torch.matmul, one_token)
     if q.shape[-2] == 1 or one_token or sinks is not None:
-        return _attention_formula(q, k, v, scale, mask, sinks, matmul)
+        return _attention_formula(q, k, v, scale, mask, sinks, matmul, one_token)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    return _attention_formula(q, k, v, scale, _head_broadcast(mask, q), sinks, torch.matmul)
+                        mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                        one_token: bool = False) -> torch.Tensor:
+    return _attention_formula(q, k, v, scale, _head_broadcast(mask, q), sinks, torch.matmul, one_token)
 
 
-def _attention_formula(q, k, v, scale, mask, sinks, product) -> torch.Tensor:
+def _attention_formula(q, k, v, scale, mask, sinks, product, one_token: bool = False) -> torch.Tensor:
     """The reference's steps with `product` for its two matmuls: torch.matmul (the reference) or kernels.linear's
-    matmul (the same rounding points, float32 products on CPU)."""
+    matmul (the same rounding points, float32 products on CPU). one_token: q's heads are on its S axis."""
     scores = product(q, k.transpose(-1, -2)) * scale  # [B?, H, S, T] in q's dtype
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -68,7 +70,8 @@ def _attention_formula(q, k, v, scale, mask, sinks, product) -> torch.Tensor:
     if sinks is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:  # each head's sink joins its softmax as one more logit, whose probability is then dropped
-        sink_logits = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)  # [B?, H, S, 1]
+        per_head = sinks.float()[:, None] if one_token else sinks.float()[:, None, None]  # heads on S, or on H
+        sink_logits = per_head.expand(*scores.shape[:-1], 1)  # [B?, H, S, 1]
         probs = torch.softmax(torch.cat([scores.float(), sink_logits], dim=-1), dim=-1)[..., :-1]
     return product(cast(probs, q.dtype), v)
 

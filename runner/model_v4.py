@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
-from dsconv.runner.cache import StepMeta
+from dsconv.runner.cache import SeqStep, StepMeta
 from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
 from dsconv.runner.dist import Dist
 from dsconv.runner.layers import (GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, float_weight_dtype,
@@ -71,13 +72,18 @@ class Compressor:
         self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
         self.norm = norm(w, f"{prefix}.norm.weight", cfg)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """x [T, hidden] at consecutive positions, the state's next -> every entry so far [n, head_dim].
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (any sequences' rows) -> each row's (kv, gate + its window slot's bias), [T, series *
+        head_dim]: what __call__ pools."""
+        return self.wkv(x), self.wgate(x).float() + self.ape[positions % self.ratio]
 
-        The new rows join the unfinished window; each window they complete is pooled into one entry."""
+    def __call__(self, new_kv: torch.Tensor, new_gate: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """One sequence's projected rows (`project`) at consecutive positions, the state's next -> every entry so
+        far [n, head_dim]. The new rows join the unfinished window; each window they complete is pooled into one
+        entry."""
         ratio, d = self.ratio, self.head_dim
-        kv = torch.cat([state.kv, self.wkv(x)])
-        gate = torch.cat([state.gate, self.wgate(x).float() + self.ape[positions % ratio]])
+        kv = torch.cat([state.kv, new_kv])
+        gate = torch.cat([state.gate, new_gate])
         n = kv.shape[0] // ratio
         state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
         if n == 0:
@@ -91,7 +97,7 @@ class Compressor:
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
-        cos, sin = self.rope(torch.arange(state.count, state.count + n, device=x.device) * ratio)
+        cos, sin = self.rope(torch.arange(state.count, state.count + n, device=kv.device) * ratio)
         return state.append(rope_tail(self.norm(pooled), cos, sin))
 
 
@@ -105,18 +111,25 @@ class Indexer:
         self.compressor = Compressor(cfg, w, f"{prefix}.compressor", cfg.csa_compress_rate, cfg.index_head_dim,
                                      True, rope, dtype)
 
-    def select(self, x, q_resid, complete: torch.Tensor, cos, sin, positions, state: CompressorState) -> torch.Tensor:
-        """complete [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
+    def project(self, x, q_resid, cos, sin, positions) -> tuple[torch.Tensor, ...]:
+        """Any sequences' rows -> per row (queries [T, heads, dim], head weights [T, heads], the compressor's
+        projected kv and gate): what `select` takes, one sequence's rows of each."""
         cfg = self.cfg
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        keys = self.compressor(x, positions, state)  # [n, dim]
         q = rope_tail(self.wq_b(q_resid).view(-1, heads, dim), cos[:, None], sin[:, None])
+        head_weights = self.weights_proj(x).float() * heads**-0.5
+        return q, head_weights, *self.compressor.project(x, positions)
+
+    def select(self, q, head_weights, new_kv, new_gate, complete: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """One sequence's projected rows (`project`), complete [T, n] bool (entry s pools only tokens <= t) ->
+        chosen [T, n] bool."""
+        dim = self.cfg.index_head_dim
+        keys = self.compressor(new_kv, new_gate, state)  # [n, dim]
         scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
-        head_weights = self.weights_proj(x).float() * heads**-0.5  # [T, heads]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
         # relu leaves ties (often several entries at exactly 0): a stable sort breaks them by entry order, so
         # the choice does not depend on how many queries or entries this call holds (topk's order is unspecified)
-        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
@@ -141,9 +154,12 @@ class Attention:
         if attn_type is AttnType.CSA:
             self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """x [T >= 1, hidden]: one sequence's new rows at consecutive positions, continuing `state` ->
-        [T, hidden]. positions [T] on the device; the state's window holds the positions just before them."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep],
+                 states: list[LayerState]) -> torch.Tensor:
+        """x [T, hidden]: the step's rows, each sequence's (seqs[i].start .. stop) at consecutive positions
+        continuing its states[i] -> [T, hidden]. The projections run once over all rows; each sequence builds its
+        keys from its own state; a sequence's chunk of several rows attends alone, the one-row sequences (decode)
+        in one call over their keys padded to the longest."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -151,31 +167,58 @@ class Attention:
         q = unweighted_rms_norm(self.wq_b(q_resid).view(T, heads, head_dim), cfg.rms_norm_eps)
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
+        # the compressors' and the indexer's projections of every row, each sequence's rows pooled by its state
+        compress = () if self.compressor is None else self.compressor.project(x, positions)
+        index = () if self.indexer is None else self.indexer.project(x, q_resid, cos, sin, positions)
+        out = q.new_empty(T, heads, head_dim)
+        decodes: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, keys [K, head_dim], allowed [K])
+        for seq, state in zip(seqs, states):
+            if not seq.query_len:
+                continue
+            rows = slice(seq.start, seq.stop)
+            keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
+                                      [t[rows] for t in index], state)
+            if seq.query_len == 1:
+                decodes.append((seq.start, keys, allowed[0]))
+            else:  # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
+                out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
+                                      sinks=self.sinks).transpose(0, 1)
+        if decodes:
+            rows = torch.tensor([row for row, _, _ in decodes], device=x.device)
+            keys = pad_sequence([k for _, k, _ in decodes], batch_first=True)  # [B, K, head_dim], zero rows padded
+            allowed = pad_sequence([a for _, _, a in decodes], batch_first=True)  # [B, K], padding not allowed
+            # each sequence's heads are its queries: [B, heads, head_dim] against its own keys
+            out[rows] = attention(q[rows], keys, keys, head_dim**-0.5, allowed[:, None], sinks=self.sinks,
+                                  one_token=True)
+        # the value carried its key's rotation: rotating back by the query's position leaves the relative one
+        out = rope_tail(out, cos[:, None], -sin[:, None])
+        grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
+        return self.wo_b(grouped.flatten(1))
 
+    def keys(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor],
+             state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's S new rows (their keys kv [S, head_dim], their rows of the compressor's and the
+        indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its compressed
+        entries; allowed [S, K]: which of them each query sees)."""
+        cfg = self.cfg
         kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
         key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
         state.window = kv[-cfg.sliding_window:].clone()
-        offset = positions[:, None] - key_positions[None, :]  # [T, K] query minus key position
+        offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
         allowed = (offset >= 0) & (offset < cfg.sliding_window)
         if self.compressor is not None:
-            entries = self.compressor(x, positions, state.compressor)  # [n, head_dim]
+            entries = self.compressor(*compress, state.compressor)  # [n, head_dim]
             # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
             entry = torch.arange(entries.shape[0], device=positions.device)
-            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [T, n]
+            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
             if self.indexer is not None:
-                complete = self.indexer.select(x, q_resid, complete, cos, sin, positions, state.indexer)
-                if T == 1:  # decode: attend over the chosen index_topk entries only, not all history / 4
+                complete = self.indexer.select(*index, complete, state.indexer)
+                if positions.shape[0] == 1:  # decode: only the chosen index_topk entries
                     entries = entries[complete[0]]
                     complete = complete[:, complete[0]]
             kv = torch.cat([kv, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
-
-        # [T, heads, head_dim]: every head attends over the one key = value row per position, with its sink
-        out = attention(q.transpose(0, 1), kv, kv, head_dim**-0.5, allowed, sinks=self.sinks).transpose(0, 1)
-        # the value carried its key's rotation: rotating back by the query's position leaves the relative one
-        out = rope_tail(out, cos[:, None], -sin[:, None])
-        grouped = self.wo_a(out.reshape(T, cfg.o_groups, -1))  # [T, groups, o_lora_rank]
-        return self.wo_b(grouped.flatten(1))
+        return kv, allowed
 
 
 class MoE:
@@ -274,14 +317,11 @@ class Block:
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 
     def __call__(self, streams, tokens, meta: StepMeta, states: list[LayerState]) -> torch.Tensor:
-        """Attention runs per sequence on its rows and state (none sees another's); everything else, the MoE's
-        EP exchange included, runs once over all rows."""
+        """Attention's keys come from each sequence's own rows and state (none sees another's); everything else,
+        the MoE's EP exchange included, runs once over all rows."""
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
-        attn = [self.attn(x[seq.start:seq.stop], meta.positions[seq.start:seq.stop], state)
-                for seq, state in zip(meta.seqs, states) if seq.query_len]
-        attn_out = torch.cat(attn) if attn else torch.zeros_like(x)  # a rank without tokens: zero rows
-        streams = HyperConnection.merge(streams, post, comb, attn_out)
+        streams = HyperConnection.merge(streams, post, comb, self.attn(x, meta.positions, meta.seqs, states))
         post, comb, x = self.hc_ffn(streams)
         return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
 
