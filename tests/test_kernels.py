@@ -12,10 +12,11 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from dsconv.kernels.attention import attention, attention_reference, causal_mask
-from dsconv.kernels.device import require_torch_npu
+from dsconv.kernels.device import flush_denormals, require_torch_npu
 from dsconv.kernels.int8 import INT8_MAX
-from dsconv.kernels.linear import (EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear, linear_t, matmul,
-                                   matmul_dtype, quantize_activations, w8a8_linear, w8a8_linear_reference)
+from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear,
+                                   linear_t, matmul, matmul_dtype, quantize_activations, w8a8_linear,
+                                   w8a8_linear_reference)
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, grouped_mlp_reference, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_IN_FLOAT32, rms_norm, rms_norm_reference
 from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, rope_tail,
@@ -104,6 +105,28 @@ def test_linear_t_equals_linear(lead, x_dtype):
     out = linear_t(x, w.t())
     assert out.dtype == x_dtype and out.shape == (*lead, 48)
     assert torch.equal(out, linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 40])
+def test_linear_t_few_rows_equal_the_usual_product(rows):
+    """2 to CPU_FEW_ROWS rows run as (weight @ x.T).T on CPU: the same dot products, summed in another order."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(300, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+    out = linear_t(x, w.t())
+    assert out.shape == (rows, 300) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.mm(x.double(), w.double().t()).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_flush_denormals_zeroes_them_on_cpu():
+    tiny = torch.tensor([1e-39, 1e-30])  # a denormal float32, and a normal one
+    torch.set_flush_denormal(False)  # an earlier test's build_model may have set it in this process
+    assert tiny[0] != 0 and (tiny * 1.0)[0] != 0
+    flush_denormals(torch.device("cpu"))
+    try:
+        assert (tiny * 1.0).tolist() == [0.0, pytest.approx(1e-30)]
+    finally:
+        torch.set_flush_denormal(False)
+    assert (tiny * 1.0)[0] != 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
@@ -363,6 +386,26 @@ def test_attention_with_sinks(dtype, atol, s):
         kv4 = kv[None, None]  # [B, 1, K, D]: transformers' one KV head
         expected, _ = hf_v4.eager_attention_forward(module, q.transpose(0, 1)[None], kv4, kv4, additive, scaling=0.25)
         torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["mla", "sinks"])
+def test_one_token_batches_equal_each_sequence_alone(sinks):
+    """Batched decode: each sequence's heads as the S queries of one call against its own keys, padded to the
+    longest with the padding masked, equal one call per sequence ([heads, 1, D] against its keys)."""
+    gen = torch.Generator().manual_seed(21)
+    heads, d, lengths = 4, 16, [3, 9, 6]
+    q = torch.randn(len(lengths), heads, d, generator=gen)
+    keys = [torch.randn(n, d, generator=gen) for n in lengths]
+    head_sinks = torch.randn(heads, generator=gen) if sinks else None
+    padded = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, K, D]
+    allowed = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]  # [B, K]
+    got = attention(q, padded, padded, 0.3, allowed[:, None], sinks=head_sinks, one_token=True)
+    assert got.shape == (len(lengths), heads, d)
+    for b, k in enumerate(keys):
+        alone = attention(q[b][:, None], k, k, 0.3, sinks=head_sinks)[:, 0]  # [heads, D]
+        torch.testing.assert_close(got[b], alone, atol=1e-6, rtol=1e-5)
+        reference = attention_reference(q[b][:, None], k, k, 0.3, sinks=head_sinks)[:, 0]
+        torch.testing.assert_close(got[b], reference, atol=1e-6, rtol=1e-5)
 
 
 def test_attention_sink_takes_a_fully_masked_row():
