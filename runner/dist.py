@@ -11,12 +11,15 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
-from dsconv.kernels.linear import linear
+
+if TYPE_CHECKING:
+    from dsconv.runner.layers import Proj
 
 
 @dataclass
@@ -107,23 +110,23 @@ class Dist:
             back, _ = all_to_all_variable(out, received, self.groups.ep, recv_counts=sent)
         return back
 
-    def lm_head_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """h [rows, hidden] (this rank's own rows; DP ranks differ) and head [vocab / tp, hidden] (this rank's
-        vocabulary slice) -> [rows, vocab], the full logits of this rank's rows.
+    def lm_head_logits(self, h: torch.Tensor, head: Proj) -> torch.Tensor:
+        """h [rows, hidden] (this rank's own rows; DP ranks differ) and head, the projection by this rank's
+        vocabulary slice [vocab / tp, hidden] -> [rows, vocab], the full logits of this rank's rows.
 
         Every rank's rows are gathered (padded to the group's largest count), each rank computes its vocabulary
         slice for all of them, and an all-to-all hands each rank the slices of its own rows."""
         if self.tp == 1:
-            return linear(h, head)
+            return head(h)
         group = self.groups.tp
         with self._timed():
             counts = all_gather_cat(torch.tensor([h.shape[0]], device=h.device), group, dim=0)  # [tp] rows per rank
             most = int(counts.max())
             if most == 0:  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
-                return h.new_empty(0, head.shape[0] * group.size)
+                return h.new_empty(0, head.weight.shape[0] * group.size)
             padded = F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous()
             everyone = all_gather_cat(padded, group, dim=0)  # [tp * most, hidden], rank order
-        sliced = linear(everyone, head)  # [tp * most, vocab / tp]: my slice of everyone's logits
+        sliced = head(everyone)  # [tp * most, vocab / tp]: my slice of everyone's logits
         with self._timed():
             mine, _ = all_to_all_variable(sliced, [most] * group.size, group)  # slice i of my rows, from rank i
         return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:h.shape[0]]

@@ -3,8 +3,8 @@ three orders, rotary tables, the gated MLP and a rank's routed experts.
 
 The math lives in kernels/ (one function per primitive, each with a torch reference); a layer takes its weights
 by name from the rank's shards, holds them in the form its kernel takes (made once, at load) and calls it.
-Float weights are held in the dtype the projections multiply in (`float_weight_dtype`): the compute dtype on
-an accelerator, where a BF16 run keeps the mapped shard as is, and float32 on CPU, converted once at load.
+Float weights are used in the compute dtype (a BF16 run keeps the mapped shard as is); on CPU a BF16 run also
+holds float32 copies, made once at load, for products of several rows (`Proj`, kernels.moe.ExpertWeights).
 """
 
 from __future__ import annotations
@@ -24,28 +24,29 @@ from dsconv.runner.weights import RankWeights
 from dsconv.shard.placement import local_experts
 
 
-def float_weight_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a float (not INT8) projection weight is held in for compute dtype `dtype`: kernels.linear's
-    matmul dtype. On CPU a BF16 run multiplies in float32 (each projection's input converted, its output rounded
-    back to BF16 once: a BF16 GEMM's float32 accumulation, up to the order of the sums) with float32 copies of
-    the weights made at load, twice a BF16 copy's bytes and not memory-mapped. A CPU without BF16 instructions
-    (AVX2) emulates BF16 GEMMs at a cost that grows with every row: on 2 AVX2 cores, [8, 128] @ [128, 2048]
-    took 391 us in BF16 and 86 us in float32, [1088, 256] @ [256, 1024] 34 ms and 3.3 ms; one row costs about
-    the same either way. Elsewhere the weights stay in the compute dtype (a BF16 shard used as mapped)."""
-    return matmul_dtype_for(dtype, device)
-
-
 class Proj:
-    """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8)."""
+    """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8).
+
+    A float weight multiplies one row in the compute dtype and several rows in kernels.linear's matmul dtype.
+    They differ on CPU for BF16, where the products of several rows run on a float32 copy made at load (twice the
+    BF16 bytes, besides the BF16 weight): a CPU without BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that
+    grows with every row (on 2 AVX2 cores, [8, 128] @ [128, 2048] took 391 us in BF16 and 86 us in float32,
+    [1088, 256] @ [256, 1024] 34 ms and 3.3 ms), while one row, a matrix-vector product bound by the weight's
+    bytes, is faster from the BF16 weight (2048 x 128: 75 us against 131 us, weight out of cache). The float32
+    product rounded to BF16 once is what a BF16 GEMM with float32 accumulation computes, up to the order of the
+    sums."""
 
     def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
         weight = weights.take(f"{name}.weight")
         scale = weights.take_optional(f"{name}.weight_scale")
-        self._set(weight.to(float_weight_dtype(dtype, weight.device)) if scale is None else weight, scale)
+        self._set(weight.to(dtype) if scale is None else weight, scale)
 
     def _set(self, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
-        self.weight, self.scale = weight, scale
-        self.weight_t = weight.t() if scale is None else None  # a view, once: what kernels.linear.linear_t takes
+        self.scale, self.compute_weight = scale, weight
+        self.weight = weight if scale is not None else weight.to(matmul_dtype_for(weight.dtype, weight.device))
+        # views, once: what kernels.linear.linear_t takes, for one row and for several
+        self.row_weight_t = weight.t() if scale is None else None
+        self.weight_t = self.weight.t() if scale is None else None
 
     @classmethod
     def of(cls, weight: torch.Tensor, scale: torch.Tensor | None) -> "Proj":
@@ -64,7 +65,7 @@ class Proj:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return linear_t(x, self.weight_t)
+            return linear_t(x, self.row_weight_t if x.dim() == 2 and x.shape[0] == 1 else self.weight_t)
         return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
 
     def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +84,7 @@ class GroupedProj:
     def __init__(self, weights: RankWeights, name: str, groups: int, dtype: torch.dtype):
         proj = Proj(weights, name, dtype)
         scales = [None] * groups if proj.scale is None else proj.scale.chunk(groups)
-        self.groups = [Proj.of(weight, scale) for weight, scale in zip(proj.weight.chunk(groups), scales)]
+        self.groups = [Proj.of(weight, scale) for weight, scale in zip(proj.compute_weight.chunk(groups), scales)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, groups, in / groups] -> [T, groups, rank]."""
@@ -104,8 +105,7 @@ def _take_stacked(weights: RankWeights, names: list[list[str]],
         if stacked is None:
             first, int8 = parts[0][0], parts[0][1] is not None
             rows = sum(weight.shape[0] for weight, _ in parts)
-            stacked = torch.empty(len(names), rows, first.shape[1],
-                                  dtype=first.dtype if int8 else float_weight_dtype(dtype, first.device),
+            stacked = torch.empty(len(names), rows, first.shape[1], dtype=first.dtype if int8 else dtype,
                                   device=first.device)
             scales = torch.empty(len(names), rows, 1, dtype=torch.float32, device=first.device) if int8 else None
         start = 0

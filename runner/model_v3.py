@@ -20,7 +20,7 @@ from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.runner.cache import DecodeRows, LatentCache, StepMeta
 from dsconv.runner.dist import Dist
-from dsconv.runner.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope, float_weight_dtype
+from dsconv.runner.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.moe import expert_parallel
 from dsconv.runner.weights import RankWeights
 
@@ -252,7 +252,7 @@ class DeepseekV3:
                                 RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
         self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
         # [vocab / tp, hidden]: this rank's vocabulary rows
-        self.head = w.take("lm_head.weight").to(float_weight_dtype(dtype, dist.device))
+        self.head = Proj.of(w.take("lm_head.weight").to(dtype), None)
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()

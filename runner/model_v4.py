@@ -31,8 +31,7 @@ from dsconv.kernels.rope import rope_tail
 from dsconv.runner.cache import SeqStep, StepMeta
 from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
 from dsconv.runner.dist import Dist
-from dsconv.runner.layers import (GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, float_weight_dtype,
-                                  unweighted_rms_norm)
+from dsconv.runner.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.moe import expert_parallel
 from dsconv.runner.weights import RankWeights
 
@@ -339,7 +338,7 @@ class DeepseekV4:
         self.norm = norm(w, "norm.weight", cfg)
         head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
         # [vocab / tp, hidden]: this rank's vocabulary rows
-        self.head = head.to(float_weight_dtype(dtype, dist.device))
+        self.head = Proj.of(head.to(dtype), None)
         for name in [n for n in w.tensors if n.startswith("mtp.")]:
             w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
         w.finish()
