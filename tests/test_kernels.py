@@ -1,6 +1,9 @@
 """kernels/: each fast path against its plain reference, and each reference against transformers' own code."""
 
 import importlib.util
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from dsconv.kernels.attention import attention, attention_reference, causal_mask
-from dsconv.kernels.device import flush_denormals, require_torch_npu
+from dsconv.kernels.device import require_torch_npu
 from dsconv.kernels.int8 import INT8_MAX
 from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear,
                                    linear_t, matmul, matmul_dtype, quantize_activations, w8a8_linear,
@@ -118,15 +121,14 @@ def test_linear_t_few_rows_equal_the_usual_product(rows):
 
 
 def test_flush_denormals_zeroes_them_on_cpu():
-    tiny = torch.tensor([1e-39, 1e-30])  # a denormal float32, and a normal one
-    torch.set_flush_denormal(False)  # an earlier test's build_model may have set it in this process
-    assert tiny[0] != 0 and (tiny * 1.0)[0] != 0
-    flush_denormals(torch.device("cpu"))
-    try:
-        assert (tiny * 1.0).tolist() == [0.0, pytest.approx(1e-30)]
-    finally:
-        torch.set_flush_denormal(False)
-    assert (tiny * 1.0)[0] != 0
+    # in a fresh interpreter: a test before this one may have built a model, which flushes in its own thread
+    code = ("import json, torch; from dsconv.kernels.device import flush_denormals; "
+            "tiny = torch.tensor([1e-39, 1e-30]); before = (tiny * 1.0).tolist(); "
+            "flush_denormals(torch.device('cpu')); print(json.dumps([before, (tiny * 1.0).tolist()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after = json.loads(out)
+    assert before[0] != 0 and before[1] != 0  # 1e-39 is a denormal float32: kept, then flushed
+    assert after[0] == 0.0 and after[1] == pytest.approx(1e-30)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
