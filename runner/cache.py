@@ -22,6 +22,11 @@ from dsconv.kernels.device import cast
 from dsconv.runner.batch import Batch, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
+# The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
+# groups under it, so the gather stays bounded however long contexts grow. 65536 rows of V3's latent (576
+# values) are 151 MB in float32, 75 MB in BF16; V3.2's indexer keys (128 values) a quarter of that. A sequence
+# whose context alone is longer gets a group of its own, which gathers its context as a loop over sequences would.
+DECODE_GATHER_ROWS = 65536
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,10 @@ class SeqStep:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The step's one-token sequences (decodes), attended in one batched call: their contexts side by side,
-    each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over the
-    sequences reads their sum; it replaces a dozen calls per sequence and layer with a dozen per layer."""
+    """A group of the step's one-token sequences (decodes), attended in one batched call: their contexts side by
+    side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
+    the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
+    layer with a dozen per group and layer."""
     rows: torch.Tensor | None  # [B] their rows in the step; None when they are the step's rows 0 .. B - 1
     slots: torch.Tensor  # [B, max_context] the slots of positions 0 .. context_len - 1, padded with slot 0
     valid: torch.Tensor | None  # [B, max_context] True at a real position; None when no context is padded
@@ -63,7 +69,7 @@ class StepMeta:
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
-    decode: DecodeRows | None = None  # paged caches: the one-token sequences, when there are any
+    decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
 
     @property
     def last_rows(self) -> torch.Tensor | None:
@@ -146,12 +152,23 @@ class LatentCache:
             positions.append(torch.arange(start, context, device=self.device))
         step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
         return StepMeta(seqs, concat(positions, self.device), step_slots, _range_start(batch.slot_mapping),
-                        self._decode_rows(seqs))
+                        self._decode_groups(seqs))
 
-    def _decode_rows(self, seqs: list[SeqStep]) -> DecodeRows | None:
-        decodes = [seq for seq in seqs if seq.query_len == 1]
-        if not decodes:
-            return None
+    def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
+        """The one-token sequences in step order, a new group whenever the padded gather would pass
+        DECODE_GATHER_ROWS."""
+        groups: list[list[SeqStep]] = []
+        longest = 0  # the last group's longest context
+        for seq in (seq for seq in seqs if seq.query_len == 1):
+            if groups and (len(groups[-1]) + 1) * max(longest, seq.context_len) <= DECODE_GATHER_ROWS:
+                groups[-1].append(seq)
+                longest = max(longest, seq.context_len)
+            else:
+                groups.append([seq])
+                longest = seq.context_len
+        return tuple(self._decode_rows(group) for group in groups)
+
+    def _decode_rows(self, decodes: list[SeqStep]) -> DecodeRows:
         rows = [seq.start for seq in decodes]
         lens = [seq.context_len for seq in decodes]
         longest = max(lens)

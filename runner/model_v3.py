@@ -76,9 +76,9 @@ class Attention:
             self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
 
         # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
-        decode, v_dim = meta.decode, cfg.v_head_dim
-        if decode is not None and decode.rows is None and len(meta.seqs) == decode.slots.shape[0]:
-            out = self.decode(q_nope, q_pe, q_resid, index_k_w, step_rope, cache, layer, decode, scale)
+        decodes, v_dim = meta.decodes, cfg.v_head_dim
+        if len(decodes) == 1 and decodes[0].rows is None and len(meta.seqs) == decodes[0].slots.shape[0]:
+            out = self.decode(q_nope, q_pe, q_resid, index_k_w, step_rope, cache, layer, decodes[0], scale)
         else:
             out = x.new_empty(x.shape[0], heads, v_dim)
             for seq in meta.seqs:
@@ -86,7 +86,7 @@ class Attention:
                     rows = slice(seq.start, seq.stop)
                     out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows],
                                              [w[rows] for w in index_k_w], step_rope, rows, cache, layer, seq, scale)
-            if decode is not None:
+            for decode in decodes:
                 pick = slice(0, decode.slots.shape[0]) if decode.rows is None else decode.rows
                 out[pick] = self.decode(q_nope[pick], q_pe[pick], q_resid[pick], [w[pick] for w in index_k_w],
                                         step_rope, cache, layer, decode, scale, pick)

@@ -1,8 +1,10 @@
 """The paged latent cache: what a sequence reads back is what it wrote, position by position, whether its
 blocks are consecutive (read as a view of the cache) or scattered (gathered through its slots)."""
 
+import pytest
 import torch
 
+from dsconv.runner import cache as cache_module
 from dsconv.runner.cache import LatentCache
 
 BLOCK = 4
@@ -13,10 +15,14 @@ def row(seq_id: int, position: int) -> list[float]:
     return [seq_id, position, seq_id * 1000 + position]
 
 
-def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks():
+@pytest.mark.parametrize("gather_rows,groups", [(cache_module.DECODE_GATHER_ROWS, 1), (20, 3)],
+                         ids=["one-group", "groups"])
+def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks(gather_rows, groups, monkeypatch):
+    monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)  # 20: decodes split into several groups
     cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
     lengths = {0: 0, 1: 0, 2: 0, 3: 0}
     consecutive_seen, scattered_seen = set(), set()
+    most_groups = 0
     # a prefill alone (a range write of 6 rows), a batched prefill, decode steps of three sequences interleaved
     # (their blocks end up scattered), steps of sequence 2 alone (one token: a range write), a multi-token step,
     # and decodes after a prefill chunk (their rows not the step's first)
@@ -37,30 +43,35 @@ def test_reads_return_every_position_in_order_for_consecutive_and_scattered_bloc
                 (got,) = cache.read(layer, seq, "a")
                 assert torch.equal(got, expected + layer), (new_tokens, seq.seq_id, layer)
         check_decode_reads(cache, meta)
+        most_groups = max(most_groups, len(meta.decodes))
     assert consecutive_seen and scattered_seen  # both read paths ran
+    assert most_groups == groups
 
 
 def check_decode_reads(cache, meta):
-    """The step's one-token sequences read together: each row its own context, padded to the longest."""
+    """The step's one-token sequences read together, in groups in step order: each row its own context, padded
+    to its group's longest, no group's gather past DECODE_GATHER_ROWS unless it holds one sequence."""
     decodes = [seq for seq in meta.seqs if seq.query_len == 1]
-    if not decodes:
-        assert meta.decode is None
-        return
-    decode = meta.decode
-    rows = [seq.start for seq in decodes]
-    assert (decode.rows is None and rows == list(range(len(rows)))) or decode.rows.tolist() == rows
-    longest = max(seq.context_len for seq in decodes)
-    assert decode.max_context == longest
-    for layer in range(2):
-        padded = cache.read_decode(layer, decode, "a")
-        assert padded.shape == (len(decodes), longest, DIM)
-        for b, seq in enumerate(decodes):
-            (own,) = cache.read(layer, seq, "a")
-            assert torch.equal(padded[b, :seq.context_len], own)
-            if decode.valid is not None:
-                assert decode.valid[b].tolist() == [p < seq.context_len for p in range(longest)]
-            else:
-                assert seq.context_len == longest
+    assert sum(group.slots.shape[0] for group in meta.decodes) == len(decodes)
+    at = 0
+    for decode in meta.decodes:
+        group = decodes[at:at + decode.slots.shape[0]]
+        at += len(group)
+        rows = [seq.start for seq in group]
+        assert (decode.rows is None and rows == list(range(len(rows)))) or decode.rows.tolist() == rows
+        longest = max(seq.context_len for seq in group)
+        assert decode.max_context == longest
+        assert len(group) == 1 or len(group) * longest <= cache_module.DECODE_GATHER_ROWS
+        for layer in range(2):
+            padded = cache.read_decode(layer, decode, "a")
+            assert padded.shape == (len(group), longest, DIM)
+            for b, seq in enumerate(group):
+                (own,) = cache.read(layer, seq, "a")
+                assert torch.equal(padded[b, :seq.context_len], own)
+                if decode.valid is not None:
+                    assert decode.valid[b].tolist() == [p < seq.context_len for p in range(longest)]
+                else:
+                    assert seq.context_len == longest
 
 
 def test_first_slot_only_for_consecutive_ranges():
