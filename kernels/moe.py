@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dsconv.kernels.device import cast, is_npu, require_torch_npu
-from dsconv.kernels.linear import (linear, linear_t, matmul_dtype_for, quantize_activations, w8a8_linear_quantized,
+from dsconv.kernels.linear import (FloatWeight, linear, quantize_activations, w8a8_linear_quantized,
                                    w8a8_linear_reference)
 
 
@@ -56,20 +56,12 @@ class ExpertWeights:
                                  f"{tuple(scale.shape)}")
         self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
         self.experts, self.hidden = experts, hidden
-        # each expert's projection operands, made once (views): a list index per group instead of tensor selects.
-        # Float experts: one row multiplies the weights as given, several rows those in kernels.linear's matmul
-        # dtype, a float32 copy on CPU for BF16 weights (as runner.layers.Proj does, for the same reason: a CPU
-        # without BF16 instructions emulates BF16 GEMMs at a cost that grows with every row)
+        # each expert's projection operands, made once (views; float ones as kernels.linear.FloatWeight holds
+        # them, with a float32 copy on CPU for BF16): a list index per group instead of tensor selects
         if self.int8:
             self._w13, self._w2 = list(zip(w13.unbind(), w13_scale.unbind())), list(zip(w2.unbind(), w2_scale.unbind()))
-            self._w13_rows, self._w2_rows = self._w13, self._w2
         else:
-            self._w13, self._w2 = [w.t() for w in w13.unbind()], [w.t() for w in w2.unbind()]
-            rows_dtype = matmul_dtype_for(w13.dtype, w13.device)
-            self._w13_rows, self._w2_rows = self._w13, self._w2
-            if rows_dtype != w13.dtype:
-                self._w13_rows = [w.t() for w in w13.to(rows_dtype).unbind()]
-                self._w2_rows = [w.t() for w in w2.to(rows_dtype).unbind()]
+            self._w13, self._w2 = FloatWeight.stacked(w13), FloatWeight.stacked(w2)
 
 
 def grouped_mlp(x: torch.Tensor, counts: torch.Tensor | list[int], experts: ExpertWeights,
@@ -155,27 +147,26 @@ def _grouped(x, x_scale, groups, experts: ExpertWeights, out_dtype, limit) -> to
     """groups: (expert, first row, end row), in row order; x [N, H], or [1, H] read by every group."""
     if not groups:
         return torch.empty(0, experts.hidden, dtype=x.dtype if x_scale is None else out_dtype, device=x.device)
-    gate_up = _project_groups(x, x_scale, groups, (experts._w13, experts._w13_rows), experts.int8, out_dtype)
+    gate_up = _project_groups(x, x_scale, groups, experts._w13, experts.int8, out_dtype)  # [N, 2I]
     hidden = swiglu(gate_up, limit=limit)  # [N, I]: one call for every row
-    return _project_groups(hidden, None, groups, (experts._w2, experts._w2_rows), experts.int8, out_dtype)
+    return _project_groups(hidden, None, groups, experts._w2, experts.int8, out_dtype)
 
 
 def _project_groups(x, x_scale, groups, weights, int8: bool, out_dtype) -> torch.Tensor:
-    """Each group's rows through its expert's projection, outputs in row order: float projections in x's dtype,
-    INT8 ones in out_dtype (x's when x is float). weights: (per expert for one row, per expert for several)."""
+    """Each group's rows through its expert's projection (weights[e]), outputs in row order: float projections
+    in x's dtype, INT8 ones in out_dtype (x's when x is float)."""
     if int8 and x_scale is None:
         out_dtype = x.dtype
         x, x_scale = quantize_activations(x)  # per token: once for all groups
     whole = x.shape[0] == 1 or len(groups) == 1  # every group reads all of x: its one row, or a lone group's rows
-    one_row, several_rows = weights
     outs = []
     for e, start, stop in groups:
         rows, row_scale = (x, x_scale) if whole else (x[start:stop], None if x_scale is None else x_scale[start:stop])
         if int8:
-            w, w_scale = one_row[e]
+            w, w_scale = weights[e]
             outs.append(w8a8_linear_quantized(rows, row_scale, w, w_scale, out_dtype))
         else:
-            outs.append(linear_t(rows, (one_row if rows.shape[0] == 1 else several_rows)[e]))
+            outs.append(weights[e](rows))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

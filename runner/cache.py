@@ -53,7 +53,7 @@ class DecodeRows:
     side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
     the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
     layer with a dozen per group and layer."""
-    rows: torch.Tensor | None  # [B] their rows in the step; None when they are the step's rows 0 .. B - 1
+    rows: slice | torch.Tensor  # their rows in the step: a slice when they are rows 0 .. B - 1, else [B] indices
     slots: torch.Tensor  # [B, max_context] the slots of positions 0 .. context_len - 1, padded with slot 0
     valid: torch.Tensor | None  # [B, max_context] True at a real position; None when no context is padded
     first_slot: int | None  # one sequence whose context is one range of slots: read as a view, no gather
@@ -176,8 +176,9 @@ class LatentCache:
         valid = None
         if min(lens) < longest:
             valid = torch.arange(longest, device=self.device) < torch.tensor(lens, device=self.device)[:, None]
-        return DecodeRows(None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device),
-                          padded, valid, decodes[0].first_slot if len(decodes) == 1 else None)
+        first_rows = rows == list(range(len(rows)))  # a slice of the step: views, no index copies
+        return DecodeRows(slice(0, len(rows)) if first_rows else torch.tensor(rows, device=self.device), padded, valid,
+                          decodes[0].first_slot if len(decodes) == 1 else None)
 
     def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
         """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""

@@ -4,7 +4,7 @@ three orders, rotary tables, the gated MLP and a rank's routed experts.
 The math lives in kernels/ (one function per primitive, each with a torch reference); a layer takes its weights
 by name from the rank's shards, holds them in the form its kernel takes (made once, at load) and calls it.
 Float weights are used in the compute dtype (a BF16 run keeps the mapped shard as is); on CPU a BF16 run also
-holds float32 copies, made once at load, for products of several rows (`Proj`, kernels.moe.ExpertWeights).
+holds float32 copies, made once at load, for products of several rows (kernels.linear.FloatWeight).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from dsconv.errors import InputError
 from dsconv.kernels.device import cast
-from dsconv.kernels.linear import linear_t, matmul_dtype_for, w8a8_linear, w8a8_linear_quantized
+from dsconv.kernels.linear import FloatWeight, w8a8_linear, w8a8_linear_quantized
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_AFTER_CAST, rms_norm
 from dsconv.kernels.rope import cos_sin_at, half_split_tables, rope_inv_freq
@@ -25,16 +25,8 @@ from dsconv.shard.placement import local_experts
 
 
 class Proj:
-    """A projection whose weight is BF16, or INT8 with a per-output-channel scale (W8A8).
-
-    A float weight multiplies one row in the compute dtype and several rows in kernels.linear's matmul dtype.
-    They differ on CPU for BF16, where the products of several rows run on a float32 copy made at load (twice the
-    BF16 bytes, besides the BF16 weight): a CPU without BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that
-    grows with every row (on 2 AVX2 cores, [8, 128] @ [128, 2048] took 391 us in BF16 and 86 us in float32,
-    [1088, 256] @ [256, 1024] 34 ms and 3.3 ms), while one row, a matrix-vector product bound by the weight's
-    bytes, is faster from the BF16 weight (2048 x 128: 75 us against 131 us, weight out of cache). The float32
-    product rounded to BF16 once is what a BF16 GEMM with float32 accumulation computes, up to the order of the
-    sums."""
+    """A projection whose weight is BF16 (multiplied as kernels.linear.FloatWeight says: on CPU several rows
+    take a float32 copy), or INT8 with a per-output-channel scale (W8A8)."""
 
     def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
         weight = weights.take(f"{name}.weight")
@@ -42,11 +34,8 @@ class Proj:
         self._set(weight.to(dtype) if scale is None else weight, scale)
 
     def _set(self, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
-        self.scale, self.compute_weight = scale, weight
-        self.weight = weight if scale is not None else weight.to(matmul_dtype_for(weight.dtype, weight.device))
-        # views, once: what kernels.linear.linear_t takes, for one row and for several
-        self.row_weight_t = weight.t() if scale is None else None
-        self.weight_t = self.weight.t() if scale is None else None
+        self.weight, self.scale = weight, scale
+        self.projection = FloatWeight.of(weight) if scale is None else None
 
     @classmethod
     def of(cls, weight: torch.Tensor, scale: torch.Tensor | None) -> "Proj":
@@ -65,7 +54,7 @@ class Proj:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return linear_t(x, self.row_weight_t if x.dim() == 2 and x.shape[0] == 1 else self.weight_t)
+            return self.projection(x)
         return w8a8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
 
     def quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +73,7 @@ class GroupedProj:
     def __init__(self, weights: RankWeights, name: str, groups: int, dtype: torch.dtype):
         proj = Proj(weights, name, dtype)
         scales = [None] * groups if proj.scale is None else proj.scale.chunk(groups)
-        self.groups = [Proj.of(weight, scale) for weight, scale in zip(proj.compute_weight.chunk(groups), scales)]
+        self.groups = [Proj.of(weight, scale) for weight, scale in zip(proj.weight.chunk(groups), scales)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, groups, in / groups] -> [T, groups, rank]."""

@@ -76,21 +76,17 @@ class Attention:
             self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
 
         # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
-        decodes, v_dim = meta.decodes, cfg.v_head_dim
-        if len(decodes) == 1 and decodes[0].rows is None and len(meta.seqs) == decodes[0].slots.shape[0]:
-            out = self.decode(q_nope, q_pe, q_resid, index_k_w, step_rope, cache, layer, decodes[0], scale)
-        else:
-            out = x.new_empty(x.shape[0], heads, v_dim)
-            for seq in meta.seqs:
-                if seq.query_len > 1:
-                    rows = slice(seq.start, seq.stop)
-                    out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows],
-                                             [w[rows] for w in index_k_w], step_rope, rows, cache, layer, seq, scale)
-            for decode in decodes:
-                pick = slice(0, decode.slots.shape[0]) if decode.rows is None else decode.rows
-                out[pick] = self.decode(q_nope[pick], q_pe[pick], q_resid[pick], [w[pick] for w in index_k_w],
-                                        step_rope, cache, layer, decode, scale, pick)
-        o = self.wo(out.reshape(x.shape[0], heads * v_dim))
+        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
+        for seq in meta.seqs:
+            if seq.query_len > 1:
+                rows = slice(seq.start, seq.stop)
+                out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
+                                         step_rope, rows, cache, layer, seq, scale)
+        for decode in meta.decodes:
+            rows = decode.rows
+            out[rows] = self.decode(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
+                                    step_rope, rows, cache, layer, decode, scale)
+        o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
     def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
@@ -118,20 +114,18 @@ class Attention:
         query = cast(torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1), product_dtype)
         return cast(attention(query, keys, values, scale, allowed).transpose(0, 1), q_nope.dtype)
 
-    def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, cache: LatentCache, layer: int,
-               decode: DecodeRows, scale: float, rows=None) -> torch.Tensor:
-        """B one-token sequences at once: W_UK absorbed into the queries and W_UV into the outputs, every head
-        attending over the latent itself -> [B, heads, v]. In the dtype matmul multiplies in (float32 on CPU,
-        where the BF16 products are slow), rounded to the compute dtype once, at the end. rows: the decode rows
-        of the step (None: its first B rows), for the rotary tables."""
+    def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
+               decode: DecodeRows, scale: float) -> torch.Tensor:
+        """B one-token sequences at once (their rows of the step: `rows`): W_UK absorbed into the queries and W_UV
+        into the outputs, every head attending over the latent itself -> [B, heads, v]. In the dtype matmul
+        multiplies in (float32 on CPU, where the BF16 products are slow), rounded to the compute dtype once, at
+        the end."""
         cfg, lora = self.cfg, self.cfg.kv_lora_rank
         slots, valid = decode.slots, decode.valid  # [B, C]
         if self.indexer is not None and decode.max_context > cfg.index_topk:
             # V3.2: each query attends over its index_topk chosen positions only, [B, index_topk, lora + rope]
-            cos, sin = step_rope.index_cos, step_rope.index_sin
-            if rows is not None:
-                cos, sin = cos[rows], sin[rows]
-            top = self.indexer.select_decode(q_resid, index_k_w[1], cos, sin, cache, layer, decode)
+            top = self.indexer.select_decode(q_resid, index_k_w[1], step_rope.index_cos[rows],
+                                             step_rope.index_sin[rows], cache, layer, decode)
             slots = slots.gather(1, top)
             valid = None if valid is None else valid.gather(1, top)
             ctx = cache.read_slots(layer, "c_kv_k_pe", slots)
