@@ -94,6 +94,22 @@ def _range_start(ints: list[int]) -> int | None:
     return None
 
 
+def gather_groups(rows: list[int]) -> list[list[int]]:
+    """Items that each gather rows[i] rows, padded to their group's longest -> groups of their indices, in order: a
+    new group whenever the padded gather, (group size) x (its longest), would pass DECODE_GATHER_ROWS. An item
+    longer than that alone gets a group of its own."""
+    groups: list[list[int]] = []
+    longest = 0  # the last group's longest
+    for i, n in enumerate(rows):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= DECODE_GATHER_ROWS:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
+
+
 def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
     return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
                       f"--cache-tokens or shorten the prompt)")
@@ -155,18 +171,10 @@ class LatentCache:
                         self._decode_groups(seqs))
 
     def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
-        """The one-token sequences in step order, a new group whenever the padded gather would pass
-        DECODE_GATHER_ROWS."""
-        groups: list[list[SeqStep]] = []
-        longest = 0  # the last group's longest context
-        for seq in (seq for seq in seqs if seq.query_len == 1):
-            if groups and (len(groups[-1]) + 1) * max(longest, seq.context_len) <= DECODE_GATHER_ROWS:
-                groups[-1].append(seq)
-                longest = max(longest, seq.context_len)
-            else:
-                groups.append([seq])
-                longest = seq.context_len
-        return tuple(self._decode_rows(group) for group in groups)
+        """The one-token sequences in step order, in groups whose padded gather stays under DECODE_GATHER_ROWS."""
+        decodes = [seq for seq in seqs if seq.query_len == 1]
+        return tuple(self._decode_rows([decodes[i] for i in group])
+                     for group in gather_groups([seq.context_len for seq in decodes]))
 
     def _decode_rows(self, decodes: list[SeqStep]) -> DecodeRows:
         rows = [seq.start for seq in decodes]

@@ -28,7 +28,7 @@ from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
-from dsconv.runner.cache import SeqStep, StepMeta
+from dsconv.runner.cache import SeqStep, StepMeta, gather_groups
 from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
 from dsconv.runner.dist import Dist
 from dsconv.runner.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
@@ -84,9 +84,10 @@ class Compressor:
         kv = torch.cat([state.kv, new_kv])
         gate = torch.cat([state.gate, new_gate])
         n = kv.shape[0] // ratio
-        state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
-        if n == 0:
+        if n == 0:  # the window is still filling: keep the new tensors (fewer than ratio rows) as they are
+            state.kv, state.gate = kv, gate
             return state.entries
+        state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
         kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
         if self.overlap:
             # slots [n, 2 * ratio, d]: the previous window's first series, then this window's second series
@@ -132,6 +133,30 @@ class Indexer:
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
+    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys[i] [n_i, dim] the
+        sequence's compressed keys with this row pooled (all complete for it) -> per sequence the indices of its
+        chosen entries [min(n_i, index_topk)], ascending: what `select` chooses for the row, scored in one call
+        over the keys padded to the longest (a padded entry scores -inf)."""
+        dim, counts = self.cfg.index_head_dim, [k.shape[0] for k in keys]
+        if max(counts) == 0:
+            return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
+        padded = pad_sequence(keys, batch_first=True).float()  # [B, n, dim]
+        scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
+        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~lengths_mask(keys, q.device),
+                                                                           float("-inf"))
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]  # ties as `select`
+        top = top.masked_fill(top >= torch.tensor(counts, device=q.device)[:, None], padded.shape[1])
+        top = top.sort(dim=-1).values  # entry order, padding last
+        return [t[:min(n, self.cfg.index_topk)] for t, n in zip(top, counts)]
+
+
+def lengths_mask(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[B, longest] bool, True at the rows parts[i] has: the valid rows of pad_sequence(parts)."""
+    lengths = [p.shape[0] for p in parts]
+    return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
+
 
 class Attention:
     def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, ropes: dict, dtype: torch.dtype):
@@ -170,29 +195,57 @@ class Attention:
         compress = () if self.compressor is None else self.compressor.project(x, positions)
         index = () if self.indexer is None else self.indexer.project(x, q_resid, cos, sin, positions)
         out = q.new_empty(T, heads, head_dim)
-        decodes: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, keys [K, head_dim], allowed [K])
+        decodes: list[tuple[SeqStep, LayerState]] = []  # the one-row sequences
         for seq, state in zip(seqs, states):
-            if not seq.query_len:
-                continue
-            rows = slice(seq.start, seq.stop)
-            keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
-                                      [t[rows] for t in index], state)
             if seq.query_len == 1:
-                decodes.append((seq.start, keys, allowed[0]))
-            else:  # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
+                decodes.append((seq, state))
+            elif seq.query_len:  # [S, heads, head_dim]: every head attends over the one key = value row per
+                rows = slice(seq.start, seq.stop)  # position, its sink too
+                keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
+                                          [t[rows] for t in index], state)
                 out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
                                       sinks=self.sinks).transpose(0, 1)
         if decodes:
-            rows = torch.tensor([row for row, _, _ in decodes], device=x.device)
-            keys = pad_sequence([k for _, k, _ in decodes], batch_first=True)  # [B, K, head_dim], zero rows padded
-            allowed = pad_sequence([a for _, _, a in decodes], batch_first=True)  # [B, K], padding not allowed
-            # each sequence's heads are its queries: [B, heads, head_dim] against its own keys
-            out[rows] = attention(q[rows], keys, keys, head_dim**-0.5, allowed[:, None], sinks=self.sinks,
-                                  one_token=True)
+            # a group's padded gather of compressed entries stays under DECODE_GATHER_ROWS
+            ratio = self.ratio if self.compressor is not None else None
+            for group in gather_groups([0 if ratio is None else seq.context_len // ratio for seq, _ in decodes]):
+                rows = torch.tensor([decodes[i][0].start for i in group], device=x.device)
+                out[rows] = self.decode(q[rows], kv, compress, index, [decodes[i] for i in group])
         # the value carried its key's rotation: rotating back by the query's position leaves the relative one
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
         return self.wo_b(grouped.flatten(1))
+
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, compress, index,
+               decodes: list[tuple[SeqStep, LayerState]]) -> torch.Tensor:
+        """The step's one-row sequences: q [B, heads, head_dim] their queries; kv and the compressors' and
+        indexer's projections of every row of the step; decodes (sequence, state) -> [B, heads, head_dim].
+
+        Each state advances by its row (a few appends per sequence); then one indexer scoring, one attention
+        call for all of them. A decode query sees its window (the last sliding_window keys, itself included)
+        and every compressed entry, all complete once its row is pooled; on CSA layers only the indexer's
+        index_topk of them, in entry order as `keys` keeps them."""
+        window_len = self.cfg.sliding_window
+        windows, entries, index_keys = [], [], []
+        for seq, state in decodes:
+            one = slice(seq.start, seq.stop)
+            state.window = torch.cat([state.window, kv[one]])[-window_len:]  # a new tensor of <= window + 1 rows
+            windows.append(state.window)
+            if self.compressor is not None:
+                entries.append(self.compressor(*(t[one] for t in compress), state.compressor))
+            if self.indexer is not None:
+                index_keys.append(self.indexer.compressor(*(t[one] for t in index[2:]), state.indexer))
+        keys, allowed = [pad_sequence(windows, batch_first=True)], [lengths_mask(windows, q.device)]
+        if self.indexer is not None:  # each sequence's chosen entries, in entry order
+            rows = torch.tensor([seq.start for seq, _ in decodes], device=q.device)
+            chosen = self.indexer.select_decode(index[0][rows], index[1][rows], index_keys)  # [B, <= topk]
+            entries = [e[c] for e, c in zip(entries, chosen)]
+        if entries:
+            keys.append(pad_sequence(entries, batch_first=True))
+            allowed.append(lengths_mask(entries, q.device))
+        keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+        # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, zero rows padded
+        return attention(q, keys, keys, self.cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
 
     def keys(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor],
              state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
