@@ -89,16 +89,53 @@ class Compressor:
             return state.entries
         state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
         kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
-        if self.overlap:
-            # slots [n, 2 * ratio, d]: the previous window's first series, then this window's second series
+        prev_kv = prev_gate = None
+        if self.overlap:  # window w overlaps window w - 1's first series; the first one the state's
             prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
             prev_gate = torch.cat([state.prev_gate[None], gate[:-1, :, :d]])
             state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+        index = torch.arange(state.count, state.count + n, device=kv.device)
+        return state.append(self.pool(kv, gate, prev_kv, prev_gate, index))
+
+    def decode(self, new_kv: torch.Tensor, new_gate: torch.Tensor, states: list[CompressorState]
+               ) -> list[torch.Tensor]:
+        """One projected row for each of B sequences ([B, series * head_dim], `project`), continuing states[i]
+        -> each sequence's entries so far. What __call__ does per sequence; the windows these rows complete are
+        pooled in one call."""
+        done: list[CompressorState] = []
+        for state, kv_row, gate_row in zip(states, new_kv, new_gate):
+            state.kv = torch.cat([state.kv, kv_row[None]])
+            state.gate = torch.cat([state.gate, gate_row[None]])
+            if state.kv.shape[0] == self.ratio:
+                done.append(state)
+        if done:
+            d = self.head_dim
+            kv, gate = torch.stack([s.kv for s in done]), torch.stack([s.gate for s in done])  # [b, ratio, width]
+            prev_kv = prev_gate = None
+            if self.overlap:
+                prev_kv = torch.stack([s.prev_kv for s in done])
+                prev_gate = torch.stack([s.prev_gate for s in done])
+            index = torch.tensor([s.count for s in done], device=kv.device)
+            entries = self.pool(kv, gate, prev_kv, prev_gate, index)
+            for j, state in enumerate(done):
+                if self.overlap:
+                    state.prev_kv, state.prev_gate = kv[j, :, :d], gate[j, :, :d]
+                state.kv, state.gate = state.kv[:0], state.gate[:0]
+                state.append(entries[j:j + 1])
+        return [state.entries for state in states]
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+             prev_gate: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+        """n whole windows, kv and gate [n, ratio, series * head_dim] (overlap: prev_kv, prev_gate [n, ratio,
+        head_dim], the first series of the window before each), index [n] the entries' numbers -> the entries
+        [n, head_dim], normalized and rotated at position index * ratio."""
+        d = self.head_dim
+        if self.overlap:  # slots [n, 2 * ratio, d]: the previous window's first series, then this one's second
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
-        cos, sin = self.rope(torch.arange(state.count, state.count + n, device=kv.device) * ratio)
-        return state.append(rope_tail(self.norm(pooled), cos, sin))
+        cos, sin = self.rope(index * self.ratio)
+        return rope_tail(self.norm(pooled), cos, sin)
 
 
 class Indexer:
@@ -210,36 +247,35 @@ class Attention:
             ratio = self.ratio if self.compressor is not None else None
             for group in gather_groups([0 if ratio is None else seq.context_len // ratio for seq, _ in decodes]):
                 rows = torch.tensor([decodes[i][0].start for i in group], device=x.device)
-                out[rows] = self.decode(q[rows], kv, compress, index, [decodes[i] for i in group])
+                out[rows] = self.decode(q[rows], kv[rows], [t[rows] for t in compress], [t[rows] for t in index],
+                                        [decodes[i][1] for i in group])
         # the value carried its key's rotation: rotating back by the query's position leaves the relative one
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
         return self.wo_b(grouped.flatten(1))
 
-    def decode(self, q: torch.Tensor, kv: torch.Tensor, compress, index,
-               decodes: list[tuple[SeqStep, LayerState]]) -> torch.Tensor:
-        """The step's one-row sequences: q [B, heads, head_dim] their queries; kv and the compressors' and
-        indexer's projections of every row of the step; decodes (sequence, state) -> [B, heads, head_dim].
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, compress: list[torch.Tensor], index: list[torch.Tensor],
+               states: list[LayerState]) -> torch.Tensor:
+        """B one-row sequences: their rows of the step's queries q [B, heads, head_dim], keys kv [B, head_dim]
+        and the compressors' and indexer's projections, continuing states -> [B, heads, head_dim].
 
-        Each state advances by its row (a few appends per sequence); then one indexer scoring, one attention
-        call for all of them. A decode query sees its window (the last sliding_window keys, itself included)
+        Each state advances by its row (a few appends per sequence; the windows the rows complete are pooled
+        in one call per compressor); then one indexer scoring and one attention call for all of them. A decode query sees its window (the last sliding_window keys, itself included)
         and every compressed entry, all complete once its row is pooled; on CSA layers only the indexer's
         index_topk of them, in entry order as `keys` keeps them."""
         window_len = self.cfg.sliding_window
-        windows, entries, index_keys = [], [], []
-        for seq, state in decodes:
-            one = slice(seq.start, seq.stop)
-            state.window = torch.cat([state.window, kv[one]])[-window_len:]  # a new tensor of <= window + 1 rows
+        windows, entries = [], []
+        for state, key in zip(states, kv):
+            state.window = torch.cat([state.window, key[None]])[-window_len:]  # a new tensor, <= window + 1 rows
             windows.append(state.window)
-            if self.compressor is not None:
-                entries.append(self.compressor(*(t[one] for t in compress), state.compressor))
-            if self.indexer is not None:
-                index_keys.append(self.indexer.compressor(*(t[one] for t in index[2:]), state.indexer))
-        keys, allowed = [pad_sequence(windows, batch_first=True)], [lengths_mask(windows, q.device)]
+        if self.compressor is not None:
+            entries = self.compressor.decode(*compress, [state.compressor for state in states])
         if self.indexer is not None:  # each sequence's chosen entries, in entry order
-            rows = torch.tensor([seq.start for seq, _ in decodes], device=q.device)
-            chosen = self.indexer.select_decode(index[0][rows], index[1][rows], index_keys)  # [B, <= topk]
+            q_index, head_weights, index_kv, index_gate = index
+            index_keys = self.indexer.compressor.decode(index_kv, index_gate, [state.indexer for state in states])
+            chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
             entries = [e[c] for e, c in zip(entries, chosen)]
+        keys, allowed = [pad_sequence(windows, batch_first=True)], [lengths_mask(windows, q.device)]
         if entries:
             keys.append(pad_sequence(entries, batch_first=True))
             allowed.append(lengths_mask(entries, q.device))
