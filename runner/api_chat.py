@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from dsconv.errors import InputError
-from dsconv.runner.api_choice import Choice, Detokenizer, EngineError, chat_logprobs, split_reasoning
-from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
+from dsconv.runner.api_choice import Choice, Detokenizer, chat_logprobs, split_reasoning
+from dsconv.runner.api_engine import EngineRequests, answer, follow
 from dsconv.runner.api_schema import (ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.runner.chat import encode_chat
@@ -79,20 +79,14 @@ class ChatCompletion:
                   "finish_reason": self.choice.finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage()}
 
-    async def events(self, requests: EngineRequests):
-        try:
-            yield sse(self._chunk({"role": "assistant", "content": ""}, None, None))
-            async for _ in follow(requests, [self.choice]):
-                chunk = self._next_chunk()
-                if chunk is not None:
-                    yield sse(chunk)
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield sse({**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage()})
-        except ClientGone:
-            return
-        except EngineError as exc:
-            yield sse(exc.api_error().body())
-        yield DONE
+    async def chunks(self, requests: EngineRequests):
+        yield self._chunk({"role": "assistant", "content": ""}, None, None)
+        async for _ in follow(requests, [self.choice]):
+            chunk = self._next_chunk()
+            if chunk is not None:
+                yield chunk
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage()}
 
     def _chunk(self, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
         return {**self._head("chat.completion.chunk"),

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from dsconv.errors import InputError
 from dsconv.runner.api_choice import (Choice, Detokenizer, EngineError, completion_logprobs, prompt_offsets)
-from dsconv.runner.api_engine import DONE, ClientGone, EngineRequests, answer, follow, sse
+from dsconv.runner.api_engine import EngineRequests, answer, follow
 from dsconv.runner.api_schema import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
                                       check_token_id, sampling_params, stop_strings)
 
@@ -111,19 +111,13 @@ class Completion:
             offsets = prompt_offsets(self.engine.tokenizer, prompt.ids, prompt.added_bos) + offsets
         return completion_logprobs(self.engine.tokenizer, ids, entries, offsets, self.body.return_tokens_as_token_ids)
 
-    async def events(self, requests: EngineRequests):
-        try:
-            async for choice in follow(requests, self.choices):
-                chunk = self._chunk(choice)
-                if chunk is not None:
-                    yield sse(chunk)
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield sse({**self._head("text_completion"), "choices": [], "usage": self._usage()})
-        except ClientGone:
-            return
-        except EngineError as exc:
-            yield sse(exc.api_error().body())
-        yield DONE
+    async def chunks(self, requests: EngineRequests):
+        async for choice in follow(requests, self.choices):
+            chunk = self._chunk(choice)
+            if chunk is not None:
+                yield chunk
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {**self._head("text_completion"), "choices": [], "usage": self._usage()}
 
     def _chunk(self, choice: Choice) -> dict | None:
         """What `choice` has new since its last chunk, or None when nothing is new."""

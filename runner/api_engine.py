@@ -140,14 +140,14 @@ async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterat
 async def answer(requests: EngineRequests, response, choices: list[Choice], stream: bool,
                  params: SamplingParams) -> Response:
     """Submits every choice's prompt, then returns the SSE stream or, once every choice is done, the whole
-    response (response: the route's Completion or ChatCompletion: `events`, `response`). The requests are
+    response (response: the route's Completion or ChatCompletion: `chunks`, `response`). The requests are
     closed on every path out: by the stream when it ends, else here."""
     made = None
     try:
         for choice in choices:
             choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
         if stream:
-            made = EngineStream(response.events(requests), requests)
+            made = EngineStream(sse_events(response.chunks(requests)), requests)
             return made
         async for _ in follow(requests, choices):
             pass
@@ -166,6 +166,20 @@ def sse(data: dict | str) -> str:
 
 
 DONE = sse("[DONE]")
+
+
+async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed response's events: each chunk, then `data: [DONE]`. An engine error midway becomes an error
+    event in OpenAI's shape before [DONE] (the openai client raises on it); a client that has gone gets nothing
+    more."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except ClientGone:
+        return
+    except EngineError as exc:
+        yield sse(exc.api_error().body())
+    yield DONE
 
 
 class EngineStream(StreamingResponse):
