@@ -1,4 +1,5 @@
-"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine (runner/frontend.py's EngineClient).
+"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine (runner/frontend.py's
+EngineClient).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (api_completions.py), POST /v1/chat/completions
 (api_chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape

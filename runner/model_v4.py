@@ -90,7 +90,7 @@ class Compressor:
         state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
         kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
         prev_kv = prev_gate = None
-        if self.overlap:  # window w overlaps window w - 1's first series; the first one the state's
+        if self.overlap:  # each window after the previous one's first series (the state's, for the first)
             prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
             prev_gate = torch.cat([state.prev_gate[None], gate[:-1, :, :d]])
             state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
@@ -236,8 +236,9 @@ class Attention:
         for seq, state in zip(seqs, states):
             if seq.query_len == 1:
                 decodes.append((seq, state))
-            elif seq.query_len:  # [S, heads, head_dim]: every head attends over the one key = value row per
-                rows = slice(seq.start, seq.stop)  # position, its sink too
+            elif seq.query_len:
+                # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
+                rows = slice(seq.start, seq.stop)
                 keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
                                           [t[rows] for t in index], state)
                 out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
@@ -260,9 +261,10 @@ class Attention:
         and the compressors' and indexer's projections, continuing states -> [B, heads, head_dim].
 
         Each state advances by its row (a few appends per sequence; the windows the rows complete are pooled
-        in one call per compressor); then one indexer scoring and one attention call for all of them. A decode query sees its window (the last sliding_window keys, itself included)
-        and every compressed entry, all complete once its row is pooled; on CSA layers only the indexer's
-        index_topk of them, in entry order as `keys` keeps them."""
+        in one call per compressor); then one indexer scoring and one attention call for all of them. A decode
+        query sees its window (the last sliding_window keys, itself included) and every compressed entry, all
+        complete once its row is pooled; on CSA layers only the indexer's index_topk of them, in entry order
+        as `keys` keeps them."""
         window_len = self.cfg.sliding_window
         windows, entries = [], []
         for state, key in zip(states, kv):

@@ -12,8 +12,8 @@ workload as continuous and as static batches.
 (3) bench_serve's default workload (32 requests, prompts 16-256, outputs 8-128, seed 0) through the engine in
     process: static batches of 8 (a batch starts when the previous one has ended), and continuous (8 running,
     a request joins when one ends), alternating for --rounds rounds; every round's times, the ratio of each
-    side's fastest round, and the bound `bench_serve.step_bound` gives from the output lengths. The gap between this ratio and bench_serve's is what
-    the HTTP front end and the client, on the same cores, take.
+    side's fastest round, and the bound `bench_serve.step_bound` gives from the output lengths. The gap between
+    this ratio and bench_serve's is what the HTTP front end and the client, on the same cores, take.
 """
 
 from __future__ import annotations

@@ -157,9 +157,9 @@ def test_batched_step_equals_each_sequence_alone(pair):
 @pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 10], ids=["one-group", "groups"])
 def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch):
     """A step whose one-row sequences (attended together, keys padded to the longest) sit between prefill
-    chunks: each sequence's logits equal its own run and its whole forward. The decodes hold fewer CSA entries than index_topk (8),
-    exactly 8 (its token completes a window) and 15, and one completes the first HCA entry (position 127).
-    10 gather rows: the CSA and HCA layers split the decodes into groups."""
+    chunks: each sequence's logits equal its own run and its whole forward. The decodes hold fewer CSA entries
+    than index_topk (8), exactly 8 (its token completes a window) and 15, and one completes the first HCA entry
+    (position 127). 10 gather rows: the CSA and HCA layers split the decodes into groups."""
     monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)
     model, cfg, _, _ = pair
     lengths = (5, 4 * cfg.index_topk - 1, 60, cfg.hca_compress_rate - 1)
