@@ -14,8 +14,10 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
   on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
 
 Decode continues from per-request state (runner/cache_v4.py): the sliding window's keys, each compressor's
-emitted entries and unfinished window, the indexer's keys. Prefill is the same code with an empty state, so a
-prompt and the tokens after it go through one path. Attention TP is future work (attention runs DP).
+emitted entries and unfinished window, the indexer's keys. Prefill starts from an empty state, so a prompt fed
+in chunks of any size and the tokens after it continue one state; a chunk of several rows attends alone
+(`Attention.keys`), a step's one-row sequences together (`Attention.decode`). Attention TP is future work
+(attention runs DP).
 """
 
 from __future__ import annotations
@@ -118,9 +120,9 @@ class Compressor:
             index = torch.tensor([s.count for s in done], device=kv.device)
             entries = self.pool(kv, gate, prev_kv, prev_gate, index)
             for j, state in enumerate(done):
-                if self.overlap:
-                    state.prev_kv, state.prev_gate = kv[j, :, :d], gate[j, :, :d]
-                state.kv, state.gate = state.kv[:0], state.gate[:0]
+                if self.overlap:  # copies, as __call__ keeps them: not views holding the whole stack
+                    state.prev_kv, state.prev_gate = kv[j, :, :d].clone(), gate[j, :, :d].clone()
+                state.kv, state.gate = state.kv.new_empty(0, kv.shape[2]), state.gate.new_empty(0, gate.shape[2])
                 state.append(entries[j:j + 1])
         return [state.entries for state in states]
 
@@ -175,7 +177,9 @@ class Indexer:
         """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys[i] [n_i, dim] the
         sequence's compressed keys with this row pooled (all complete for it) -> per sequence the indices of its
         chosen entries [min(n_i, index_topk)], ascending: what `select` chooses for the row, scored in one call
-        over the keys padded to the longest (a padded entry scores -inf)."""
+        over the keys padded to the longest (a padded entry scores -inf). Exact ties (relu's zeros) break by
+        entry order as in `select`; a GEMM whose blocking changes with the padded length may round a near-tie
+        the other way, as any change of batch can on an accelerator."""
         dim, counts = self.cfg.index_head_dim, [k.shape[0] for k in keys]
         if max(counts) == 0:
             return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
@@ -220,7 +224,7 @@ class Attention:
         """x [T, hidden]: the step's rows, each sequence's (seqs[i].start .. stop) at consecutive positions
         continuing its states[i] -> [T, hidden]. The projections run once over all rows; each sequence builds its
         keys from its own state; a sequence's chunk of several rows attends alone, the one-row sequences (decode)
-        in one call over their keys padded to the longest."""
+        together, one call per group of them (`gather_groups`), over their keys padded to the longest."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -278,7 +282,7 @@ class Attention:
             chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
             entries = [e[c] for e, c in zip(entries, chosen)]
         keys, allowed = [pad_sequence(windows, batch_first=True)], [lengths_mask(windows, q.device)]
-        if entries:
+        if self.compressor is not None:
             keys.append(pad_sequence(entries, batch_first=True))
             allowed.append(lengths_mask(entries, q.device))
         keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
@@ -287,9 +291,9 @@ class Attention:
 
     def keys(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor],
              state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's S new rows (their keys kv [S, head_dim], their rows of the compressor's and the
-        indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its compressed
-        entries; allowed [S, K]: which of them each query sees)."""
+        """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], their rows of the compressor's and
+        the indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its
+        compressed entries; allowed [S, K]: which of them each query sees). One-row sequences take `decode`."""
         cfg = self.cfg
         kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
         key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
@@ -303,9 +307,6 @@ class Attention:
             complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
             if self.indexer is not None:
                 complete = self.indexer.select(*index, complete, state.indexer)
-                if positions.shape[0] == 1:  # decode: only the chosen index_topk entries
-                    entries = entries[complete[0]]
-                    complete = complete[:, complete[0]]
             kv = torch.cat([kv, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
         return kv, allowed

@@ -154,38 +154,46 @@ def test_batched_step_equals_each_sequence_alone(pair):
         assert model.forward(torch.empty(0, dtype=torch.long), meta, cache).shape == (0, cfg.vocab_size)
 
 
-@pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 10], ids=["one-group", "groups"])
+@pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 16], ids=["one-group", "groups"])
 def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch):
-    """A step whose one-row sequences (attended together, keys padded to the longest) sit between prefill
-    chunks: each sequence's logits equal its own run and its whole forward. The decodes hold fewer CSA entries
-    than index_topk (8), exactly 8 (its token completes a window) and 15, and one completes the first HCA entry
-    (position 127). 10 gather rows: the CSA and HCA layers split the decodes into groups."""
+    """Steps whose one-row sequences (attended together, keys padded to the longest) sit between prefill
+    chunks: each sequence's logits at every step equal its own run and its whole forward (the prefill path).
+
+    After their prompts, six sequences decode five tokens together. At the first decode they hold 0, 1, 8
+    (index_topk: the token completes a window), 15, 32 and 64 CSA entries; three complete a CSA window in the
+    same step, and again four steps later from the state that batched pooling left; two complete an HCA entry
+    (positions 127 and 255) in the same step. 16 gather rows split the CSA decodes into groups, one of them
+    holding two sequences."""
     monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)
     model, cfg, _, _ = pair
-    lengths = (5, 4 * cfg.index_topk - 1, 60, cfg.hca_compress_rate - 1)
+    ratio, hca = cfg.csa_compress_rate, cfg.hca_compress_rate
+    lengths = (2, 5, ratio * cfg.index_topk - 1, 60, hca - 1, 2 * hca - 1)
     prompts = {seq: prompt(cfg.vocab_size, n, seed=n) for seq, n in enumerate(lengths)}
     fresh, other = prompt(cfg.vocab_size, 17, seed=17), prompt(cfg.vocab_size, 11, seed=11)
     steps = [list(prompts.items()),
-             [(10, fresh), (0, [7]), (1, [8]), (11, other), (2, [9]), (3, [10])]]
+             [(10, fresh), (0, [7]), (1, [8]), (11, other), *((seq, [9 + seq]) for seq in range(2, 6))],
+             *([(seq, [20 + 6 * step + seq]) for seq in (0, 1, 2, 10, 3, 4, 5)] for step in range(ratio))]
 
-    def last_logits(steps):
-        """Runs steps of (seq_id, tokens) on a new cache -> the last step's last-row logits per sequence."""
-        cache = V4Cache(cfg, 1024, torch.float32)
+    def run(steps):
+        """Runs steps of (seq_id, tokens) on a new cache -> per step, each sequence's last-row logits."""
+        cache, out = V4Cache(cfg, 1024, torch.float32), []
         for step in steps:
             meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in step])
             with torch.no_grad():
                 logits = model.forward(torch.tensor([t for _, tokens in step for t in tokens]), meta, cache,
                                        rows=meta.last_rows)
-        return {seq_id: logits[i] for i, (seq_id, _) in enumerate(steps[-1])}
+            out.append({seq_id: logits[i] for i, (seq_id, _) in enumerate(step)})
+        return out
 
-    together = last_logits(steps)
-    for seq_id, tokens in steps[1]:  # against the sequence's own run, and its whole forward (the prefill path)
-        alone = last_logits([[(seq_id, prompts[seq_id])], [(seq_id, tokens)]] if seq_id in prompts
-                            else [[(seq_id, tokens)]])
-        torch.testing.assert_close(together[seq_id], alone[seq_id], rtol=1e-5, atol=1e-5)
-        with torch.no_grad():
-            whole = model.forward_full(torch.tensor(prompts.get(seq_id, []) + tokens))[-1]
-        torch.testing.assert_close(together[seq_id], whole, rtol=0, atol=1e-4)
+    together = run(steps)
+    for seq_id in (*prompts, 10):
+        own = [(i, tokens) for i, step in enumerate(steps) for s, tokens in step if s == seq_id]  # (step, tokens)
+        alone = run([[(seq_id, tokens)] for _, tokens in own])
+        for (i, _), logits in zip(own, alone):
+            torch.testing.assert_close(together[i][seq_id], logits[seq_id], rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # the last step against the whole sequence's forward
+            whole = model.forward_full(torch.tensor([t for _, tokens in own for t in tokens]))[-1]
+        torch.testing.assert_close(together[own[-1][0]][seq_id], whole, rtol=0, atol=1e-4)
 
 
 def test_cache_capacity_and_release(pair):
