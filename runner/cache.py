@@ -110,6 +110,12 @@ def gather_groups(rows: list[int]) -> list[list[int]]:
     return groups
 
 
+def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[B, max(lengths)] bool, True where row i has a real entry (j < lengths[i]): the valid part of sequences
+    padded to the longest."""
+    return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
+
+
 def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
     return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
                       f"--cache-tokens or shorten the prompt)")
@@ -183,7 +189,7 @@ class LatentCache:
         padded = torch.nn.utils.rnn.pad_sequence([seq.context_slots for seq in decodes], batch_first=True)
         valid = None
         if min(lens) < longest:
-            valid = torch.arange(longest, device=self.device) < torch.tensor(lens, device=self.device)[:, None]
+            valid = lengths_mask(lens, self.device)
         first_rows = rows == list(range(len(rows)))  # a slice of the step: views, no index copies
         return DecodeRows(slice(0, len(rows)) if first_rows else torch.tensor(rows, device=self.device), padded, valid,
                           decodes[0].first_slot if len(decodes) == 1 else None)

@@ -30,7 +30,7 @@ from dsconv.convert.arch_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
-from dsconv.runner.cache import SeqStep, StepMeta, gather_groups
+from dsconv.runner.cache import SeqStep, StepMeta, gather_groups, lengths_mask
 from dsconv.runner.cache_v4 import CompressorState, LayerState, V4Cache
 from dsconv.runner.dist import Dist
 from dsconv.runner.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
@@ -184,19 +184,13 @@ class Indexer:
         if max(counts) == 0:
             return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
         padded = pad_sequence(keys, batch_first=True).float()  # [B, n, dim]
+        valid = lengths_mask(counts, q.device)  # [B, n]
         scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
-        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~lengths_mask(keys, q.device),
-                                                                           float("-inf"))
+        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
         top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]  # ties as `select`
-        top = top.masked_fill(top >= torch.tensor(counts, device=q.device)[:, None], padded.shape[1])
+        top = top.masked_fill(~valid.gather(1, top), padded.shape[1])
         top = top.sort(dim=-1).values  # entry order, padding last
         return [t[:min(n, self.cfg.index_topk)] for t, n in zip(top, counts)]
-
-
-def lengths_mask(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[B, longest] bool, True at the rows parts[i] has: the valid rows of pad_sequence(parts)."""
-    lengths = [p.shape[0] for p in parts]
-    return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
 
 
 class Attention:
@@ -281,10 +275,11 @@ class Attention:
             index_keys = self.indexer.compressor.decode(index_kv, index_gate, [state.indexer for state in states])
             chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
             entries = [e[c] for e, c in zip(entries, chosen)]
-        keys, allowed = [pad_sequence(windows, batch_first=True)], [lengths_mask(windows, q.device)]
+        keys = [pad_sequence(windows, batch_first=True)]
+        allowed = [lengths_mask([w.shape[0] for w in windows], q.device)]
         if self.compressor is not None:
             keys.append(pad_sequence(entries, batch_first=True))
-            allowed.append(lengths_mask(entries, q.device))
+            allowed.append(lengths_mask([e.shape[0] for e in entries], q.device))
         keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
         # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, zero rows padded
         return attention(q, keys, keys, self.cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
