@@ -1,6 +1,6 @@
 """The process groups of one layout: attention TP, attention DP, MoE EP, lm_head TP, and the world.
 
-Membership comes from `shard.layout.Layout.groups()`, the same table the shard writer used, so a rank reads
+Membership comes from `family.layout.Layout.groups()`, the same table the shard writer used, so a rank reads
 exactly the shard its groups expect.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 
 GROUP_NAMES = ("attn_tp", "attn_dp", "ep", "tp")
 

@@ -1,4 +1,5 @@
-"""`dsconv`: offline conversion of DeepSeek checkpoints. The function signatures are the CLI."""
+"""`dsconv quantize`: the converter's command (the `dsconv` app is assembled in cli.py). The function
+signature is the CLI."""
 
 from __future__ import annotations
 
@@ -11,16 +12,7 @@ from rich.table import Table
 from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
 from dsconv.errors import InputError
 from dsconv.convert.formats import FORMATS
-from dsconv.convert.recipes import recipes_help
-from dsconv.shard.cli import shard, verify
-from dsconv.shard.plan_cli import plan
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards.")
-@app.callback()
-def main() -> None:
-    """Convert DeepSeek-V3/V3.2/V4 checkpoints to W8A8 INT8 and shard them for 16 cards."""
-
+from dsconv.family.recipes import recipes_help
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB"
@@ -49,7 +41,6 @@ def _print_plan(plan) -> None:
                   f"side files copied: {', '.join(side_files(plan)) or 'none'}")
 
 
-@app.command()
 def quantize(
     src: Annotated[Optional[Path], typer.Argument(
         help="Hugging Face checkpoint directory (config.json + *.safetensors). Omit both SRC and OUT to run "
@@ -107,11 +98,3 @@ def _print_summary(result) -> None:
                                                                if result.resumed_parts else ""))
     table.add_row("time", f"{result.seconds:.2f} s, {result.bytes_in / max(result.seconds, 1e-9) / 1e9:.2f} GB/s in")
     console.print(table)
-
-
-app.command()(shard)
-app.command()(verify)
-app.command()(plan)
-
-if __name__ == "__main__":
-    app()

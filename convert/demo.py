@@ -1,6 +1,7 @@
 """The built-in demos: tiny DeepSeek checkpoints with random weights in the real hub format (FP8 block
 scales; FP4 experts for V4; the real 129280-token vocabulary), built once into a cache so the tools run on
-a fresh machine. `dsconv quantize` demos the V4 converter; `dsrun generate` the V4 runner on W8A8 shards."""
+a fresh machine. `dsconv quantize` demos the V4 converter; `dsrun generate` the V4 runner on W8A8 shards
+(shard/demo.py shards them)."""
 
 from __future__ import annotations
 
@@ -37,18 +38,3 @@ def demo_source(family: str = DEMO_FAMILY) -> Path:
 
 def demo_output(name: str, family: str = DEMO_FAMILY) -> Path:
     return cache_dir() / f"demo-{family}-v{DEMO_VERSION}-{name}"
-
-
-def demo_shards(family: str = DEMO_FAMILY) -> Path:
-    """The demo checkpoint quantized to W8A8 (ascend layout) and sharded for 16 ranks (EP16, lm_head TP16)."""
-    from dsconv.convert.quantize import build_plan, run_quantize
-    from dsconv.shard.layout import Layout
-    from dsconv.shard.shard import make_shard_plan, run_shard
-
-    def build(out: Path) -> None:
-        quantized = demo_output("w8a8", family)
-        run_quantize(build_plan(demo_source(family), None, "ascend", 4 * 10**9), quantized, os.cpu_count() or 1,
-                     lambda n: None)
-        run_shard(make_shard_plan(quantized, Layout(), 4 * 10**9), out, os.cpu_count() or 1, lambda n: None)
-
-    return build_once(demo_output("shards-ep16-tp16", family), build)

@@ -15,9 +15,9 @@ from typing import Iterable
 
 import torch
 
-from dsconv.convert.arch import Encoding, TensorSpec
+from dsconv.family.arch import Encoding, TensorSpec
 from dsconv.convert.formats import IntTensor, OutputFormat
-from dsconv.convert.recipes import Recipe
+from dsconv.family.recipes import Recipe
 from dsconv.convert.safetensors_io import OutTensor, file_size
 from dsconv.convert.source import Checkpoint, SourceWeight
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dsconv.convert.arch import Family, TensorSpec, family_for
+from dsconv.family.arch import Family, TensorSpec, family_for
 from dsconv.convert.decode import check_scale_shape, decoded_shape, encoding_of
 from dsconv.errors import InputError
 from dsconv.convert.safetensors_io import TensorEntry, read_header, read_tensor

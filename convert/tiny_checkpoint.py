@@ -1,6 +1,6 @@
 """Deterministic DeepSeek checkpoints in the hub's exact layout, from a family's tiny config (or a bigger one).
 
-Everything comes from the registered `Family` (convert.arch), so any family works: its `tiny_config()` gives
+Everything comes from the registered `Family` (family.arch), so any family works: its `tiny_config()` gives
 config.json, its `inventory()` every tensor with its role and the encoding the hub ships it in, its scale naming
 the scales' names and dtype. With encoding="fp8" each tensor is written
 that way (FP8 e4m3 + 128x128 block scales, FP4 e2m1 + per-32 e8m0 scales, BF16, F32, I32, I64); with
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dsconv.convert.arch import Encoding, Family, Role, TensorSpec, family_for
+from dsconv.family.arch import Encoding, Family, Role, TensorSpec, family_for
 from dsconv.convert.safetensors_io import OutTensor, StreamingWriter, write_json_atomic
 
 REAL_VOCAB_SIZE = 129280  # vocab_size of every V3 / V3.2 / V4 release (16 x 8080)

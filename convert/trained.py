@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from dsconv.convert.arch import Encoding, family_for
+from dsconv.family.arch import Encoding, family_for
 from dsconv.convert.demo import build_once, cache_dir
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint

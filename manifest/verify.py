@@ -13,14 +13,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from dsconv.convert.arch import family_for
+from dsconv.family.arch import family_for
 from dsconv.errors import InputError
 from dsconv.convert.safetensors_io import DTYPE_NAMES, read_header
 from dsconv.manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, SCHEMA, TENSOR_KEYS, TOP_LEVEL_KEYS, VERSION,
                              sha256_of)
-from dsconv.shard.layout import Layout
-from dsconv.shard.placement import Mode, check_layout, place
-from dsconv.shard.shard import sliced_shape
+from dsconv.family.layout import Layout
+from dsconv.family.placement import Mode, check_layout, place, sliced_shape
+
 
 MAX_PROBLEMS_PER_CHECK = 20  # beyond this a broken shard set just repeats itself
 

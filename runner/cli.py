@@ -34,21 +34,23 @@ def _tokenizer(shards: Path):
     return Tokenizer.from_file(str(path)), path
 
 
-def _prompt_text(text: str, family, chat: bool, system: str | None, thinking: bool, tokenizer_config: dict) -> str:
-    from dsconv.runner.chat import encode_chat
+def _prompt_ids(tokenizer, text: str, family, chat: bool, system: str | None, thinking: bool,
+                tokenizer_config: dict) -> list[int]:
+    from dsconv.family.chat import encode_chat_ids
 
     if not text.strip():
         raise InputError("--prompt is empty")
     if not chat:
-        return text
+        return tokenizer.encode(text, add_special_tokens=False).ids
     messages = [{"role": "system", "content": system}] if system is not None else []
-    return encode_chat(family, messages + [{"role": "user", "content": text}], thinking, tokenizer_config)
+    return encode_chat_ids(tokenizer, family, messages + [{"role": "user", "content": text}], thinking,
+                           tokenizer_config)
 
 
 def _open_shards(shards: Path, world_size: int | None, dtype: str) -> dict:
     """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
-    from dsconv.runner.engine import DTYPES
-    from dsconv.runner.weights import load_manifest
+    from dsconv.runner.engine.worker import DTYPES
+    from dsconv.runner.models.weights import load_manifest
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -57,15 +59,6 @@ def _open_shards(shards: Path, world_size: int | None, dtype: str) -> dict:
     if world_size is not None and world_size != world:
         raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
     return manifest
-
-
-def _encode(tokenizer, text: str, vocab_size: int) -> list[int]:
-    ids = tokenizer.encode(text, add_special_tokens=False).ids  # the chat format writes BOS itself
-    too_big = [i for i in ids if i >= vocab_size]
-    if too_big:
-        raise InputError(f"token id {too_big[0]} is outside the model's vocabulary ({vocab_size}): the shards' "
-                         f"model was built with a smaller vocabulary than its tokenizer")
-    return ids
 
 
 @app.command()
@@ -92,8 +85,9 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
-    from dsconv.convert.arch import family_for
-    from dsconv.runner.chat import read_tokenizer_config
+    from dsconv.family.arch import family_for
+    from dsconv.family.chat import read_tokenizer_config
+    from dsconv.runner.engine.request import check_prompt
 
     try:
         if max_new_tokens < 1:
@@ -103,7 +97,7 @@ def generate(
         if system is not None and not system.strip():
             raise InputError("--system is empty")
         if shards is None:
-            from dsconv.convert.demo import demo_shards
+            from dsconv.shard.demo import demo_shards
 
             err_console.print("[yellow]No --shards given: running the built-in demo, a tiny DeepSeek-V4 model "
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
@@ -113,15 +107,16 @@ def generate(
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
-        prompts = [_encode(tokenizer, _prompt_text(p, family, not no_chat, system, thinking, tokenizer_config),
-                           config["vocab_size"]) for p in prompt]
+        prompts = [_prompt_ids(tokenizer, p, family, not no_chat, system, thinking, tokenizer_config) for p in prompt]
+        for ids in prompts:
+            check_prompt(ids, max_new_tokens, config["vocab_size"], config["max_position_embeddings"])
         dp = manifest["layout"]["dp"]  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
         if need > cache_tokens:
             raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
                              f"exceed the KV cache (--cache-tokens {cache_tokens})")
         started = time.perf_counter()
-        results = _run_ranks("dsconv.runner.engine:rank_main", {
+        results = _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
             "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
             "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
             "stream_tokenizer": None if json_output else str(tokenizer_path)}, manifest, device, timeout)
@@ -146,7 +141,8 @@ def perplexity(
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
     in consecutive windows of --context tokens spread over the attention-DP ranks."""
-    from dsconv.runner.perplexity import summarize, windows
+    from dsconv.runner.engine.request import check_prompt
+    from dsconv.runner.entrypoints.perplexity import summarize, windows
 
     try:
         manifest = _open_shards(shards, world_size, dtype)
@@ -162,16 +158,18 @@ def perplexity(
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
         tokenizer, _ = _tokenizer(Path(shards))
-        cut = windows([config["bos_token_id"]] + _encode(tokenizer, text, config["vocab_size"]), context)
+        cut = windows([config["bos_token_id"]] + tokenizer.encode(text, add_special_tokens=False).ids, context)
+        for window in cut:  # each window is scored as a prompt of the engine
+            check_prompt(window, 0, config["vocab_size"], config["max_position_embeddings"])
         started = time.perf_counter()
-        results = _run_ranks("dsconv.runner.perplexity:rank_main", {
+        results = _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
             "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output}, manifest, device,
             timeout)
     except InputError as exc:
         fail(str(exc))
     if results is None:
         return
-    from dsconv.runner.engine import RESULTS_NAME
+    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
 
     summary = summarize(json.loads((results / RESULTS_NAME).read_text()))
     summary.update(windows=len(cut), context=context, seconds=time.perf_counter() - started)
@@ -205,7 +203,7 @@ def serve(
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank."""
-    from dsconv.runner.scheduler import BALANCING
+    from dsconv.runner.engine.scheduler import BALANCING
 
     try:
         if dp_balancing not in BALANCING:
@@ -217,7 +215,7 @@ def serve(
             if value < 1:
                 raise InputError(f"{name} {value} must be at least 1")
         if shards is None:
-            from dsconv.convert.demo import demo_shards
+            from dsconv.shard.demo import demo_shards
 
             err_console.print("[yellow]No --shards given: serving the built-in demo, a tiny DeepSeek-V4 model with "
                               "RANDOM weights (the text is noise).[/]")
@@ -226,7 +224,7 @@ def serve(
         if "max_position_embeddings" not in manifest["model"]["config"]:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         _, tokenizer_path = _tokenizer(Path(shards))
-        _run_ranks("dsconv.runner.serve:rank_main", {
+        _run_ranks("dsconv.runner.entrypoints.serve:rank_main", {
             "shards": str(shards), "dtype": dtype, "host": host, "port": port,
             "model_name": served_model_name or Path(shards).resolve().name, "tokenizer_path": str(tokenizer_path),
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -253,7 +251,7 @@ def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: flo
 
 def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:
     """Generated ids per prompt, and every rank's record, from rank 0's results file."""
-    from dsconv.runner.engine import RESULTS_NAME
+    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
 
     records = json.loads((results / RESULTS_NAME).read_text())
     generated: dict[int, list[int]] = {}

@@ -30,12 +30,12 @@ sys.path.insert(0, str(REPO))
 from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.runner.cli import collect  # noqa: E402
-from dsconv.runner.cache import BLOCK_SIZE  # noqa: E402
-from dsconv.runner.engine import build_model  # noqa: E402
-from dsconv.runner.dist import Dist  # noqa: E402
-from dsconv.runner.generate import greedy  # noqa: E402
-from dsconv.runner.weights import load_manifest  # noqa: E402
-from dsconv.shard.layout import Layout  # noqa: E402
+from dsconv.runner.models.kv_cache import BLOCK_SIZE  # noqa: E402
+from dsconv.runner.engine.worker import build_model  # noqa: E402
+from dsconv.runner.models.dist import Dist  # noqa: E402
+from dsconv.runner.engine.offline import greedy  # noqa: E402
+from dsconv.runner.models.weights import load_manifest  # noqa: E402
+from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
 
 PROMPT_LEN = 32
@@ -106,7 +106,7 @@ def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: P
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
     manifest = load_manifest(shards)
-    code = launch("dsconv.runner.engine:rank_main",
+    code = launch("dsconv.runner.entrypoints.generate:rank_main",
                   {"shards": str(shards), "manifest": manifest, "prompts": [prompt], "max_new_tokens": new_tokens,
                    "eos_id": None, "dtype": "bfloat16", "cache_tokens": 1024, "result_dir": str(results)},
                   world_size=16, device="cpu", timeout_s=600, log_dir=results / "logs")

@@ -82,7 +82,7 @@ def dsconv(src: Path, out: Path) -> int:
     wrapper = ("import resource, subprocess, sys; "
                "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    cli = [sys.executable, "-m", "dsconv.convert.cli", "quantize", str(src), str(out)]
+    cli = [sys.executable, "-m", "dsconv.cli", "quantize", str(src), str(out)]
     proc = subprocess.run([sys.executable, "-c", wrapper, *cli], check=True, capture_output=True, text=True)
     return int(proc.stdout.strip()) * 1024  # ru_maxrss is in KiB on Linux
 

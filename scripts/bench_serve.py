@@ -48,8 +48,8 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.errors import InputError  # noqa: E402
-from dsconv.runner.weights import load_manifest  # noqa: E402
-from dsconv.shard.layout import Layout  # noqa: E402
+from dsconv.runner.models.weights import load_manifest  # noqa: E402
+from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
 
 CONTINUOUS_TARGET = 1.5

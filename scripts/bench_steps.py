@@ -30,15 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsconv.runner.dist import Dist  # noqa: E402
-from dsconv.runner.engine import DTYPES, build_model  # noqa: E402
-from dsconv.runner.loop import EngineCore, Worker  # noqa: E402
-from dsconv.runner.requests import SamplingParams  # noqa: E402
-from dsconv.runner.scheduler import Scheduler  # noqa: E402
-from dsconv.runner.weights import load_manifest  # noqa: E402
+from dsconv.runner.models.dist import Dist  # noqa: E402
+from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
+from dsconv.runner.engine.core import EngineCore  # noqa: E402
+from dsconv.runner.engine.worker import Worker  # noqa: E402
+from dsconv.runner.engine.request import SamplingParams  # noqa: E402
+from dsconv.runner.engine.scheduler import Scheduler  # noqa: E402
+from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.scripts.bench_serve import (TOKEN_IDS, machine, print_machine, shards_for, step_bound,  # noqa: E402
                                         workload)
-from dsconv.shard.layout import Layout  # noqa: E402
+from dsconv.family.layout import Layout  # noqa: E402
 
 SEQUENCES = (1, 2, 4, 8, 16)
 DECODE_STEPS = 40

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
-from dsconv.shard.layout import DEFAULT_WORLD_SIZE, Layout
-from dsconv.shard.placement import CATEGORIES, category
+from dsconv.family.layout import DEFAULT_WORLD_SIZE, Layout
+from dsconv.family.placement import CATEGORIES, category
 
 
 def rank_table(plan) -> Table:

@@ -1,7 +1,7 @@
 """`dsconv plan`: per-rank weight and KV-cache memory from config.json alone, before any download.
 
-Sizes come from the tensor inventory (convert.arch), the output dtypes (convert.plan.output_tensors) and the
-placement table (shard.placement), so they match what `dsconv shard` writes byte for byte (file headers
+Sizes come from the tensor inventory (family.arch), the output dtypes (convert.plan.output_tensors) and the
+placement table (family.placement), so they match what `dsconv shard` writes byte for byte (file headers
 aside).
 """
 
@@ -16,12 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dsconv.convert.arch import Family, family_for
+from dsconv.family.arch import Family, family_for
 from dsconv.console import console, fail
 from dsconv.errors import InputError
-from dsconv.convert.recipes import Recipe, recipe_for, recipes_help
-from dsconv.shard.layout import DEFAULT_WORLD_SIZE, Layout
-from dsconv.shard.placement import CATEGORIES, check_layout
+from dsconv.family.recipes import Recipe, recipe_for, recipes_help
+from dsconv.family.layout import DEFAULT_WORLD_SIZE, Layout
+from dsconv.family.placement import CATEGORIES, check_layout
 from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
                          kv_cache_bytes_per_token)
 

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from dsconv.convert import outdir
-from dsconv.convert.arch import Encoding, TensorSpec
+from dsconv.family.arch import Encoding, TensorSpec
 from dsconv.errors import InputError
 from dsconv.convert.execute import part_is_complete, write_part
 from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
 from dsconv.convert.plan import DECODED, KEEP, PART_METADATA, TO_BF16, Item, Part, job_digest, output_tensors, pack
 from dsconv.convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import Checkpoint, SourceWeight, open_checkpoint
-from dsconv.shard.layout import Layout
-from dsconv.shard.placement import Placement, check_layout, place, place_companion
+from dsconv.family.layout import Layout
+from dsconv.family.placement import Placement, check_layout, place, place_companion, sliced_shape
 
 W8A8, BF16 = "w8a8", "bf16"
 
@@ -66,13 +66,6 @@ class ShardPlan:
         """Identifies the run for resume: changes whenever any output byte or the manifest could."""
         return {"command": "dsconv shard", "source": str(self.checkpoint.root.resolve()),
                 "plan_digest": job_digest(self.checkpoint.files, [self.layout.to_json()], (f.part for f in self.files))}
-
-
-def sliced_shape(shape: tuple[int, ...], split: tuple[int, int, int] | None) -> tuple[int, ...]:
-    if split is None:
-        return shape
-    dim, start, stop = split
-    return (*shape[:dim], stop - start, *shape[dim + 1:])
 
 
 def _companion(weight: SourceWeight) -> SourceWeight:

@@ -2,7 +2,7 @@
 how much KV cache a sequence needs. Used by `dsconv plan` (before anything is downloaded) and by
 `dsconv shard --dry-run`.
 
-Every figure goes through the placement table (shard.placement), so the plan cannot disagree with the
+Every figure goes through the placement table (family.placement), so the plan cannot disagree with the
 sharder about which rank holds what.
 """
 
@@ -13,12 +13,12 @@ from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
-from dsconv.convert.arch import Family, TensorSpec
+from dsconv.family.arch import Family, TensorSpec
 from dsconv.convert.formats import WEIGHT_AND_SCALE
 from dsconv.convert.plan import STORED_DTYPES, output_tensors
-from dsconv.convert.recipes import Recipe
-from dsconv.shard.layout import Layout
-from dsconv.shard.placement import CATEGORIES, Placement, category, place, place_companion
+from dsconv.family.recipes import Recipe
+from dsconv.family.layout import Layout
+from dsconv.family.placement import CATEGORIES, Placement, category, place, place_companion
 
 CACHE_DTYPE = torch.bfloat16  # KV-cache entries, and V4 compressor state (transformers keeps it in the model dtype)
 

@@ -12,8 +12,8 @@ from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.cli import collect
-from dsconv.runner.engine import RESULTS_NAME
-from dsconv.runner.weights import load_manifest
+from dsconv.runner.entrypoints.ranks import RESULTS_NAME
+from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.shard import make_shard_plan, run_shard
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
@@ -93,7 +93,7 @@ def launch_ranks(entry, args: dict, shards, results) -> list[dict]:
 
 
 def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS,
-              entry="dsconv.runner.engine:rank_main", results_name=None):
+              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None):
     """Generation on every rank -> each prompt's generated tokens. entry: the ranks' function (rank_main's
     arguments), e.g. one that installs a test double first; its results directory is tmp_path / results_name
     (default: named after the shards)."""

@@ -232,7 +232,7 @@ def rank_main(**kwargs) -> None:
     result_dir/npu_calls_rank{R}.json."""
     import torch.distributed as dist
 
-    from dsconv.runner.engine import rank_main as engine_rank_main
+    from dsconv.runner.entrypoints.generate import rank_main as engine_rank_main
 
     double = install()
     forbid_cpu_int8_path()

@@ -11,13 +11,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from dsconv.convert.trained import FAMILIES, HELDOUT_MODULES, encode_fp4, encode_fp8, heldout_texts, snap
-from dsconv.convert.arch import Encoding
+from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
-from dsconv.runner.engine import start_rank
-from dsconv.runner.generate import greedy
-from dsconv.runner.perplexity import summarize, window_nll, windows
-from dsconv.runner.weights import load_manifest
-from dsconv.shard.layout import Layout
+from dsconv.runner.engine.worker import start_rank
+from dsconv.runner.engine.offline import greedy
+from dsconv.runner.entrypoints.perplexity import summarize, window_nll, windows
+from dsconv.runner.models.weights import load_manifest
+from dsconv.family.layout import Layout
 from tests.helpers import launch_ranks, quantize, shard
 
 CONTEXT = 128  # the training sequence length
@@ -147,7 +147,7 @@ def test_trained_perplexity_equals_transformers(family, layout, trained_source, 
     for context in (CONTEXT * 4, CONTEXT):  # one window; three
         cut = windows(ids, context)
         assert len(cut) == (1 if context > CONTEXT else 3)
-        records = launch_ranks("dsconv.runner.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
+        records = launch_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
                                tmp_path / f"results-{context}")
         ours = summarize(records)
         expected, tokens = transformers_perplexity(reference, cut)

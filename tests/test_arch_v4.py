@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dsconv.convert.arch import ArchError, Encoding, Role
-from dsconv.convert.arch_v4 import AttnType, MlpType, inventory, parse_config, tiny_config
+from dsconv.family.arch import ArchError, Encoding, Role
+from dsconv.family.deepseek_v4 import AttnType, MlpType, inventory, parse_config, tiny_config
 
 REAL_CONFIG = Path(__file__).parent / "data" / "deepseek_v4_flash.config.json"  # hub config.json, verbatim
 

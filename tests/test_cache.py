@@ -4,8 +4,8 @@ blocks are consecutive (read as a view of the cache) or scattered (gathered thro
 import pytest
 import torch
 
-from dsconv.runner import cache as cache_module
-from dsconv.runner.cache import LatentCache
+from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models.kv_cache import LatentCache
 
 BLOCK = 4
 DIM = 3

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dsconv.convert.arch import families
-from dsconv.runner.chat import ChatError, encode_chat, encode_chat_ids, read_tokenizer_config
+from dsconv.family.arch import families
+from dsconv.family.chat import ChatError, encode_chat, encode_chat_ids, read_tokenizer_config
 
 DATA = Path(__file__).parent / "data"
 

@@ -23,7 +23,7 @@ from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_v
 from dsconv.comm.groups import make_groups
 from dsconv.comm.launch import backend_for, launch
 from dsconv.errors import InputError
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 V32_LAYOUT = Layout(16, ep=16, tp=16, attn_tp=8)  # attention DP2 x TP8, EP16, lm_head TP16

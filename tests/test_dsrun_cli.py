@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from dsconv.convert.demo import demo_shards
-from dsconv.shard.layout import Layout
+from dsconv.shard.demo import demo_shards
+from dsconv.family.layout import Layout
 from tests.helpers import shard
 
 KILL_DEADLINE_S = 60

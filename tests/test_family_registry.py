@@ -11,15 +11,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dsconv.convert.arch import (ArchError, Encoding, Family, Role, TensorSpec, families, family_for, register,
+from dsconv.family.arch import (ArchError, Encoding, Family, Role, TensorSpec, families, family_for, register,
                                  unregister)
-from dsconv.convert.cli import app
-from dsconv.convert.recipes import EXPERTS, FUSED_PAIRS, Recipe, recipe_for
+from dsconv.cli import app
+from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe, recipe_for
 from dsconv.convert.safetensors_io import read_header
 from dsconv.errors import InputError
 from dsconv.manifest.verify import verify
-from dsconv.shard.layout import Layout
-from dsconv.shard.placement import CATEGORIES
+from dsconv.family.layout import Layout
+from dsconv.family.placement import CATEGORIES
 from dsconv.shard.sizes import entries, footprint
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 
@@ -107,7 +107,7 @@ TOY_FAMILY = Family(
     hub_name=lambda name: name, hub_config=lambda raw, cfg: raw, ascend_mtp_copies=lambda cfg: {},
     recipes=(TOY_RECIPE,), fused=FUSED_PAIRS, attention_tp={Role.ATTN_Q_B: 0, Role.ATTN_O: 1},
     check_attention_tp=check_attention_tp, kv_cache_bytes_per_token=kv_cache_bytes_per_token,
-    kv_cache_bytes_per_sequence=lambda cfg, itemsize: {}, tiny_config=tiny_config, new_model=None, new_cache=None,
+    kv_cache_bytes_per_sequence=lambda cfg, itemsize: {}, tiny_config=tiny_config,
     encode_chat=None,  # no chat format: dsrun feeds its prompts as raw text only
 )
 
@@ -213,8 +213,8 @@ def test_the_toy_layout_check_and_recipes_are_its_own(toy, toy_run):
 
 
 def test_build_model_refuses_a_family_without_a_runner(toy_run):
-    from dsconv.runner.dist import Dist
-    from dsconv.runner.engine import build_model
+    from dsconv.runner.models.dist import Dist
+    from dsconv.runner.engine.worker import build_model
 
     manifest = json.loads((toy_run / "dp" / "manifest.json").read_text())
     with pytest.raises(InputError) as error:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsconv.convert.arch import ArchError, Encoding, family_for
-from dsconv.convert.arch_v3 import parse_config, tiny_config
+from dsconv.family.arch import ArchError, Encoding, family_for
+from dsconv.family.deepseek_v3 import parse_config, tiny_config
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 
 V3_FAMILIES = ("deepseek_v3", "deepseek_v32")

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from dsconv.convert.arch import Encoding
-from dsconv.convert.arch_v4 import AttnType, inventory, parse_config
+from dsconv.family.arch import Encoding
+from dsconv.family.deepseek_v4 import AttnType, inventory, parse_config
 from dsconv.convert.safetensors_io import read_header
 
 transformers = pytest.importorskip("transformers")

@@ -44,7 +44,7 @@ def big_w8a8(tmp_path_factory):
 
 def test_quantize_peak_rss_under_1gb(big_checkpoint, big_w8a8):
     out = big_w8a8
-    rss = peak_rss_of([sys.executable, "-m", "dsconv.convert.cli", "quantize", str(big_checkpoint), str(out)])
+    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "quantize", str(big_checkpoint), str(out)])
     print(f"dsconv quantize peak RSS on a {sum(p.stat().st_size for p in big_checkpoint.glob('*.safetensors')) / 1e9:.2f} GB "
           f"checkpoint: {rss / 2**20:.0f} MiB")
     assert rss < RSS_LIMIT_BYTES, f"peak RSS {rss / 2**20:.0f} MiB"
@@ -56,7 +56,7 @@ def test_shard_peak_rss_under_1gb(big_w8a8, tmp_path):
         pytest.skip("needs the quantize memory test's output")
     out = tmp_path / "shards"
     started = time.perf_counter()
-    rss = peak_rss_of([sys.executable, "-m", "dsconv.convert.cli", "shard", str(big_w8a8), str(out)])
+    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "shard", str(big_w8a8), str(out)])
     seconds = time.perf_counter() - started
     size = sum(p.stat().st_size for p in big_w8a8.glob("*.safetensors"))
     print(f"dsconv shard (EP16/TP16) peak RSS on a {size / 1e9:.2f} GB W8A8 checkpoint: {rss / 2**20:.0f} MiB, "

@@ -14,11 +14,11 @@ from dsconv.errors import InputError
 from dsconv.kernels.device import reset_npu_path
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
 from dsconv.kernels.moe import grouped_mlp, token_mlp
-from dsconv.runner.dist import Dist
-from dsconv.runner.engine import build_model
-from dsconv.runner.generate import greedy
-from dsconv.runner.weights import load_manifest
-from dsconv.shard.layout import Layout
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.engine.worker import build_model
+from dsconv.runner.engine.offline import greedy
+from dsconv.runner.models.weights import load_manifest
+from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, random_experts, run_ranks, shard
 from tests.npu_double import CALLS_NAME, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
 

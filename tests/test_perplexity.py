@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from dsconv.errors import InputError
-from dsconv.runner.perplexity import summarize, windows
-from dsconv.shard.layout import Layout
+from dsconv.runner.entrypoints.perplexity import summarize, windows
+from dsconv.family.layout import Layout
 from tests.helpers import launch_ranks, shard
 
 RELATIVE_TOLERANCE = 1e-4
@@ -62,7 +62,7 @@ def test_perplexity_equals_transformers(tiny_source, tmp_path, family, layout):
     for context in (64, 16):
         cut = windows(ids, context)
         assert len(cut) == (1 if context == 64 else 3)
-        records = launch_ranks("dsconv.runner.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
+        records = launch_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
                                tmp_path / f"results-{context}")
         ours = summarize(records)
         expected, tokens = transformers_perplexity(reference, cut)

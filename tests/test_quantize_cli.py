@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from dsconv.convert.cli import app
+from dsconv.cli import app
 
 INDEX = "model.safetensors.index.json"
 OUT_INDEX = "quant_model_weights.safetensors.index.json"
@@ -204,7 +204,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 def cli_process(src, out, *extra):
-    cmd = [sys.executable, "-m", "dsconv.convert.cli", "quantize", str(src), str(out), "--max-file-size", "4MB",
+    cmd = [sys.executable, "-m", "dsconv.cli", "quantize", str(src), str(out), "--max-file-size", "4MB",
            "--workers", "1", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -3,7 +3,7 @@ attention DP2 x TP8, several prompts of different lengths spread over the attent
 
 import pytest
 
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, run_ranks, shard
 
 pytestmark = pytest.mark.slow  # multi-process or large-checkpoint runs

@@ -9,10 +9,10 @@ from dsconv.errors import InputError
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.linear import w8a8_linear
 from dsconv.kernels.moe import swiglu
-from dsconv.runner.dist import Dist
-from dsconv.runner.layers import RoutedExperts
-from dsconv.runner.moe import expert_parallel
-from dsconv.runner.weights import RankWeights
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.layers import RoutedExperts
+from dsconv.runner.models.moe import expert_parallel
+from dsconv.runner.models.weights import RankWeights
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 6, 3
 NAMES = ("gate_proj", "up_proj", "down_proj")

@@ -4,16 +4,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsconv.convert.arch_v3 import parse_config
+from dsconv.family.deepseek_v3 import parse_config
 from dsconv.errors import InputError
-from dsconv.runner import cache as cache_module
-from dsconv.runner.cache import LatentCache
-from dsconv.runner.dist import Dist
-from dsconv.runner.generate import greedy
-from dsconv.runner.layers import Proj
-from dsconv.runner.model_v3 import DeepseekV3, cache_fields
-from dsconv.runner.weights import load_manifest, load_rank
-from dsconv.shard.layout import Layout
+from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models.kv_cache import LatentCache
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.engine.offline import greedy
+from dsconv.runner.models.layers import Proj
+from dsconv.runner.models.deepseek_v3 import DeepseekV3, cache_fields
+from dsconv.runner.models.weights import load_manifest, load_rank
+from dsconv.family.layout import Layout
 from tests.helpers import cosine, shard
 
 COSINE_MIN = 0.999

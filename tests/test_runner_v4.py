@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsconv.convert.arch_v4 import AttnType, parse_config
+from dsconv.family.deepseek_v4 import AttnType, parse_config
 from dsconv.errors import InputError
-from dsconv.runner import cache as cache_module
-from dsconv.runner.cache_v4 import V4Cache
-from dsconv.runner.dist import Dist
-from dsconv.runner.generate import greedy
-from dsconv.runner.model_v4 import DeepseekV4
-from dsconv.runner.weights import load_manifest, load_rank
-from dsconv.shard.layout import Layout
+from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models.v4_state import V4Cache
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.engine.offline import greedy
+from dsconv.runner.models.deepseek_v4 import DeepseekV4
+from dsconv.runner.models.weights import load_manifest, load_rank
+from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS as DIST_NEW_TOKENS, cosine, run_ranks, shard
 
 COSINE_MIN = 0.999

@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from dsconv.errors import InputError
-from dsconv.runner.batch import Batch, SampleSpec
-from dsconv.runner.dist import Dist
-from dsconv.runner.engine import build_model
-from dsconv.runner.loop import EngineCore, Worker
-from dsconv.runner.requests import SamplingParams
-from dsconv.runner.sampling import sample
-from dsconv.runner.scheduler import Scheduler
-from dsconv.runner.weights import load_manifest
-from dsconv.shard.layout import Layout
+from dsconv.runner.models.batch import Batch, SampleSpec
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.engine.worker import build_model
+from dsconv.runner.engine.core import EngineCore
+from dsconv.runner.engine.worker import Worker
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.engine.sampler import sample
+from dsconv.runner.engine.scheduler import Scheduler
+from dsconv.runner.models.weights import load_manifest
+from dsconv.family.layout import Layout
 from tests.helpers import shard
 
 VOCAB = 50

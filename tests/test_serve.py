@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 from tests.helpers import Server, shard
 
 pytestmark = pytest.mark.slow
@@ -339,14 +339,14 @@ def chat_server(tiny_source, tmp_path_factory):
 def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_source, thinking):
     from tokenizers import Tokenizer
 
-    from dsconv.convert.arch import family_for
-    from dsconv.runner.chat import encode_chat
+    from dsconv.family.arch import family_for
+    from dsconv.family.chat import encode_chat_ids
 
     source = tiny_source("deepseek_v4", "fp8", real_vocab=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "介绍下北京故宫"}]
     config = json.loads((source / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
-    ids = tokenizer.encode(encode_chat(family_for(config), messages, thinking, {}), add_special_tokens=False).ids
+    ids = encode_chat_ids(tokenizer, family_for(config), messages, thinking, {})
     reference = AutoModelForCausalLM.from_pretrained(tiny_source("deepseek_v4", "bf16", real_vocab=True),
                                                      dtype=torch.float32).eval()
     response = chat_server.openai().chat.completions.create(

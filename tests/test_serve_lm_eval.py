@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 from tests.helpers import Server, shard
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from dsconv.convert.cli import app
+from dsconv.cli import app
 from dsconv.convert.source import open_checkpoint
 from dsconv.manifest.verify import verify
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 from tests.helpers import SMALL_FILES, read_all, shard, source_reference
 
 

@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dsconv.convert.arch_v4 import AttnType, parse_config as parse_v4
-from dsconv.convert.cli import app
+from dsconv.family.deepseek_v4 import AttnType, parse_config as parse_v4
+from dsconv.cli import app
 from dsconv.convert.source import open_checkpoint
 from dsconv.convert.trained import transformers_config
 from dsconv.errors import InputError
-from dsconv.shard.layout import Layout
+from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, SMALL_FILES, quantize, read_all, run_ranks, shard
 
 HEAVY_RATIO = 16  # a V4 ratio the hub does not ship: DeepSeek's code compresses it like 128 (no overlap, no indexer)
@@ -156,7 +156,7 @@ def test_any_positive_compression_ratio_equals_transformers(tiny_source, tmp_pat
 
 
 def test_layers_with_different_heavy_ratios_parse_and_size():
-    from dsconv.convert.arch_v4 import FAMILY, inventory, tiny_config
+    from dsconv.family.deepseek_v4 import FAMILY, inventory, tiny_config
 
     cfg = parse_v4(tiny_config(compress_ratios=[0, 8, 4, 128, 4, 0]))
     assert cfg.attn_types == (AttnType.SLIDING, AttnType.HCA, AttnType.CSA, AttnType.HCA, AttnType.CSA)

@@ -6,8 +6,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from dsconv.convert.cli import app
-from dsconv.shard.layout import Layout
+from dsconv.cli import app
+from dsconv.family.layout import Layout
 from tests.helpers import shard
 
 

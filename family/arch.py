@@ -1,0 +1,180 @@
+"""What tensors a DeepSeek checkpoint holds, derived from its config.json alone.
+
+Every stage reads checkpoints through this module: the quantizer (which tensors a recipe turns INT8), the
+sharder and the planner (placement by role), the tiny-checkpoint maker (what to generate) and the runner.
+A model family is one registered `Family` (config parsing, tensor inventory, recipes, attention-TP split,
+KV-cache sizes, chat encoder, tiny config), defined in one module (`deepseek_v3`, `deepseek_v4`);
+`family_for(config)` picks one from `model_type` and nothing else. This package (`dsconv.family`) sits below
+every stage and imports none of them; the runner keeps its own model per model_type
+(runner/models/registry.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from dsconv.errors import InputError
+
+if TYPE_CHECKING:
+    from dsconv.family.recipes import Recipe
+
+
+class ArchError(InputError):
+    """A config or tensor name this project cannot place; the message names the value."""
+
+
+class Role(str, enum.Enum):
+    """What a tensor does. Recipes and the placement table are keyed by role, never by name patterns."""
+
+    EMBED = "embed"
+    HEAD = "head"
+    NORM = "norm"  # any RMSNorm / LayerNorm weight
+    # MLA (V3 / V3.2) and V4 attention linears; the V3 and V4 names map onto the same roles where they match
+    ATTN_Q_A = "attn.wq_a"  # q_a_proj / wq_a
+    ATTN_Q_B = "attn.wq_b"  # q_b_proj / wq_b
+    ATTN_KV_A = "attn.wkv_a"  # kv_a_proj_with_mqa
+    ATTN_KV_B = "attn.wkv_b"  # kv_b_proj
+    ATTN_KV = "attn.wkv"  # V4 single-KV-head projection
+    ATTN_O = "attn.wo"  # o_proj
+    ATTN_O_A = "attn.wo_a"  # V4 grouped output projection, per-group part
+    ATTN_O_B = "attn.wo_b"  # V4 grouped output projection, final part
+    ATTN_SINK = "attn.sink"  # V4 attention sinks (a vector)
+    # Lightning indexer (V3.2 on every layer; V4 on CSA layers)
+    INDEXER_Q_B = "indexer.wq_b"
+    INDEXER_K = "indexer.wk"
+    INDEXER_WEIGHTS = "indexer.weights_proj"
+    INDEXER_K_NORM_BIAS = "indexer.k_norm.bias"
+    # V4 compressors (main attention and the indexer's own)
+    COMPRESSOR_KV = "compressor.wkv"
+    COMPRESSOR_GATE = "compressor.wgate"
+    COMPRESSOR_APE = "compressor.ape"
+    # MoE
+    ROUTER = "router"  # gate.weight [n_routed_experts, hidden]
+    ROUTER_BIAS = "router.bias"  # e_score_correction_bias / gate.bias
+    ROUTER_TID2EID = "router.tid2eid"  # V4 hash routing table [vocab, topk]
+    EXPERT_W1 = "expert.w1"  # routed expert gate_proj / w1
+    EXPERT_W2 = "expert.w2"  # routed expert down_proj / w2
+    EXPERT_W3 = "expert.w3"  # routed expert up_proj / w3
+    SHARED_W1 = "shared.w1"
+    SHARED_W2 = "shared.w2"
+    SHARED_W3 = "shared.w3"
+    DENSE_W1 = "dense.w1"  # V3 dense-MLP layers
+    DENSE_W2 = "dense.w2"
+    DENSE_W3 = "dense.w3"
+    # V4 hyper-connections (hc_attn_*, hc_ffn_*, hc_head_*)
+    HC = "hc"
+    # MTP-only linears (V3 eh_proj, V4 e_proj / h_proj)
+    MTP_PROJ = "mtp.proj"
+
+
+class Encoding(str, enum.Enum):
+    """How the hub ships a tensor's values (what the tiny-checkpoint maker writes)."""
+
+    BF16 = "bf16"
+    F32 = "f32"
+    I32 = "i32"  # integer tables
+    I64 = "i64"  # V4 ships tid2eid as int64
+    FP8 = "fp8"  # float8_e4m3fn + 128x128 block scale
+    FP4 = "fp4"  # packed e2m1 + e8m0 scale per 32 inputs
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # exactly as stored in the hub checkpoint
+    shape: tuple[int, ...]  # logical (decoded) shape: FP4 weights report [out, in], not [out, in/2]
+    role: Role
+    encoding: Encoding  # as the hub ships it
+    layer: int | None = None  # decoder layer index; MTP layers included
+    expert: int | None = None  # routed expert index
+    mtp: bool = False  # part of a multi-token-prediction layer
+
+    @property
+    def is_linear(self) -> bool:
+        not_linear = (Role.EMBED, Role.ROUTER_TID2EID, Role.HC, Role.COMPRESSOR_APE)  # 2-D tables, not weights
+        return len(self.shape) == 2 and self.role not in not_linear
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the pipeline knows about one model family; its module builds one and registers it.
+
+    `parse_config` returns a validated dataclass; placement and the tiny-checkpoint maker read its
+    `vocab_size`, `num_hidden_layers`, `num_attention_heads` and `n_routed_experts`.
+    """
+
+    name: str  # the config's model_type
+    parse_config: Callable[[dict], Any]  # validated dataclass from config.json
+    inventory: Callable[[Any], Iterator[TensorSpec]]  # every tensor the checkpoint holds, MTP included
+    # Checkpoints saved by transformers: its tensor name -> the hub's (the name every stage uses), and any
+    # config.json -> the hub's form for the tensors the checkpoint holds (what quantize and shard write)
+    hub_name: Callable[[str], str]
+    hub_config: Callable[[dict, Any], dict]  # (config.json, parsed config) -> config.json
+    # msModelSlim's Ascend layout also stores these copies per MTP layer: copy name -> the tensor it copies
+    ascend_mtp_copies: Callable[[Any], dict[str, str]]
+    scale_suffix: str  # FP8/FP4 scale name next to `X.weight`: "weight_scale_inv" (V3) or "scale" (V4)
+    scale_is_e8m0: bool  # V4 stores scales as float8_e8m0fnu
+    recipes: tuple[Recipe, ...]  # its W8A8 recipes, the default first; recipes.ALL_LINEARS applies to every family
+    fused: tuple[tuple[Role, ...], ...]  # roles engines run as one matmul: every recipe gives a group one type
+    attention_tp: Mapping[Role, int]  # with attn_tp > 1: the attention roles split by heads, and on which dim
+    check_attention_tp: Callable[[Any, int], None] | None  # (config, attn_tp): raises when heads cannot split
+    kv_cache_bytes_per_token: Callable[[Any, int], dict[str, float]]  # (config, entry bytes) -> by component
+    kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
+    tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
+    # family/chat.py's encoder: (messages, thinking, tokenizer_config.json) -> prompt text; None: no chat format
+    # (prompts are fed as raw text, dsrun --no-chat)
+    encode_chat: Callable[[Any, bool, Mapping], str] | None
+
+
+# The families that ship with dsconv; each module registers its Family when imported.
+BUILTIN_FAMILY_MODULES = ("dsconv.family.deepseek_v3", "dsconv.family.deepseek_v4")
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Adds a family (a built-in module's or one defined elsewhere); a name already taken is refused."""
+    from dsconv.family.recipes import check_recipes  # late: recipes.py imports this module's Role
+
+    known = _FAMILIES.get(family.name)
+    if known is family:
+        return family
+    if known is not None:
+        raise ValueError(f"model_type={family.name!r} is already registered by another Family")
+    check_recipes(family, list(_FAMILIES.values()))
+    _FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    if name not in _FAMILIES:
+        raise ValueError(f"model_type={name!r} is not registered")
+    del _FAMILIES[name]
+
+
+def family_for(config: dict) -> Family:
+    _load_families()
+    model_type = config.get("model_type")
+    if model_type not in _FAMILIES:
+        known = ", ".join(sorted(_FAMILIES))
+        raise ArchError(f"unsupported architecture model_type={model_type!r}; supported: {known}")
+    return _FAMILIES[model_type]
+
+
+def families() -> dict[str, Family]:
+    _load_families()
+    return dict(_FAMILIES)
+
+
+def _load_families() -> None:
+    # Imported for their register() side effect; late so the family modules can import this one.
+    for module in BUILTIN_FAMILY_MODULES:
+        importlib.import_module(module)
+
+
+def hub_dtype_key(config: dict) -> dict:
+    """transformers 5 writes `dtype` where the hub (and the transformers 4 that engines pin) reads `torch_dtype`."""
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config.pop("dtype")
+    return config

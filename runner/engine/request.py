@@ -1,0 +1,84 @@
+"""What a request asks of the serving engine and what the engine tells back, shared by the scheduler, the step
+loop and the HTTP front end (`dsrun serve`) and by `dsrun generate`, which is a client of the same engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsconv.errors import InputError
+
+MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int  # new tokens at most; 0 only with prompt_logprobs (score the prompt, generate nothing)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    seed: int | None = None  # sampled tokens depend on (seed, position in the output) only
+    stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after any of these, which is kept
+    ignore_eos: bool = False  # go on past EOS, to max_tokens
+    logprobs: int | None = None  # per new token: its logprob and this many top entries (None: none)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo + logprobs)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise InputError(f"max_tokens must be at least 1 (0 only when scoring the prompt), got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InputError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InputError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log-softmax of the model's logits (before temperature, top-k or top-p)
+    top: dict[int, float] = field(default_factory=dict)  # the most likely token ids -> their logprobs
+
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+class NotAccepting(RuntimeError):
+    """The engine takes no requests now: the model is still loading, or it is draining (SIGTERM)."""
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request, delivered on rank 0 to the callback given at submission (called
+    from the engine's thread). The last output of a request has finished=True."""
+    request_id: str
+    prompt_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # tokens generated this step (0 or 1)
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt has been scored: None for
+    #                                                           the first token, which nothing predicts
+    finished: bool = False
+    finish_reason: str | None = None  # FINISH_STOP (EOS or a stop token), FINISH_LENGTH, FINISH_ABORT
+    error: str | None = None  # set when the engine gave up on the request (finish_reason FINISH_ABORT)
+    unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)
+
+
+def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
+    """What a request must satisfy whatever the engine holds: token ids in the vocabulary and room in the model's
+    context. The engine client checks it at submit; `dsrun` checks it before it starts any rank."""
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]!r} is outside the vocabulary (0 .. {vocab_size - 1})")
+    if len(prompt_ids) + max_tokens > max_model_len:
+        raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceed the model's "
+                         f"context of {max_model_len} tokens")

@@ -1,0 +1,275 @@
+"""Continuous batching on rank 0: which tokens every attention-DP rank feeds each step.
+
+vLLM V1's scheduler without phases: each step, per DP rank, the running requests come first (oldest first,
+one token each once decoding, the next chunk of a prompt while prefilling), then waiting requests are admitted
+in arrival order, everything within the rank's token budget (chunked prefill: a prompt longer than what is
+left of the budget is fed in chunks over several steps). The KV cache is accounted here, per DP rank, in
+blocks; when a running request needs a block and none is free, the newest running request of that rank is
+preempted (its blocks freed) and recomputed later from its prompt and the tokens it had generated. A request
+is placed on one DP rank at admission and stays there: the least-loaded one by queued and running work in
+tokens, ties broken by free blocks (or round-robin, for comparison); a request may also be pinned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dsconv.errors import InputError
+from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
+from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
+                                    TokenLogprob)
+
+BALANCING = ("least-loaded", "round-robin")
+SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
+
+
+@dataclass
+class Request:
+    request_id: str
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    on_output: Callable[[RequestOutput], None]
+    dp_rank: int
+    arrival: float = field(default_factory=time.perf_counter)
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of prompt + output in the cache
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (positions 1, 2, ...)
+    prompt_delivered: bool = False
+    first_scheduled: float | None = None
+    last_token: float | None = None
+    previous_token: float | None = None  # the time of the token before the last, for inter-token latency
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def scoring(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
+
+    def work(self, horizon: int) -> int:
+        """Tokens this request will feed in the next `horizon` steps at most: its uncomputed prompt (and, after a
+        preemption, output) tokens, then one per step for each token it may still generate."""
+        return len(self.tokens) - self.num_computed + min(horizon, self.params.max_tokens - len(self.output))
+
+
+class BlockPool:
+    """One DP rank's cache blocks: which are free, which each sequence holds."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def missing(self, seq_id: int, tokens: int) -> int:
+        return max(0, self.blocks_for(tokens) - len(self.tables.get(seq_id, ())))
+
+    def grow(self, seq_id: int, tokens: int) -> list[int]:
+        table = self.tables.setdefault(seq_id, [])
+        table.extend(self.free.pop() for _ in range(self.missing(seq_id, tokens)))
+        return table
+
+    def release(self, seq_id: int) -> None:
+        self.free.extend(reversed(self.tables.pop(seq_id, [])))
+
+    @property
+    def used_fraction(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+
+@dataclass
+class Step:
+    batches: list[Batch]  # one per DP rank
+    started: list[Request]  # requests scheduled for the first time in this step
+    preempted: list[int]  # per DP rank
+
+
+class Scheduler:
+    def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_id: int | None, balancing: str = "least-loaded"):
+        if balancing not in BALANCING:
+            raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise InputError(f"--max-num-seqs {max_num_seqs} and --max-num-batched-tokens {max_num_batched_tokens} "
+                             f"must be at least 1")
+        self.dp, self.max_num_seqs, self.budget = dp, max_num_seqs, max_num_batched_tokens
+        self.eos_token_id, self.balancing = eos_token_id, balancing
+        self.pools = [BlockPool(num_blocks, block_size) for _ in range(dp)]
+        self.waiting: list[deque[Request]] = [deque() for _ in range(dp)]
+        self.running: list[list[Request]] = [[] for _ in range(dp)]
+        self.requests: dict[str, Request] = {}
+        self.by_seq: dict[int, Request] = {}  # the same requests by their sequence id (the ranks' name for them)
+        self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
+        self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
+        self.preemptions = 0  # in all, over every rank
+
+    # -- admission ---------------------------------------------------------------------------------------------
+
+    def check(self, prompt_len: int, params: SamplingParams, dp_rank: int | None) -> None:
+        """Refuses at once what could never run (the front end calls this before submitting)."""
+        pool = self.pools[0]
+        need = prompt_len + params.max_tokens
+        if pool.blocks_for(need) > pool.num_blocks:
+            raise InputError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) need {need} tokens of "
+                             f"KV cache; a DP rank holds {pool.num_blocks * pool.block_size} (--cache-tokens)")
+        if dp_rank is not None and not 0 <= dp_rank < self.dp:
+            raise InputError(f"DP rank {dp_rank} is not between 0 and {self.dp - 1}")
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None = None
+            ) -> Request:
+        self.check(len(prompt), params, dp_rank)
+        rank = dp_rank if dp_rank is not None else self._place(params.max_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(SEED_BITS)
+        request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank)
+        self.requests[request_id] = self.by_seq[request.seq_id] = request
+        self.waiting[rank].append(request)
+        return request
+
+    def load(self, rank: int, horizon: int) -> int:
+        """The tokens a DP rank has to feed over the next `horizon` steps, for the requests it holds now."""
+        return sum(r.work(horizon) for r in itertools.chain(self.waiting[rank], self.running[rank]))
+
+    def _place(self, max_tokens: int) -> int:
+        """The rank whose load over the new request's lifetime (its prefill and max_tokens decode steps) is
+        least: the step imbalance that request lives through is what placing it can change. Each step a rank
+        feeds one token per decoding request plus prompt chunks, so counting every request's whole remaining
+        output instead would pile short requests onto one rank beside a long one and unbalance every step."""
+        if self.balancing == "round-robin":
+            return next(self._round_robin)
+        horizon = max(1, max_tokens)
+        return min(range(self.dp), key=lambda r: (self.load(r, horizon), -len(self.pools[r].free), r))
+
+    @property
+    def has_work(self) -> bool:
+        return any(self.waiting) or any(self.running)
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        """The next step's batches, or None when no DP rank has anything to do (nor to free)."""
+        if not self.has_work:
+            return None
+        batches, started, preempted = [], [], [0] * self.dp
+        for rank in range(self.dp):
+            batch, budget = Batch(releases=self.releases[rank]), self.budget
+            self.releases[rank] = []
+            pool, running, scheduled = self.pools[rank], self.running[rank], 0
+            while scheduled < len(running) and budget > 0:
+                request = running[scheduled]
+                n = min(len(request.tokens) - request.num_computed, budget)
+                while pool.missing(request.seq_id, request.num_computed + n) > len(pool.free):
+                    self._preempt(running.pop(), rank, batch)  # the newest: never one already scheduled
+                    preempted[rank] += 1
+                    if request not in running:
+                        break
+                else:
+                    budget -= self._feed(batch, pool, request, n)
+                    scheduled += 1
+            waiting = self.waiting[rank]
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                request = waiting[0]
+                n = min(len(request.tokens) - request.num_computed, budget)
+                if pool.missing(request.seq_id, n) > len(pool.free):
+                    break  # arrival order: nobody overtakes the first waiting request
+                running.append(waiting.popleft())
+                if request.first_scheduled is None:
+                    request.first_scheduled = time.perf_counter()
+                    started.append(request)
+                budget -= self._feed(batch, pool, request, n)
+            batch.validate(pool.block_size, pool.num_blocks)  # where it is built; the ranks check it again
+            batches.append(batch)
+        return Step(batches, started, preempted)
+
+    def _feed(self, batch: Batch, pool: BlockPool, request: Request, n: int) -> int:
+        start, stop = request.num_computed, request.num_computed + n
+        table = pool.grow(request.seq_id, stop)
+        params = request.params
+        sample = None
+        if stop == len(request.tokens) and params.max_tokens > 0:
+            sample = SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
+                                params.logprobs)
+        scores = None
+        if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
+            targets = request.prompt[start + 1:min(stop, len(request.prompt) - 1) + 1]
+            scores = PromptScores(targets, params.prompt_logprobs) if targets else None
+        batch.add(request.seq_id, request.tokens[start:stop], stop, table, pool.block_size, sample, scores)
+        request.num_computed = stop
+        return n
+
+    def _preempt(self, request: Request, rank: int, batch: Batch) -> None:
+        self.preemptions += 1
+        self.pools[rank].release(request.seq_id)
+        batch.releases.append(request.seq_id)
+        request.num_computed = 0
+        if request.scoring:
+            request.prompt_logprobs = []  # a partly scored prompt is scored again from the start
+        self.waiting[rank].appendleft(request)
+
+    # -- results -----------------------------------------------------------------------------------------------
+
+    def update(self, step: Step, results: list[list[tuple]]) -> list[tuple[Request, RequestOutput]]:
+        """results[rank][i]: (token | None, its TokenLogprob | None, prompt TokenLogprobs) for the i-th sequence
+        of that rank's batch -> the outputs to deliver (finished requests are freed here)."""
+        outputs, now = [], time.perf_counter()
+        for rank, (batch, rank_results) in enumerate(zip(step.batches, results)):
+            for seq_id, (token, logprob, scored) in zip(batch.seq_ids, rank_results):
+                request = self.by_seq.get(seq_id)
+                if request is None:  # aborted while the step ran
+                    continue
+                out = RequestOutput(request.request_id, len(request.prompt))
+                request.prompt_logprobs.extend(scored)
+                if request.params.prompt_logprobs is not None and not request.prompt_delivered \
+                        and not request.scoring and request.num_computed >= len(request.prompt):
+                    out.prompt_logprobs = [None, *request.prompt_logprobs]
+                    request.prompt_delivered = True
+                if token is not None:
+                    request.output.append(token)
+                    request.previous_token, request.last_token = request.last_token, now
+                    out.new_token_ids = [token]
+                    out.new_logprobs = [logprob] if logprob is not None else None
+                    out.finish_reason = self._finish_reason(request, token)
+                elif request.params.max_tokens == 0 and not request.scoring and \
+                        request.num_computed == len(request.prompt):
+                    out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated
+                if out.finish_reason is not None:
+                    out.finished = True
+                    self._remove(request)
+                if out.new_token_ids or out.prompt_logprobs is not None or out.finished:
+                    outputs.append((request, out))
+        return outputs
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            return FINISH_STOP
+        if len(request.output) >= params.max_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def abort(self, request_id: str) -> tuple[Request, RequestOutput] | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._remove(request)
+        return request, RequestOutput(request_id, len(request.prompt), finished=True, finish_reason=FINISH_ABORT)
+
+    def _remove(self, request: Request) -> None:
+        rank = request.dp_rank
+        del self.requests[request.request_id], self.by_seq[request.seq_id]
+        if request in self.running[rank]:
+            self.running[rank].remove(request)
+        elif request in self.waiting[rank]:
+            self.waiting[rank].remove(request)
+        if request.seq_id in self.pools[rank].tables:
+            self.pools[rank].release(request.seq_id)
+            self.releases[rank].append(request.seq_id)

@@ -1,0 +1,87 @@
+"""One rank's side of the engine: its model built from its shards, and each step's batch run through the model
+and the sampler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsconv.family.arch import family_for
+from dsconv.kernels.device import flush_denormals
+from dsconv.runner.engine.sampler import log_probs, sample, token_logprob
+from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import model_for
+from dsconv.runner.models.weights import load_rank
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
+    """-> (model, its config, new_cache(capacity_tokens) -> the cache its forward takes), by the shards' family."""
+    config = manifest["model"]["config"]
+    family = family_for(config)
+    entry = model_for(family.name)
+    cfg = family.parse_config(config)
+    flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
+    weights = load_rank(shards, manifest, rank, dist.device)
+    model = entry.new_model(cfg, weights, dist, dtype)
+    return model, cfg, lambda tokens: entry.new_cache(cfg, model, tokens, dist.device)
+
+
+def rank_device(device: str) -> torch.device:
+    """The device this rank computes on: the launcher has already selected its accelerator (set_device)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
+
+
+def start_rank(shards: str, manifest: dict, dtype: str, device: str):
+    """On every rank, after the launcher's init_process_group: -> (rank, Dist, model, new_cache)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dist = Dist.from_layout(manifest["layout"], rank_device(device)) if torch.distributed.is_initialized() \
+        else Dist(device=rank_device(device))
+    model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
+    return rank, dist, model, new_cache
+
+
+class Worker:
+    """One rank's side of a step: its DP index's batch through the model and the sampler."""
+
+    def __init__(self, model, cache, dist, dp_index: int):
+        self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
+        self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> list[tuple] | None:
+        """-> per sequence (sampled token | None, its TokenLogprob | None, scored prompt TokenLogprobs), from the
+        reporting rank of the DP index (None from the others)."""
+        batch.validate(self.cache.block_size, self.cache.num_blocks)  # as received, before anything is written
+        self.dist.steps += 1
+        for seq_id in batch.releases:  # finished, aborted or preempted since the last step
+            self.cache.release(seq_id)
+        meta = self.cache.begin(batch)
+        device = meta.positions.device
+        tokens = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
+        rows = batch.logit_rows()
+        every_row = rows == list(range(batch.num_tokens))
+        logits = self.model.forward(tokens, meta, self.cache,
+                                    rows=None if every_row else torch.tensor(rows, dtype=torch.long, device=device))
+        if not self.reports:
+            return None
+        results, at = [], 0
+        for scores, spec in zip(batch.scores, batch.samples):
+            n_scored = len(scores.targets) if scores is not None else 0
+            seq_logits = logits[at:at + n_scored + (spec is not None)]
+            at += seq_logits.shape[0]
+            wants_logprobs = scores is not None or (spec is not None and spec.logprobs is not None)
+            logp = log_probs(seq_logits) if wants_logprobs else None
+            scored = [token_logprob(logp[j], t, scores.top) for j, t in enumerate(scores.targets)] if n_scored else []
+            token = logprob = None
+            if spec is not None:
+                token = sample(seq_logits[-1], spec)
+                if spec.logprobs is not None:
+                    logprob = token_logprob(logp[-1], token, spec.logprobs)
+            results.append((token, logprob, scored))
+        return results

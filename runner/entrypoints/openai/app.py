@@ -1,0 +1,165 @@
+"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine (runner/engine/client.py's
+EngineClient).
+
+Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
+(chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
+{"error": {"message", "type", "code"}}: 400 for a bad request (checked here, before the engine sees it), 404 for
+an unknown model or route, 503 while the model loads or the server drains, 500 when the engine fails.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from dsconv.errors import InputError
+from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
+from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
+from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, check_token_id, parse_body)
+from dsconv.runner.engine.request import NotAccepting
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.client import EngineClient
+
+DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests, debugging)
+
+
+def create_app(engine: EngineClient, metrics_registry: prometheus_client.CollectorRegistry) -> FastAPI:
+    app = FastAPI(title="dsrun serve", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_ready():
+            raise APIError(503, "the model is still loading")
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": engine.model_name, "object": "model", "created": started, "owned_by": "dsconv",
+             "max_model_len": engine.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def post_completions(request: Request) -> Response:
+        body = parse_body(await read_body(request), CompletionRequest)
+        _check_serving(engine)
+        return await completions(engine, request, body, _dp_rank(request))
+
+    @app.post("/v1/chat/completions")
+    async def post_chat_completions(request: Request) -> Response:
+        body = parse_body(await read_body(request), ChatCompletionRequest)
+        _check_serving(engine)
+        return await chat_completions(engine, request, body, _dp_rank(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = parse_body(await read_body(request), TokenizeRequest)
+        _check_model(engine, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InputError("give either prompt or messages")
+        if body.messages is not None:
+            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs)
+        elif body.chat_template_kwargs is not None:
+            raise InputError("chat_template_kwargs applies to messages only")
+        elif body.add_special_tokens:
+            ids = text_prompt(engine, body.prompt).ids
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = parse_body(await read_body(request), DetokenizeRequest)
+        _check_model(engine, body.model)
+        for token_id in body.tokens:
+            check_token_id(token_id, engine.vocab_size, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(metrics_registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# The largest request body read: a prompt of V3's whole 163840-token context as JSON token ids is about 1.2 MB,
+# lm-eval's batches of prompts a few MB; a larger body is refused (413) before it is held in memory.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused with a 413 once it (or its declared Content-Length) passes MAX_BODY_BYTES."""
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_serving(engine: EngineClient) -> None:
+    if not engine.is_ready():
+        raise APIError(503, "the model is still loading; try again when GET /health answers 200")
+    if not engine.accepting():
+        raise APIError(503, "the server is shutting down and takes no new requests")
+
+
+def _check_model(engine: EngineClient, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{engine.model_name}`.")
+
+
+def _dp_rank(request: Request) -> int | None:
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"{DP_RANK_HEADER} must be an integer, got {value!r}") from None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def answer(error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return answer(exc)
+
+    @app.exception_handler(InputError)  # SamplingParams, chat rendering and engine.submit refuse with these
+    async def input_error(request: Request, exc: InputError) -> Response:
+        return answer(APIError(400, str(exc)))
+
+    @app.exception_handler(NotAccepting)  # submit's own check, when loading or draining began after ours
+    async def not_accepting(request: Request, exc: NotAccepting) -> Response:
+        return answer(APIError(503, str(exc)))
+
+    @app.exception_handler(RequestValidationError)  # FastAPI's own parsing (422 by default); routes parse bodies
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return answer(APIError(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())))
+
+    @app.exception_handler(HTTPException)  # unknown route (404), wrong method (405)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return answer(APIError(500, f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,111 @@
+"""POST /v1/chat/completions: messages -> the family's chat prompt (family/chat.py) -> a reply, streamed or whole.
+With thinking on (chat_template_kwargs {"thinking": true}) the reply's text before `</think>` is returned as
+`reasoning_content` and the rest as `content`, as vLLM's DeepSeek reasoning parser returns them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from dsconv.errors import InputError
+from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.runner.entrypoints.openai.choice import Choice, chat_logprobs, split_reasoning
+from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
+from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, chat_messages, check_common,
+                                      sampling_params, stop_strings, thinking_flag)
+from dsconv.family.chat import encode_chat_ids
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.client import EngineClient
+
+
+def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None) -> tuple[list[int], bool]:
+    """(prompt ids, thinking); the rendered text carries BOS itself."""
+    thinking = thinking_flag(kwargs)
+    ids = encode_chat_ids(engine.tokenizer, engine.family, chat_messages(messages), thinking, engine.tokenizer_config)
+    return ids, thinking
+
+
+async def chat_completions(engine: EngineClient, request: Request, body: ChatCompletionRequest,
+                           dp_rank: int | None) -> Response:
+    check_common(body, engine.model_name, engine.vocab_size)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InputError("top_logprobs needs logprobs=true")
+    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:  # as vLLM: whatever the context leaves
+        max_tokens = engine.max_model_len - len(prompt_ids)
+        if max_tokens <= 0:
+            raise InputError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room for a reply within "
+                             f"max_model_len={engine.max_model_len}")
+    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    response = ChatCompletion(engine, body, prompt_ids, thinking)
+    requests = EngineRequests(engine, request, dp_rank)
+    return await answer(requests, response, [response.choice], body.stream, params)
+
+
+class ChatCompletion:
+    def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool):
+        self.engine, self.body, self.thinking = engine, body, thinking
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.choice = Choice(0, prompt_ids, stop_strings(body),
+                             Detokenizer(engine.tokenizer, skip_special_tokens=True))
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
+
+    def _usage(self) -> dict:
+        prompt, completion = len(self.choice.prompt_ids), len(self.choice.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of the reply text so far."""
+        return split_reasoning(text, final) if self.thinking else (None, text)
+
+    def _logprobs(self, first_token: int) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        choice = self.choice
+        return chat_logprobs(self.engine.tokenizer, choice.token_ids[first_token:], choice.logprobs[first_token:],
+                             self.body.top_logprobs or 0, self.body.return_tokens_as_token_ids)
+
+    def response(self) -> dict:
+        reasoning, content = self._split(self.choice.text, final=True)
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(0),
+                  "finish_reason": self.choice.finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage()}
+
+    async def chunks(self, requests: EngineRequests):
+        yield self._chunk({"role": "assistant", "content": ""}, None, None)
+        async for _ in follow(requests, [self.choice]):
+            chunk = self._next_chunk()
+            if chunk is not None:
+                yield chunk
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage()}
+
+    def _chunk(self, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+        return {**self._head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _next_chunk(self) -> dict | None:
+        choice = self.choice
+        reasoning, content = self._split(choice.ready_text(), final=choice.done)
+        delta = {}
+        if reasoning is not None and len(reasoning) > choice.sent_reasoning:
+            delta["reasoning_content"] = reasoning[choice.sent_reasoning:]
+            choice.sent_reasoning = len(reasoning)
+        if content is not None and len(content) > choice.sent_text:
+            delta["content"] = content[choice.sent_text:]
+            choice.sent_text = len(content)
+        logprobs = self._logprobs(choice.sent_tokens) if len(choice.token_ids) > choice.sent_tokens else None
+        choice.sent_tokens = len(choice.token_ids)
+        finish = choice.finish_reason if choice.done else None
+        if not delta and logprobs is None and finish is None:
+            return None
+        return self._chunk(delta, logprobs, finish)

@@ -1,0 +1,143 @@
+"""POST /v1/completions: prompts (text or token ids, one choice each) -> text, streamed or whole, with echo and
+logprobs shaped as lm-evaluation-harness reads them (prompt tokens first, the first one with logprob None)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from dsconv.errors import InputError
+from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.runner.entrypoints.openai.choice import (Choice, EngineError, completion_logprobs, prompt_offsets)
+from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
+from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
+                                      check_token_id, sampling_params, stop_strings)
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.client import EngineClient
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str  # what echo returns: the client's text, or the decoded ids
+    added_bos: bool  # the server put BOS in front of the client's text
+
+
+def text_prompt(engine: EngineClient, text: str) -> Prompt:
+    # DeepSeek's Hugging Face tokenizer adds BOS (add_bos_token); `tokenizers` alone does not
+    bos = [] if engine.bos_token_id is None else [engine.bos_token_id]
+    return Prompt(bos + engine.tokenizer.encode(text, add_special_tokens=False).ids, text, bool(bos))
+
+
+def prompts(engine: EngineClient, prompt: str | list) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]  # one prompt: a text, or one list of ids
+    if not prompt:
+        raise InputError("prompt is empty")
+    out = []
+    for i, one in enumerate(prompt):
+        name = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if not one:
+            raise InputError(f"{name} is empty")
+        if isinstance(one, str):
+            out.append(text_prompt(engine, one))
+            continue
+        for token_id in one:
+            check_token_id(token_id, engine.vocab_size, name)
+        out.append(Prompt(list(one), engine.tokenizer.decode(one, skip_special_tokens=False), False))
+    return out
+
+
+async def completions(engine: EngineClient, request: Request, body: CompletionRequest,
+                      dp_rank: int | None) -> Response:
+    check_common(body, engine.model_name, engine.vocab_size)
+    if body.best_of not in (None, 1):
+        raise InputError(f"best_of={body.best_of} is not supported: only 1")
+    inputs = prompts(engine, body.prompt)
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = sampling_params(body, max_tokens, logprobs=body.logprobs,
+                             prompt_logprobs=body.logprobs if body.echo else None)
+    response = Completion(engine, body, inputs)
+    requests = EngineRequests(engine, request, dp_rank)
+    return await answer(requests, response, response.choices, body.stream, params)
+
+
+class Completion:
+    def __init__(self, engine: EngineClient, body: CompletionRequest, inputs: list[Prompt]):
+        self.engine, self.body, self.inputs = engine, body, inputs
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.choices = [Choice(i, p.ids, stop_strings(body), Detokenizer(engine.tokenizer, skip_special_tokens=True))
+                        for i, p in enumerate(inputs)]
+        self.echo_sent = [False] * len(inputs)
+
+    def response(self) -> dict:
+        return {**self._head("text_completion"), "choices": [self._choice(c) for c in self.choices],
+                "usage": self._usage()}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
+
+    def _usage(self) -> dict:
+        prompt = sum(len(p.ids) for p in self.inputs)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _choice(self, choice: Choice) -> dict:
+        prompt = self.inputs[choice.index]
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(choice, 0, self.body.echo)
+        return {"index": choice.index, "text": (prompt.text if self.body.echo else "") + choice.text,
+                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+    def _logprobs(self, choice: Choice, first_token: int, with_prompt: bool) -> dict:
+        """Logprobs of the generated tokens from `first_token` on, after the prompt's when `with_prompt`."""
+        prompt = self.inputs[choice.index]
+        base = len(prompt.text) if self.body.echo else 0  # generated text starts after the echoed prompt
+        ids = choice.token_ids[first_token:]
+        entries: list = choice.logprobs[first_token:]
+        offsets = [base + offset for offset in choice.token_offsets[first_token:]]
+        if with_prompt:
+            if choice.prompt_logprobs is None or len(choice.prompt_logprobs) != len(prompt.ids):
+                raise EngineError(f"prompt logprobs for {len(prompt.ids)} tokens were asked for, the engine "
+                                  f"gave {None if choice.prompt_logprobs is None else len(choice.prompt_logprobs)}")
+            ids = prompt.ids + ids
+            entries = choice.prompt_logprobs + entries
+            offsets = prompt_offsets(self.engine.tokenizer, prompt.ids, prompt.added_bos) + offsets
+        return completion_logprobs(self.engine.tokenizer, ids, entries, offsets, self.body.return_tokens_as_token_ids)
+
+    async def chunks(self, requests: EngineRequests):
+        async for choice in follow(requests, self.choices):
+            chunk = self._chunk(choice)
+            if chunk is not None:
+                yield chunk
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {**self._head("text_completion"), "choices": [], "usage": self._usage()}
+
+    def _chunk(self, choice: Choice) -> dict | None:
+        """What `choice` has new since its last chunk, or None when nothing is new."""
+        echo = ""
+        with_prompt = False
+        if self.body.echo and not self.echo_sent[choice.index]:
+            # the prompt goes first, with its logprobs once the engine has scored it
+            if self.body.logprobs is None or choice.prompt_logprobs is not None:
+                echo, with_prompt = self.inputs[choice.index].text, self.body.logprobs is not None
+                self.echo_sent[choice.index] = True
+        text = choice.ready_text()
+        delta = echo + text[choice.sent_text:]
+        new_tokens = len(choice.token_ids) - choice.sent_tokens
+        logprobs = None
+        if self.body.logprobs is not None and (new_tokens or with_prompt):
+            logprobs = self._logprobs(choice, choice.sent_tokens, with_prompt)
+        finish = choice.finish_reason if choice.done else None
+        choice.sent_text, choice.sent_tokens = len(text), len(choice.token_ids)
+        if not delta and logprobs is None and finish is None:
+            return None
+        return {**self._head("text_completion"),
+                "choices": [{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish}]}

@@ -1,0 +1,197 @@
+"""The bridge between one HTTP request and its engine requests (one per prompt): outputs arrive on the engine's
+thread and are handed to the event loop through a queue (one wake-up of the loop per engine step, not one per
+output); a client that goes away, an error or a stop string
+aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it in
+`finally`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dsconv.runner.entrypoints.openai.choice import Choice, EngineError
+from dsconv.runner.engine.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.client import EngineClient
+
+
+CLIENT_GONE = 499  # nginx's status for "client closed request"; logged, never read
+
+
+class LoopInbox:
+    """Outputs handed from the engine's thread to one event loop. Waking a loop from another thread
+    (call_soon_threadsafe) writes to its self-pipe, a system call taking the GIL from the engine: the first
+    output of a step schedules one wake-up and the step's other outputs join it, so a step streaming to N
+    requests wakes the loop once."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopInbox]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, object]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopInbox":
+        """The loop's inbox (called on the loop's own thread, so never created twice)."""
+        inbox = cls._by_loop.get(loop)
+        if inbox is None:
+            inbox = cls._by_loop[loop] = cls(loop)
+        return inbox
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:
+        """On any thread: item goes into queue on the loop's thread."""
+        with self.lock:
+            self.pending.append((queue, item))
+            if len(self.pending) > 1:  # a wake-up is already scheduled and will take this item too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop has shut down: nobody is waiting for these outputs any more
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its requests were running."""
+
+
+class EngineRequests:
+    def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self.inbox = LoopInbox.of(asyncio.get_running_loop())
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.running: set[str] = set()  # submitted, not finished, not aborted
+        self.disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+
+    def submit(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
+        def on_output(out: RequestOutput) -> None:  # on the engine's thread
+            self.inbox.post(self.queue, (index, out))
+
+        request_id = self.engine.submit(prompt_ids, params, on_output, dp_rank=self.dp_rank)
+        self.running.add(request_id)
+        return request_id
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        """The next output of any of the requests (choice index, output); raises ClientGone on a disconnect."""
+        if self.disconnected.done():
+            raise ClientGone()
+        if self.queue.empty():  # wait for an output or the disconnect, whichever comes first
+            get = asyncio.ensure_future(self.queue.get())
+            try:
+                await asyncio.wait((get, self.disconnected), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
+                raise ClientGone()
+            index, out = get.result()
+        else:  # already here (a step's outputs arrive together): no task, no wait
+            index, out = self.queue.get_nowait()
+        if out.finished:
+            self.running.discard(out.request_id)
+        return index, out
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running.discard(request_id)
+            self.engine.abort(request_id)
+
+    def close(self) -> None:
+        self.disconnected.cancel()
+        for request_id in list(self.running):
+            self.abort(request_id)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body has been read, the next ASGI message of an HTTP request is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterator[Choice]:
+    """Feeds each engine output to its choice and yields the choice, until every choice is done. A choice a stop
+    string ended has its engine request aborted; outputs still in flight for it are dropped."""
+    while not all(choice.done for choice in choices):
+        index, out = await requests.next()
+        choice = choices[index]
+        if choice.done:
+            continue
+        choice.consume(out)
+        if choice.stopped_here:
+            requests.abort(choice.request_id)
+        yield choice
+
+
+async def answer(requests: EngineRequests, response, choices: list[Choice], stream: bool,
+                 params: SamplingParams) -> Response:
+    """Submits every choice's prompt, then returns the SSE stream or, once every choice is done, the whole
+    response (response: the route's Completion or ChatCompletion: `chunks`, `response`). The requests are
+    closed on every path out: by the stream when it ends, else here."""
+    made = None
+    try:
+        for choice in choices:
+            choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
+        if stream:
+            made = EngineStream(sse_events(response.chunks(requests)), requests)
+            return made
+        async for _ in follow(requests, choices):
+            pass
+        return JSONResponse(response.response())
+    except EngineError as exc:
+        raise exc.api_error() from None
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    finally:
+        if made is None:
+            requests.close()
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+DONE = sse("[DONE]")
+
+
+async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed response's events: each chunk, then `data: [DONE]`. An engine error midway becomes an error
+    event in OpenAI's shape before [DONE] (the openai client raises on it); a client that has gone gets nothing
+    more."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except ClientGone:
+        return
+    except EngineError as exc:
+        yield sse(exc.api_error().body())
+    yield DONE
+
+
+class EngineStream(StreamingResponse):
+    """A server-sent-event stream that closes its engine requests however the response ends: the client going
+    away may cancel the body iterator before it starts, where its own `finally` would never run."""
+
+    def __init__(self, events: AsyncIterator[str], requests: EngineRequests):
+        super().__init__(events, media_type="text/event-stream")
+        self.requests = requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.requests.close()

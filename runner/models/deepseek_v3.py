@@ -1,0 +1,295 @@
+"""DeepSeek-V3 / V3.2-Exp forward over one rank's shards, top to bottom like DeepSeek's own model.py.
+
+Tokens arrive flattened ([T] over this rank's sequences, vLLM style) with their positions and cache slots.
+Attention is MLA over a paged latent cache: prefill expands the latent through kv_b_proj, decode absorbs
+kv_b_proj into the query and attends over the latent directly. V3.2 adds the Lightning indexer, whose keys
+are cached next to the latent, and attends only over its top-k positions. MoE experts are EP-sharded: the
+exchange is written out in runner/models/moe.py; lm_head is vocabulary-sharded and its logits gathered in `logits()`.
+The layers (projections, norms, rotary tables, MLPs, routed experts) come from runner/models/layers.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsconv.family.deepseek_v3 import V3Config
+from dsconv.kernels.attention import attention
+from dsconv.kernels.device import cast
+from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
+from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
+from dsconv.runner.models.kv_cache import DecodeRows, LatentCache, StepMeta
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
+from dsconv.runner.models.moe import expert_parallel
+from dsconv.runner.models.weights import RankWeights
+
+INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
+ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)
+ROUTER_NORM_EPS = 1e-20
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class Attention:
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
+        self.cfg = cfg
+        # q_a, kv_a and V3.2's indexer wk and weights_proj all read the layer input: one merged projection, output
+        # columns [q_lora | kv_lora + rope | index_head_dim | index_n_heads] (family.recipes gives them one type)
+        names = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
+        self.input_split = [cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim]
+        if cfg.has_indexer:
+            names += [f"{prefix}.indexer.wk", f"{prefix}.indexer.weights_proj"]
+            self.input_split += [cfg.index_head_dim, cfg.index_n_heads]
+        self.wqkv_a = Proj.merged(w, names, dtype)
+        self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
+        # this rank's heads: the rows of the q_b_proj slice the placement table gave it (all heads without TP)
+        self.heads = self.wq_b.weight.shape[0] // (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        self.q_norm = RMSNorm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
+        # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
+        # expands the latent with them, decode absorbs them. Copies (dequantized if INT8) in the dtype decode
+        # multiplies in: float32 on CPU (kernels.linear.matmul_dtype), twice a BF16 copy's bytes
+        kv_b = Proj(w, f"{prefix}.kv_b_proj", dtype).float_weight(dtype).view(self.heads, -1, cfg.kv_lora_rank)
+        product_dtype = matmul_dtype(kv_b)
+        # W_UK stored transposed, [heads, lora, nope], so that both absorbed products are matrix @ column (inside
+        # a decode step as fast as row @ matrix with [heads, nope, lora])
+        self.w_uk_t = kv_b[:, :cfg.qk_nope_head_dim].transpose(1, 2).to(product_dtype, copy=True,
+                                                                        memory_format=torch.contiguous_format)
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
+        self.kv_norm = RMSNorm(w, f"{prefix}.kv_a_layernorm.weight", cfg.rms_norm_eps, dtype)
+        self.wo = Proj(w, f"{prefix}.o_proj", dtype)
+        self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
+        self.dist = dist
+
+    def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
+        cfg, heads = self.cfg, self.heads
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        # V3.2: index_k_w = the indexer's key and head weights
+        q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.input_split, dim=-1)
+        q_resid = self.q_norm(q_a)
+        q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
+        pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step_rope.cos, step_rope.sin, interleaved=True)
+        q_pe, k_pe = pe[:, :heads], pe[:, heads]
+        cache.write(layer, meta, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
+        if self.indexer is not None:
+            self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
+
+        # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
+        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
+        for seq in meta.seqs:
+            if seq.query_len > 1:
+                rows = slice(seq.start, seq.stop)
+                out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
+                                         step_rope, rows, cache, layer, seq, scale)
+        for decode in meta.decodes:
+            rows = decode.rows
+            out[rows] = self.decode(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
+                                    step_rope, rows, cache, layer, decode, scale)
+        o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+        return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
+
+    def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
+                seq, scale: float) -> torch.Tensor:
+        """One sequence's chunk of S > 1 queries: the latent expanded into per-head keys and values -> [S, heads,
+        v], in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are emulated and
+        several times slower), rounded to the compute dtype once, at the end."""
+        cfg, heads, lora = self.cfg, self.heads, self.cfg.kv_lora_rank
+        (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
+        allowed = seq.causal  # [S, C] True where a query may look
+        # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
+        # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
+        if self.indexer is not None and seq.context_len > cfg.index_topk:
+            top = self.indexer.select(q_resid, index_k_w[1], step_rope.index_cos[rows], step_rope.index_sin[rows],
+                                      cache, layer, seq, allowed)
+            chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
+            chosen.scatter_(-1, top, True)  # each query has its own choice: a mask over the whole context
+            allowed = allowed & chosen  # new: seq.causal is shared by layers
+        product_dtype = self.w_uk_t.dtype
+        ctx = cast(ctx, product_dtype)
+        ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
+        k_nope = torch.einsum("cl,hln->hcn", ctx_c, self.w_uk_t)
+        values = torch.einsum("cl,hvl->hcv", ctx_c, self.w_uv)
+        keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
+        query = cast(torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1), product_dtype)
+        return cast(attention(query, keys, values, scale, allowed).transpose(0, 1), q_nope.dtype)
+
+    def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
+               decode: DecodeRows, scale: float) -> torch.Tensor:
+        """B one-token sequences at once (their rows of the step: `rows`): W_UK absorbed into the queries and W_UV
+        into the outputs, every head attending over the latent itself -> [B, heads, v]. In the dtype matmul
+        multiplies in (float32 on CPU, where the BF16 products are slow), rounded to the compute dtype once, at
+        the end."""
+        cfg, lora = self.cfg, self.cfg.kv_lora_rank
+        slots, valid = decode.slots, decode.valid  # [B, C]
+        if self.indexer is not None and decode.max_context > cfg.index_topk:
+            # V3.2: each query attends over its index_topk chosen positions only, [B, index_topk, lora + rope]
+            top = self.indexer.select_decode(q_resid, index_k_w[1], step_rope.index_cos[rows],
+                                             step_rope.index_sin[rows], cache, layer, decode)
+            slots = slots.gather(1, top)
+            valid = None if valid is None else valid.gather(1, top)
+            ctx = cache.read_slots(layer, "c_kv_k_pe", slots)
+        else:
+            ctx = cache.read_decode(layer, decode, "c_kv_k_pe")  # [B, C, lora + rope]
+        product_dtype = self.w_uk_t.dtype
+        ctx = cast(ctx, product_dtype)
+        q_lat = torch.bmm(self.w_uk_t, cast(q_nope, product_dtype).permute(1, 2, 0))  # [heads, lora, B]
+        query = torch.cat([q_lat.permute(2, 0, 1), cast(q_pe, product_dtype)], dim=-1)  # [B, heads, lora + rope]
+        # the heads are one sequence's queries against the keys and values all of them share: [B, heads, lora]
+        o_lat = attention(query, ctx, ctx[..., :lora], scale, None if valid is None else valid[:, None],
+                          one_token=True)
+        return cast(torch.bmm(self.w_uv, o_lat.permute(1, 2, 0)).permute(2, 0, 1), q_nope.dtype)  # [B, heads, v]
+
+
+class Indexer:
+    """V3.2's Lightning indexer: scores every cached position per query, keeps the top `index_topk`."""
+
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
+        self.cfg = cfg
+        self.wq_b = Proj(w, f"{prefix}.wq_b", dtype)  # wk and weights_proj are merged into Attention.wqkv_a
+        # the LayerNorm's parameters in the compute dtype, once (F.layer_norm wants them in the input's dtype)
+        self.k_norm_weight = cast(w.take(f"{prefix}.k_norm.weight"), dtype)
+        self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
+
+    def write_keys(self, k, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
+        """k [T, index_head_dim]: wk of the layer input, normed, rotated and cached here."""
+        cfg = self.cfg
+        k = F.layer_norm(k, (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias, INDEXER_K_NORM_EPS)
+        k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
+        cache.write(layer, meta, index_k=k)
+
+    def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
+        """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
+        per query the context positions of its top k = min(index_topk, C) index scores."""
+        q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
+        (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
+        # mm rather than the equivalent einsum or matmul (which fold to it): the same product without their
+        # per-call setup
+        scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
+        return self.top(self.index(scores, head_weights).masked_fill(~allowed, float("-inf")))
+
+    def select_decode(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int,
+                      decode: DecodeRows) -> torch.Tensor:
+        """B one-token sequences at once, their contexts padded to the longest (a padded position scores -inf,
+        after every real one, so a context shorter than index_topk keeps all its positions and pads the rest).
+        -> [B, k] positions, k = min(index_topk, longest context)."""
+        q = self.queries(q_resid, cos, sin)  # [B, heads, dim]
+        keys = cache.read_decode(layer, decode, "index_k")  # [B, C, dim]
+        scores = torch.bmm(q.float(), cast(keys, torch.float32).transpose(1, 2))  # [B, heads, C]
+        index = self.index(scores, head_weights)
+        return self.top(index if decode.valid is None else index.masked_fill(~decode.valid, float("-inf")))
+
+    def queries(self, q_resid, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        q = self.wq_b(q_resid).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        return apply_rope_prefix(q, cos, sin, cfg.qk_rope_head_dim)
+
+    def index(self, scores: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """scores [N, heads, C] (float32, a new tensor: scaled and relu'd in place), head_weights [N, heads] ->
+        the index scores [N, C]: relu(q . k / sqrt(dim)) summed over heads with weights / sqrt(heads)."""
+        heads, dim = self.cfg.index_n_heads, self.cfg.index_head_dim
+        scores.mul_(dim ** -0.5).relu_()
+        head_weights = head_weights.float() * heads ** -0.5  # (.float() may return the input itself)
+        return torch.bmm(head_weights[:, None], scores)[:, 0]  # [N, 1, heads] @ [N, heads, C] -> [N, C]
+
+    def top(self, index: torch.Tensor) -> torch.Tensor:
+        """[N, C] -> [N, min(index_topk, C)] the positions of each row's best scores. relu leaves ties (often
+        several positions at exactly 0): a stable sort breaks them by position, so the choice does not depend on
+        how many queries a call holds (chunked prefill, decode) as topk's may."""
+        top = index.sort(dim=-1, descending=True, stable=True).indices
+        return top[:, :min(self.cfg.index_topk, index.shape[-1])]
+
+
+class MoE:
+    def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dist: Dist, dtype: torch.dtype):
+        self.cfg, self.dist = cfg, dist
+        # routing runs in float32, as transformers' gate does: converted once here, not at every step
+        self.router = w.take(f"{prefix}.gate.weight").float()
+        self.bias = w.take(f"{prefix}.gate.e_score_correction_bias").float()
+        self.experts = RoutedExperts(w, f"{prefix}.experts", MLP_NAMES, cfg.n_routed_experts, dist, dtype)
+        self.shared = mlp(w, f"{prefix}.shared_experts", dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.router).sigmoid()  # [T, E]
+        groups = (scores + self.bias).view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_score = groups.topk(ROUTER_GROUP_TOPK, dim=-1).values.sum(-1)  # [T, n_group]
+        best_groups = group_score.topk(cfg.topk_group, dim=-1).indices
+        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, best_groups, False)  # [T, n_group]
+        choice = groups.masked_fill(dropped[..., None], float("-inf")).view(-1, cfg.n_routed_experts)
+        experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_NORM_EPS)
+        return experts, weights * cfg.routed_scaling_factor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
+        return self.dist.attn_tp_unshare(self.routed(share) + self.shared(share), x.shape[0])
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        return expert_parallel(x, experts, weights, self.experts, self.dist)
+
+
+class DeepseekV3:
+    def __init__(self, cfg: V3Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+        self.cfg, self.dist, self.dtype = cfg, dist, dtype
+        self.embed = w.take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            ffn = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else mlp(w, f"{p}.mlp", dtype)
+            self.layers.append((RMSNorm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
+                                Attention(cfg, w, f"{p}.self_attn", dist, dtype),
+                                RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
+        self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
+        # [vocab / tp, hidden]: this rank's vocabulary rows
+        self.head = Proj.of(w.take("lm_head.weight").to(dtype), None)
+        for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
+            w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
+        w.finish()
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, dist.device)
+        self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
+        # the cache holds its BF16 entries in the dtype decode multiplies them in (float32 on CPU, exact: BF16 values
+        # convert losslessly), so a decode step reads the context as is instead of converting it in every layer
+        self.cache_dtype = matmul_dtype_for(dtype, dist.device)
+
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
+                hidden_out: list | None = None) -> torch.Tensor:
+        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
+        x = cast(F.embedding(tokens, self.embed), self.dtype)
+        step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
+        for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
+            x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
+            x = x + mlp(mlp_norm(x))
+            if hidden_out is not None:
+                hidden_out.append(x)
+        h = self.norm(x)
+        return self.logits(h if rows is None else h[rows])
+
+    def step_rope(self, positions: torch.Tensor) -> StepRope:
+        return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
+
+
+def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
+    """A dense MLP or the shared expert."""
+    return GatedMLP(w, tuple(f"{prefix}.{name}" for name in MLP_NAMES), dtype)
+
+
+def _is_mtp(name: str, cfg: V3Config) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers
+
+
+def cache_fields(cfg: V3Config) -> dict[str, int]:
+    """What MLA caches per token and layer: the normalized latent and the rotated shared key (one row, as
+    vLLM's MLA cache keeps them), V3.2's index keys."""
+    fields = {"c_kv_k_pe": cfg.kv_lora_rank + cfg.qk_rope_head_dim}  # side by side: one gather per decode read
+    if cfg.has_indexer:
+        fields["index_k"] = cfg.index_head_dim
+    return fields

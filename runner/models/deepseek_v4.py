@@ -1,0 +1,457 @@
+"""DeepSeek-V4 forward over one rank's shards, top to bottom like DeepSeek's own model.py.
+
+What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tensors keep the hub's names):
+- The residual is `hc_mult` parallel streams (manifold-constrained hyper-connections): before each attention
+  and MoE block a learned "pre" mix collapses the streams into the block's input, after it a "post" mix
+  spreads the block's output back and a Sinkhorn-normalized (doubly stochastic) "comb" matrix mixes the old
+  streams. `hc_head` collapses them once more before the final norm.
+- Attention is shared-KV MQA (one head serves as key and value) with a per-head sink, partial RoPE on the
+  last qk_rope_head_dim dims (interleaved pairs, layout kept) and a grouped low-rank output projection.
+  Every layer attends over a sliding window; CSA layers add ratio-4 overlapping compressed entries chosen
+  per query by the Lightning indexer (top `index_topk`), HCA layers add every compressed entry of their own
+  ratio (128 on the hub; DeepSeek's code takes any ratio other than 4 as HCA).
+- MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
+  on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
+
+Decode continues from per-request state (runner/models/v4_state.py): the sliding window's keys, each compressor's
+emitted entries and unfinished window, the indexer's keys. Prefill starts from an empty state, so a prompt fed
+in chunks of any size and the tokens after it continue one state; a chunk of several rows attends alone
+(`Attention.keys`), a step's one-row sequences together (`Attention.decode`). Attention TP is future work
+(attention runs DP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from dsconv.family.deepseek_v4 import AttnType, MlpType, V4Config, attn_type_of
+from dsconv.kernels.attention import attention
+from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
+from dsconv.kernels.rope import rope_tail
+from dsconv.runner.models.kv_cache import SeqStep, StepMeta, gather_groups, lengths_mask
+from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
+from dsconv.runner.models.moe import expert_parallel
+from dsconv.runner.models.weights import RankWeights
+
+ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
+EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
+SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+
+
+def norm(w: RankWeights, name: str, cfg: V4Config) -> RMSNorm:
+    """V4 keeps norm weights in float32: the weight multiplies before the one cast back (unlike V3's order)."""
+    return RMSNorm(w, name, cfg.rms_norm_eps, torch.float32, WEIGHT_IN_FLOAT32)
+
+
+def _yarn_dict(cfg: V4Config) -> dict | None:
+    if cfg.rope_scaling is None:
+        return None
+    y = cfg.rope_scaling
+    # attention_factor 1: DeepSeek's reference does not scale cos/sin by YaRN's mscale (transformers agrees)
+    return {"type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "attention_factor": 1.0}
+
+
+class Compressor:
+    """Pools every `ratio` tokens into one key (= value) entry: a softmax over the window of learned gates
+    (plus the per-slot bias `ape`) weighs the projected tokens, per dim. Overlapping (CSA) compressors emit
+    two series per token: entry w pools window w-1's first series with window w's second, 2 * ratio slots.
+    Only whole windows are pooled; entry w is rotated at position w * ratio."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, head_dim: int, overlap: bool,
+                 rope: Rope, dtype: torch.dtype):
+        self.ratio, self.head_dim, self.overlap, self.rope = ratio, head_dim, overlap, rope
+        self.wkv, self.wgate = Proj(w, f"{prefix}.wkv", dtype), Proj(w, f"{prefix}.wgate", dtype)
+        self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
+        self.norm = norm(w, f"{prefix}.norm.weight", cfg)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (any sequences' rows) -> each row's (kv, gate + its window slot's bias), [T, series *
+        head_dim]: what __call__ pools."""
+        return self.wkv(x), self.wgate(x).float() + self.ape[positions % self.ratio]
+
+    def __call__(self, new_kv: torch.Tensor, new_gate: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """One sequence's projected rows (`project`) at consecutive positions, the state's next -> every entry so
+        far [n, head_dim]. The new rows join the unfinished window; each window they complete is pooled into one
+        entry."""
+        ratio, d = self.ratio, self.head_dim
+        kv = torch.cat([state.kv, new_kv])
+        gate = torch.cat([state.gate, new_gate])
+        n = kv.shape[0] // ratio
+        if n == 0:  # the window is still filling: keep the new tensors (fewer than ratio rows) as they are
+            state.kv, state.gate = kv, gate
+            return state.entries
+        state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
+        kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
+        prev_kv = prev_gate = None
+        if self.overlap:  # each window after the previous one's first series (the state's, for the first)
+            prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
+            prev_gate = torch.cat([state.prev_gate[None], gate[:-1, :, :d]])
+            state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+        index = torch.arange(state.count, state.count + n, device=kv.device)
+        return state.append(self.pool(kv, gate, prev_kv, prev_gate, index))
+
+    def decode(self, new_kv: torch.Tensor, new_gate: torch.Tensor, states: list[CompressorState]
+               ) -> list[torch.Tensor]:
+        """One projected row for each of B sequences ([B, series * head_dim], `project`), continuing states[i]
+        -> each sequence's entries so far. What __call__ does per sequence; the windows these rows complete are
+        pooled in one call."""
+        done: list[CompressorState] = []
+        for state, kv_row, gate_row in zip(states, new_kv, new_gate):
+            state.kv = torch.cat([state.kv, kv_row[None]])
+            state.gate = torch.cat([state.gate, gate_row[None]])
+            if state.kv.shape[0] == self.ratio:
+                done.append(state)
+        if done:
+            d = self.head_dim
+            kv, gate = torch.stack([s.kv for s in done]), torch.stack([s.gate for s in done])  # [b, ratio, width]
+            prev_kv = prev_gate = None
+            if self.overlap:
+                prev_kv = torch.stack([s.prev_kv for s in done])
+                prev_gate = torch.stack([s.prev_gate for s in done])
+            index = torch.tensor([s.count for s in done], device=kv.device)
+            entries = self.pool(kv, gate, prev_kv, prev_gate, index)
+            for j, state in enumerate(done):
+                if self.overlap:  # copies, as __call__ keeps them: not views holding the whole stack
+                    state.prev_kv, state.prev_gate = kv[j, :, :d].clone(), gate[j, :, :d].clone()
+                state.kv, state.gate = state.kv.new_empty(0, kv.shape[2]), state.gate.new_empty(0, gate.shape[2])
+                state.append(entries[j:j + 1])
+        return [state.entries for state in states]
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+             prev_gate: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+        """n whole windows, kv and gate [n, ratio, series * head_dim] (overlap: prev_kv, prev_gate [n, ratio,
+        head_dim], the first series of the window before each), index [n] the entries' numbers -> the entries
+        [n, head_dim], normalized and rotated at position index * ratio."""
+        d = self.head_dim
+        if self.overlap:  # slots [n, 2 * ratio, d]: the previous window's first series, then this one's second
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [n, d]
+        cos, sin = self.rope(index * self.ratio)
+        return rope_tail(self.norm(pooled), cos, sin)
+
+
+class Indexer:
+    """Lightning indexer: score_{t,s} = sum_h w_{t,h} relu(q_{t,h} . k_s) over its own compressed keys; each
+    query keeps the top `index_topk` entries among those already complete."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, rope: Rope, dtype: torch.dtype):
+        self.cfg = cfg
+        self.wq_b, self.weights_proj = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.weights_proj", dtype)
+        self.compressor = Compressor(cfg, w, f"{prefix}.compressor", cfg.csa_compress_rate, cfg.index_head_dim,
+                                     True, rope, dtype)
+
+    def project(self, x, q_resid, cos, sin, positions) -> tuple[torch.Tensor, ...]:
+        """Any sequences' rows -> per row (queries [T, heads, dim], head weights [T, heads], the compressor's
+        projected kv and gate): what `select` takes, one sequence's rows of each."""
+        cfg = self.cfg
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        q = rope_tail(self.wq_b(q_resid).view(-1, heads, dim), cos[:, None], sin[:, None])
+        head_weights = self.weights_proj(x).float() * heads**-0.5
+        return q, head_weights, *self.compressor.project(x, positions)
+
+    def select(self, q, head_weights, new_kv, new_gate, complete: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """One sequence's projected rows (`project`), complete [T, n] bool (entry s pools only tokens <= t) ->
+        chosen [T, n] bool."""
+        dim = self.cfg.index_head_dim
+        keys = self.compressor(new_kv, new_gate, state)  # [n, dim]
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
+        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
+        # relu leaves ties (often several entries at exactly 0): a stable sort breaks them by entry order, so
+        # the choice does not depend on how many queries or entries this call holds (topk's order is unspecified)
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]
+        # early queries have fewer complete entries than index_topk: their extra picks are not complete
+        return torch.zeros_like(complete).scatter_(-1, top, True) & complete
+
+    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys[i] [n_i, dim] the
+        sequence's compressed keys with this row pooled (all complete for it) -> per sequence the indices of its
+        chosen entries [min(n_i, index_topk)], ascending: what `select` chooses for the row, scored in one call
+        over the keys padded to the longest (a padded entry scores -inf). Exact ties (relu's zeros) break by
+        entry order as in `select`; a GEMM whose blocking changes with the padded length may round a near-tie
+        the other way, as any change of batch can on an accelerator."""
+        dim, counts = self.cfg.index_head_dim, [k.shape[0] for k in keys]
+        if max(counts) == 0:
+            return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
+        padded = pad_sequence(keys, batch_first=True).float()  # [B, n, dim]
+        valid = lengths_mask(counts, q.device)  # [B, n]
+        scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
+        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]  # ties as `select`
+        top = top.masked_fill(~valid.gather(1, top), padded.shape[1])
+        top = top.sort(dim=-1).values  # entry order, padding last
+        return [t[:min(n, self.cfg.index_topk)] for t, n in zip(top, counts)]
+
+
+class Attention:
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, ropes: dict, dtype: torch.dtype):
+        attn_type = attn_type_of(ratio)  # DeepSeek's rule: overlap and an indexer at ratio 4 only
+        self.cfg, self.attn_type = cfg, attn_type
+        self.rope = ropes["main"] if attn_type is AttnType.SLIDING else ropes["compress"]
+        self.wq_a, self.wq_b = Proj(w, f"{prefix}.wq_a", dtype), Proj(w, f"{prefix}.wq_b", dtype)
+        self.q_norm = norm(w, f"{prefix}.q_norm.weight", cfg)
+        self.wkv = Proj(w, f"{prefix}.wkv", dtype)
+        self.kv_norm = norm(w, f"{prefix}.kv_norm.weight", cfg)
+        self.wo_a = GroupedProj(w, f"{prefix}.wo_a", cfg.o_groups, dtype)
+        self.wo_b = Proj(w, f"{prefix}.wo_b", dtype)
+        self.sinks = w.take(f"{prefix}.attn_sink").float()  # [heads]
+        self.compressor = self.indexer = None
+        if attn_type is not AttnType.SLIDING:
+            self.ratio = ratio
+            self.compressor = Compressor(cfg, w, f"{prefix}.compressor", self.ratio, cfg.head_dim,
+                                         attn_type is AttnType.CSA, self.rope, dtype)
+        if attn_type is AttnType.CSA:
+            self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep],
+                 states: list[LayerState]) -> torch.Tensor:
+        """x [T, hidden]: the step's rows, each sequence's (seqs[i].start .. stop) at consecutive positions
+        continuing its states[i] -> [T, hidden]. The projections run once over all rows; each sequence builds its
+        keys from its own state; a sequence's chunk of several rows attends alone, the one-row sequences (decode)
+        together, one call per group of them (`gather_groups`), over their keys padded to the longest."""
+        cfg = self.cfg
+        T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        cos, sin = self.rope(positions)  # [T, rope / 2]
+        q_resid = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = unweighted_rms_norm(self.wq_b(q_resid).view(T, heads, head_dim), cfg.rms_norm_eps)
+        q = rope_tail(q, cos[:, None], sin[:, None])
+        kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
+        # the compressors' and the indexer's projections of every row, each sequence's rows pooled by its state
+        compress = () if self.compressor is None else self.compressor.project(x, positions)
+        index = () if self.indexer is None else self.indexer.project(x, q_resid, cos, sin, positions)
+        out = q.new_empty(T, heads, head_dim)
+        decodes: list[tuple[SeqStep, LayerState]] = []  # the one-row sequences
+        for seq, state in zip(seqs, states):
+            if seq.query_len == 1:
+                decodes.append((seq, state))
+            elif seq.query_len:
+                # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
+                rows = slice(seq.start, seq.stop)
+                keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
+                                          [t[rows] for t in index], state)
+                out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
+                                      sinks=self.sinks).transpose(0, 1)
+        if decodes:
+            # a group's padded gather of compressed entries stays under DECODE_GATHER_ROWS
+            ratio = self.ratio if self.compressor is not None else None
+            for group in gather_groups([0 if ratio is None else seq.context_len // ratio for seq, _ in decodes]):
+                rows = torch.tensor([decodes[i][0].start for i in group], device=x.device)
+                out[rows] = self.decode(q[rows], kv[rows], [t[rows] for t in compress], [t[rows] for t in index],
+                                        [decodes[i][1] for i in group])
+        # the value carried its key's rotation: rotating back by the query's position leaves the relative one
+        out = rope_tail(out, cos[:, None], -sin[:, None])
+        grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
+        return self.wo_b(grouped.flatten(1))
+
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, compress: list[torch.Tensor], index: list[torch.Tensor],
+               states: list[LayerState]) -> torch.Tensor:
+        """B one-row sequences: their rows of the step's queries q [B, heads, head_dim], keys kv [B, head_dim]
+        and the compressors' and indexer's projections, continuing states -> [B, heads, head_dim].
+
+        Each state advances by its row (a few appends per sequence; the windows the rows complete are pooled
+        in one call per compressor); then one indexer scoring and one attention call for all of them. A decode
+        query sees its window (the last sliding_window keys, itself included) and every compressed entry, all
+        complete once its row is pooled; on CSA layers only the indexer's index_topk of them, in entry order
+        as `keys` keeps them."""
+        window_len = self.cfg.sliding_window
+        windows, entries = [], []
+        for state, key in zip(states, kv):
+            state.window = torch.cat([state.window, key[None]])[-window_len:]  # a new tensor, <= window + 1 rows
+            windows.append(state.window)
+        if self.compressor is not None:
+            entries = self.compressor.decode(*compress, [state.compressor for state in states])
+        if self.indexer is not None:  # each sequence's chosen entries, in entry order
+            q_index, head_weights, index_kv, index_gate = index
+            index_keys = self.indexer.compressor.decode(index_kv, index_gate, [state.indexer for state in states])
+            chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
+            entries = [e[c] for e, c in zip(entries, chosen)]
+        keys = [pad_sequence(windows, batch_first=True)]
+        allowed = [lengths_mask([w.shape[0] for w in windows], q.device)]
+        if self.compressor is not None:
+            keys.append(pad_sequence(entries, batch_first=True))
+            allowed.append(lengths_mask([e.shape[0] for e in entries], q.device))
+        keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+        # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, zero rows padded
+        return attention(q, keys, keys, self.cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
+
+    def keys(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor],
+             state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], their rows of the compressor's and
+        the indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its
+        compressed entries; allowed [S, K]: which of them each query sees). One-row sequences take `decode`."""
+        cfg = self.cfg
+        kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
+        key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
+        state.window = kv[-cfg.sliding_window:].clone()
+        offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
+        allowed = (offset >= 0) & (offset < cfg.sliding_window)
+        if self.compressor is not None:
+            entries = self.compressor(*compress, state.compressor)  # [n, head_dim]
+            # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
+            entry = torch.arange(entries.shape[0], device=positions.device)
+            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
+            if self.indexer is not None:
+                complete = self.indexer.select(*index, complete, state.indexer)
+            kv = torch.cat([kv, entries])
+            allowed = torch.cat([allowed, complete], dim=-1)
+        return kv, allowed
+
+
+class MoE:
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, mlp_type: MlpType, dist: Dist,
+                 dtype: torch.dtype):
+        self.cfg, self.dist = cfg, dist
+        self.router = w.take(f"{prefix}.gate.weight")
+        self.score = SCORE_FUNCS[cfg.scoring_func]
+        self.tid2eid = self.bias = None
+        if mlp_type is MlpType.HASH:
+            self.tid2eid = w.take(f"{prefix}.gate.tid2eid")  # [vocab, k] int64
+        else:
+            self.bias = w.take(f"{prefix}.gate.bias").float()
+        # expert and shared SwiGLUs clamp at swiglu_limit
+        self.experts = RoutedExperts(w, f"{prefix}.experts", EXPERT_NAMES, cfg.n_routed_experts, dist, dtype,
+                                     cfg.swiglu_limit)
+        self.shared = GatedMLP(w, tuple(f"{prefix}.shared_experts.{name}" for name in EXPERT_NAMES), dtype,
+                               cfg.swiglu_limit)
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hash layers: experts = tid2eid[token]; others: top-k of score + bias. Weights from the scores."""
+        scores = self.score(F.linear(x.float(), self.router.float()))  # [T, E]
+        if self.tid2eid is not None:
+            experts = self.tid2eid[tokens].long()
+        else:
+            experts = (scores + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(-1, keepdim=True) + ROUTER_NORM_EPS)  # transformers always renormalizes
+        return experts, weights * self.cfg.routed_scaling_factor
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
+        share_tokens = self.dist.attn_tp_share(tokens[:, None])[:, 0]
+        return self.dist.attn_tp_unshare(self.routed(share, share_tokens) + self.shared(share), x.shape[0])
+
+    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x, tokens)
+        return expert_parallel(x, experts, weights, self.experts, self.dist)
+
+
+class HyperConnection:
+    """From the streams [T, m, D]: pre [T, m] collapses them into a block's input, post [T, m] spreads the
+    block's output back, comb [T, m, m] (Sinkhorn-normalized) mixes the old streams. Computed in float32."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, name: str):
+        self.cfg = cfg
+        self.fn = w.take(f"{name}_fn").float()  # [(2 + m) * m, m * D]
+        self.base = w.take(f"{name}_base").float()  # [(2 + m) * m]
+        self.scale = w.take(f"{name}_scale").float()  # [3]: pre, post, comb
+
+    def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg, m = self.cfg, self.cfg.hc_mult
+        flat = streams.flatten(1).float()
+        mixes = F.linear(unweighted_rms_norm(flat, cfg.rms_norm_eps), self.fn)  # [T, (2 + m) * m]
+        pre_w, post_w, comb_w = mixes.split([m, m, m * m], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([m, m, m * m])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + cfg.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax((comb_w * self.scale[2] + comb_b).view(-1, m, m), dim=-1) + cfg.hc_eps
+        # Sinkhorn-Knopp: alternately normalize columns and rows towards a doubly stochastic matrix (in place: the
+        # same values as comb / (sum + eps), with fewer allocations in these 20 iterations of tiny calls)
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(cfg.hc_eps))
+        for _ in range(cfg.hc_sinkhorn_iters - 1):
+            comb.div_(comb.sum(dim=-1, keepdim=True).add_(cfg.hc_eps))
+            comb.div_(comb.sum(dim=-2, keepdim=True).add_(cfg.hc_eps))
+        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams, post, comb, block_out) -> torch.Tensor:
+        """new stream k = post_k * block_out + sum_j comb[j, k] * stream j  ->  [T, m, D]."""
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * block_out[:, None] + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead:
+    """The final collapse of the streams (a "pre" mix only) before the model's norm."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights):
+        self.cfg = cfg
+        self.fn, self.base = w.take("hc_head_fn").float(), w.take("hc_head_base").float()  # [m, m * D], [m]
+        self.scale = w.take("hc_head_scale").float()  # [1]
+
+    def __call__(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps), self.fn)
+        pre = torch.sigmoid(mixes * self.scale + self.base) + self.cfg.hc_eps  # [T, m]
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+class Block:
+    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype):
+        p = f"layers.{layer}"
+        self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
+        self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
+        self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype)
+        self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
+        self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
+
+    def __call__(self, streams, tokens, meta: StepMeta, states: list[LayerState]) -> torch.Tensor:
+        """Attention's keys come from each sequence's own rows and state (none sees another's); everything else,
+        the MoE's EP exchange included, runs once over all rows."""
+        post, comb, x = self.hc_attn(streams)
+        x = self.attn_norm(x)
+        streams = HyperConnection.merge(streams, post, comb, self.attn(x, meta.positions, meta.seqs, states))
+        post, comb, x = self.hc_ffn(streams)
+        return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
+
+
+class DeepseekV4:
+    def __init__(self, cfg: V4Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+        if dist.attn_tp != 1:
+            raise ValueError(f"attn_tp={dist.attn_tp}: DeepSeek-V4 attention TP is not implemented yet")
+        self.cfg, self.dist, self.dtype = cfg, dist, dtype
+        ropes = {"main": Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, dist.device),
+                 "compress": Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, _yarn_dict(cfg), dist.device)}
+        self.embed = w.take("embed.weight")
+        self.layers = [Block(cfg, w, layer, ropes, dist, dtype) for layer in range(cfg.num_hidden_layers)]
+        self.hc_head = HyperHead(cfg, w)
+        self.norm = norm(w, "norm.weight", cfg)
+        head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
+        # [vocab / tp, hidden]: this rank's vocabulary rows
+        self.head = Proj.of(head.to(dtype), None)
+        for name in [n for n in w.tensors if n.startswith("mtp.")]:
+            w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
+        w.finish()
+
+    def forward_full(self, tokens: torch.Tensor, hidden_out: list | None = None) -> torch.Tensor:
+        """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
+
+        hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
+        cache = V4Cache(self.cfg, tokens.shape[0], self.dtype, tokens.device)
+        return self.forward(tokens, cache.step([(0, tokens.shape[0])]), cache, hidden_out=hidden_out)
+
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
+                hidden_out: list | None = None) -> torch.Tensor:
+        """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
+        says, each sequence continuing its state in `cache` -> logits [len(rows) or T, vocab] of those rows.
+
+        Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
+        its number of sequences (zero included)."""
+        x = F.embedding(tokens, self.embed).to(self.dtype)  # [T, D]
+        streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
+        for layer, block in enumerate(self.layers):
+            streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])
+            if hidden_out is not None:
+                hidden_out.append(streams)
+        if rows is not None:
+            streams = streams[rows]  # the rest of the head is per row
+        h = self.norm(self.hc_head(streams))
+        return self.dist.lm_head_logits(h, self.head)  # [rows, vocab]: lm_head TP, gathered to full vocabulary

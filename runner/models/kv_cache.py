@@ -1,0 +1,228 @@
+"""Paged per-layer caches (vLLM vocabulary: block tables, slot mapping) and one step's token metadata.
+
+A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence owns whole blocks listed in its
+block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
+p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared key `k_pe` side by side in one
+field, `c_kv_k_pe`, so decode gathers a token's latent key with one read; V3.2 adds the indexer's keys
+`index_k`. A sequence whose blocks are consecutive (as a sequence running alone gets them) reads its context
+as a view of the cache, and a step whose slots form one range writes into a view: no gather, no scatter, no
+copy of the context per layer and step; otherwise reads gather through the sequence's slots. DeepSeek-V4's
+state (window, compressors) is in v4_state.py, on the same step protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsconv.errors import InputError
+from dsconv.kernels.attention import causal_mask
+from dsconv.kernels.device import cast
+from dsconv.runner.models.batch import Batch, slots
+
+BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
+# The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
+# groups under it, so the gather stays bounded however long contexts grow. 65536 rows of V3's latent (576
+# values) are 151 MB in float32, 75 MB in BF16; V3.2's indexer keys (128 values) a quarter of that. A sequence
+# whose context alone is longer gets a group of its own, which gathers its context as a loop over sequences would.
+DECODE_GATHER_ROWS = 65536
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    start: int  # this sequence's rows in the flattened step
+    stop: int
+    context_len: int  # tokens cached for the sequence once this step's tokens are written
+    # paged caches only (DeepSeek-V4's state needs neither):
+    context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
+    causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
+    #                                     query_len + i) may look; None for one query, which sees everything
+    first_slot: int | None = None  # set when context_slots are first_slot .. first_slot + context_len - 1, i.e.
+    #                                the block table is consecutive blocks: the context is then read as a view
+
+    @property
+    def query_len(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A group of the step's one-token sequences (decodes), attended in one batched call: their contexts side by
+    side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
+    the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
+    layer with a dozen per group and layer."""
+    rows: slice | torch.Tensor  # their rows in the step: a slice when they are rows 0 .. B - 1, else [B] indices
+    slots: torch.Tensor  # [B, max_context] the slots of positions 0 .. context_len - 1, padded with slot 0
+    valid: torch.Tensor | None  # [B, max_context] True at a real position; None when no context is padded
+    first_slot: int | None  # one sequence whose context is one range of slots: read as a view, no gather
+
+    @property
+    def max_context(self) -> int:
+        return self.slots.shape[1]
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    seqs: list[SeqStep]
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: where each token's cache entries go
+    first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
+    decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
+
+    @property
+    def last_rows(self) -> torch.Tensor | None:
+        """The row of each sequence's last token, where its next-token logits come from; None when that is
+        every row, as in a decode step (one token per sequence)."""
+        if all(s.query_len == 1 for s in self.seqs):
+            return None
+        return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
+
+
+def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.cat of int64 [n] parts, without a call for the common one-sequence step (or an empty step)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+def _range_start(ints: list[int]) -> int | None:
+    """ints[0] when ints are ints[0], ints[0] + 1, ... (a range), else None (also for no ints)."""
+    if ints and ints == list(range(ints[0], ints[0] + len(ints))):
+        return ints[0]
+    return None
+
+
+def gather_groups(rows: list[int]) -> list[list[int]]:
+    """Items that each gather rows[i] rows, padded to their group's longest -> groups of their indices, in order: a
+    new group whenever the padded gather, (group size) x (its longest), would pass DECODE_GATHER_ROWS. An item
+    longer than that alone gets a group of its own."""
+    groups: list[list[int]] = []
+    longest = 0  # the last group's longest
+    for i, n in enumerate(rows):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= DECODE_GATHER_ROWS:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
+
+
+def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[B, max(lengths)] bool, True where row i has a real entry (j < lengths[i]): the valid part of sequences
+    padded to the longest."""
+    return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
+
+
+def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
+    return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
+                      f"--cache-tokens or shorten the prompt)")
+
+
+class LatentCache:
+    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
+        self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype, device=self.device)
+                     for name, dim in fields.items()}
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [length] the slots of its positions so far
+        self.own_tables: set[int] = set()  # sequences whose blocks `step` took from free_blocks (not a scheduler)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
+        """Reserve slots for (seq_id, n_new) pairs, in order, from this cache's own free blocks (a scoring or
+        test loop without a scheduler); returns the step's flattened metadata."""
+        batch = Batch()
+        for seq_id, n_new in new_tokens:
+            start = self.lengths.get(seq_id, 0)
+            table = self.block_tables.setdefault(seq_id, [])
+            need = -(-(start + n_new) // self.block_size) - len(table)
+            if need > len(self.free_blocks):
+                raise cache_full(self.capacity_tokens, seq_id, start + n_new)
+            table.extend(self.free_blocks.pop() for _ in range(need))
+            self.own_tables.add(seq_id)
+            batch.add(seq_id, [0] * n_new, start + n_new, table, self.block_size, None, None)
+        return self.begin(batch)
+
+    def begin(self, batch: Batch) -> StepMeta:
+        """The step's metadata from a batch whose block tables the scheduler chose (the token ids are not read;
+        the batch's releases are the caller's to apply first)."""
+        seqs, positions = [], []
+        for i, seq_id in enumerate(batch.seq_ids):
+            row, stop, context = batch.span(i)
+            n_new, start = stop - row, context - (stop - row)
+            table = self.block_tables[seq_id] = batch.block_tables[i]
+            new_slots = torch.tensor(batch.slot_mapping[row:stop], dtype=torch.long, device=self.device)
+            if start and self.lengths.get(seq_id) == start:  # extended once per step, read by every layer
+                context_slots = torch.cat([self.context_slots[seq_id], new_slots])
+            else:
+                context_slots = torch.tensor(slots(table, self.block_size, 0, context), dtype=torch.long,
+                                             device=self.device)
+            self.lengths[seq_id], self.context_slots[seq_id] = context, context_slots
+            causal = causal_mask(n_new, context, self.device) if n_new > 1 else None
+            first_block = _range_start(table)  # consecutive blocks: the context is one range of slots
+            seqs.append(SeqStep(seq_id, row, stop, context, context_slots, causal,
+                                None if first_block is None else first_block * self.block_size))
+            positions.append(torch.arange(start, context, device=self.device))
+        step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
+        return StepMeta(seqs, concat(positions, self.device), step_slots, _range_start(batch.slot_mapping),
+                        self._decode_groups(seqs))
+
+    def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
+        """The one-token sequences in step order, in groups whose padded gather stays under DECODE_GATHER_ROWS."""
+        decodes = [seq for seq in seqs if seq.query_len == 1]
+        return tuple(self._decode_rows([decodes[i] for i in group])
+                     for group in gather_groups([seq.context_len for seq in decodes]))
+
+    def _decode_rows(self, decodes: list[SeqStep]) -> DecodeRows:
+        rows = [seq.start for seq in decodes]
+        lens = [seq.context_len for seq in decodes]
+        longest = max(lens)
+        padded = torch.nn.utils.rnn.pad_sequence([seq.context_slots for seq in decodes], batch_first=True)
+        valid = None
+        if min(lens) < longest:
+            valid = lengths_mask(lens, self.device)
+        first_rows = rows == list(range(len(rows)))  # a slice of the step: views, no index copies
+        return DecodeRows(slice(0, len(rows)) if first_rows else torch.tensor(rows, device=self.device), padded, valid,
+                          decodes[0].first_slot if len(decodes) == 1 else None)
+
+    def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
+        """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""
+        for name, value in values.items():
+            if meta.first_slot is not None:  # one range (every decode step of one sequence): a copy into a view
+                self.data[name][layer].narrow(0, meta.first_slot, value.shape[0]).copy_(value)
+            else:
+                self.data[name][layer].index_copy_(0, meta.slots, cast(value, self.data[name].dtype))
+
+    def read(self, layer: int, seq: SeqStep, *names: str) -> list[torch.Tensor]:
+        """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""
+        if seq.first_slot is not None:  # consecutive blocks: a view, no gather (a single sequence's usual case)
+            return [self.data[name][layer].narrow(0, seq.first_slot, seq.context_len) for name in names]
+        # index_select rather than tensor[index]: the same gather without advanced indexing's per-call setup
+        return [torch.index_select(self.data[name][layer], 0, seq.context_slots) for name in names]
+
+    def read_decode(self, layer: int, decode: DecodeRows, name: str) -> torch.Tensor:
+        """[B, max_context, dim]: the decode sequences' cached entries, padded (see decode.valid)."""
+        if decode.first_slot is not None:
+            return self.data[name][layer].narrow(0, decode.first_slot, decode.max_context)[None]
+        return self.read_slots(layer, name, decode.slots)
+
+    def read_slots(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """[*slots.shape, dim]: the entries at these slots."""
+        return torch.index_select(self.data[name][layer], 0, slots.flatten()).view(*slots.shape, -1)
+
+    def release(self, seq_id: int) -> None:
+        table = self.block_tables.pop(seq_id, [])
+        if seq_id in self.own_tables:  # a scheduler's blocks are its own to reuse
+            self.own_tables.discard(seq_id)
+            self.free_blocks.extend(reversed(table))
+        self.lengths.pop(seq_id, None)
+        self.context_slots.pop(seq_id, None)

@@ -1,0 +1,75 @@
+"""The expert-parallel step both model families share: (token, expert) pairs travel to the experts' owner
+ranks, this rank's experts run on what arrives, the results travel back and are summed with the routing
+weights. Every rank calls it once per MoE layer, with zero rows if it has no tokens.
+
+Host syncs per MoE layer on an accelerator: two at EP > 1 (the send counts become the all-to-all's split list,
+and the received counts size its receive buffer), none at EP 1. Counting uses index_add_ there (bincount sizes
+its output from the data, a sync), the grouped experts take the counts as a tensor, and the combine reuses the
+dispatch's counts."""
+
+from __future__ import annotations
+
+import torch
+
+from dsconv.kernels.device import is_npu
+from dsconv.kernels.linear import quantize_activations
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.layers import RoutedExperts
+from dsconv.family.placement import expert_owner
+
+
+def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local: RoutedExperts,
+                    dist: Dist) -> torch.Tensor:
+    """x [T, H]; experts, weights [T, k] from the router (global expert ids); local: this rank's experts."""
+    if dist.ep == 1 and x.shape[0] == 1 and not is_npu(x):  # on NPU the grouped call costs no host sync
+        return _one_local_token(x, experts, weights, local)
+    k, per_rank = experts.shape[1], len(local.ids)
+    flat = experts.flatten()  # [T*k] one row per (token, expert) pair
+    # grouped by owning EP rank (sorting by expert id also groups each destination's rows by expert)
+    order = torch.argsort(flat, stable=True)
+    send_counts = _count(expert_owner(flat, local.n_routed_experts, dist.ep), dist.ep)
+    # each row's expert as its index among its owner's local experts (owners hold contiguous blocks)
+    rows, local_ids = x[order // k], flat[order] % per_rank
+    # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get INT8
+    # activations and their per-token scales, quantized once here (what the expert itself would compute)
+    columns = [*quantize_activations(rows), local_ids] if local.int8 else [rows, local_ids]
+    received, exchanged = dist.ep_dispatch(columns, send_counts)
+    recv_local = received[-1]
+    # rows from several source ranks are regrouped by local expert; from this rank alone (EP 1) they already are
+    by_expert = torch.argsort(recv_local, stable=True) if dist.ep > 1 else None
+    counts = _count(recv_local, per_rank)
+    inputs = received[:-1] if by_expert is None else [column[by_expert] for column in received[:-1]]
+    x_scale = inputs[1] if local.int8 else None  # W8A8: the sender's per-token scales
+    grouped = local(inputs[0], counts, x_scale, x.dtype)
+    if by_expert is None:
+        out = grouped
+    else:
+        out = torch.empty_like(grouped)
+        out[by_expert] = grouped
+    back = dist.ep_combine(out, exchanged)  # rows return to their senders, in the same order
+    combined = torch.empty_like(back)
+    combined[order] = back
+    # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
+    return torch.bmm(weights[:, None], combined.view(-1, k, x.shape[1]).float())[:, 0].to(x.dtype)
+
+
+def _count(values: torch.Tensor, n: int) -> torch.Tensor:
+    """values [N] in [0, n) -> [n] int64, how many equal each. On an accelerator torch.bincount sizes its output
+    from the data (a host sync), so index_add_ into n zeros counts there; on CPU bincount is the faster."""
+    if values.device.type == "cpu" and not is_npu(values):
+        return torch.bincount(values, minlength=n)
+    return torch.zeros(n, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
+
+
+def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     local: RoutedExperts) -> torch.Tensor:
+    """EP 1 and one token, a single sequence's decode step: nothing to exchange or regroup, so the token's row
+    goes through its k experts directly (under W8A8 quantized once). The same values as the general path (same
+    expert inputs, same weighted sum) with a fraction of its calls."""
+    chosen = experts.tolist()[0]  # at EP 1 the global ids are the local ones
+    if local.int8:
+        x_q, x_scale = quantize_activations(x)
+        outputs = local.token(x_q, chosen, x_scale, x.dtype)
+    else:
+        outputs = local.token(x, chosen)  # [k, H]
+    return torch.mm(weights, outputs.float()).to(x.dtype)  # [1, k] @ [k, H]: the weighted sum
