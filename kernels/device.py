@@ -57,8 +57,8 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def flush_denormals(device: torch.device) -> None:
     """On CPU, treat denormal floats (magnitudes below 1.2e-38, which a softmax or an activation of tiny values
     leaves behind) as zero in this thread's arithmetic. x86 multiplies them through a microcode assist many
-    times slower than a normal multiply: a 136-token prefill of the tiny V3.2 fixture took 86 ms with them and
-    40 ms without. Results change by less than 1.2e-38 per value. Accelerators flush or handle them in hardware.
+    times slower than a normal multiply (docs/benchmarks.md, "Kernel choices"). Results change by less than
+    1.2e-38 per value. Accelerators flush or handle them in hardware.
     Raises if the CPU cannot flush (every x86-64 with SSE3 can)."""
     if device.type == "cpu" and not torch.set_flush_denormal(True):
         raise RuntimeError("this CPU cannot flush denormal floats to zero (torch.set_flush_denormal)")

@@ -24,9 +24,9 @@ EXACT_FLOAT32_K = 2**24 // INT8_MAX**2  # 1040
 NPU_QUANT_MATMUL_MAX_DIM = 65535
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # A float32 projection of 2 to 16 rows (a decode step's batch) on CPU runs as (weight @ x.T).T: with the weight
-# out of cache, as in a model's step, it took 1.3x-2.8x less time than x @ weight.T on 2 AVX2 cores (e.g. 8 rows
-# of a [1024, 256] weight: 103 us against 213 us; 2 rows of [2048, 128]: 98 us against 248 us). One row is a
-# matrix-vector product either way; from 32 rows on, the usual order is as fast or faster.
+# out of cache, as in a model's step, CPU BLAS streams the weight once that way instead of once per row block
+# (docs/benchmarks.md, "Kernel choices"). One row is a matrix-vector product either way; from 32 rows on, the
+# usual order is as fast or faster.
 CPU_FEW_ROWS = 16
 
 
@@ -54,11 +54,10 @@ class FloatWeight:
     """A float projection weight [n, k] as the products take it, its transposed views made once: one row
     multiplies it in its own dtype, several rows in `matmul_dtype`. They differ on CPU for BF16/FP16, where
     several rows multiply a float32 copy made here (twice the BF16 bytes, besides the BF16 weight): a CPU without
-    BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that grows with every row (on 2 AVX2 cores,
-    [8, 128] @ [128, 2048] took 391 us in BF16 and 86 us in float32, [1088, 256] @ [256, 1024] 34 ms and 3.3 ms),
-    while one row, a matrix-vector product bound by the weight's bytes, is faster from the BF16 weight
-    (2048 x 128: 75 us against 131 us, weight out of cache). The float32 product rounded back once is what a
-    BF16 GEMM with float32 accumulation computes, up to the order of the sums."""
+    BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that grows with every row, while one row, a
+    matrix-vector product bound by the weight's bytes, reads half the bytes from the BF16 weight (figures in
+    docs/benchmarks.md, "Kernel choices"). The float32 product rounded back once is what a BF16 GEMM with float32
+    accumulation computes, up to the order of the sums."""
 
     def __init__(self, one_row_t: torch.Tensor, rows_t: torch.Tensor):
         self.one_row_t, self.rows_t = one_row_t, rows_t

@@ -22,6 +22,7 @@ from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, int8_matmul, i
                                    w8a8_linear_reference)
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, grouped_mlp_reference, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_IN_FLOAT32, rms_norm, rms_norm_reference
+from dsconv.kernels.topk import topk_lowest_index
 from dsconv.kernels.rope import (apply_rope, apply_rope_prefix, half_split_tables, rope_cos_sin, rope_tail,
                                  softmax_scale)
 from tests.helpers import quantized_weight, random_experts
@@ -531,3 +532,19 @@ def test_grouped_rejects_bad_counts_weights_and_rows():
         ExpertWeights(experts.w13, experts.w2[:, :, :-1], experts.w13_scale, experts.w2_scale)
     with pytest.raises(ValueError, match="need scales"):
         ExpertWeights(experts.w13, experts.w2, experts.w13_scale)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 20])
+def test_topk_ties_go_to_the_lowest_index(k):
+    """Against NumPy's stable argsort of the negated scores: many exact ties (relu's zeros, repeated values),
+    -inf entries, and k above the row length."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.relu(torch.randn(6, 12, generator=gen)).round(decimals=1)  # about half the row at exactly 0
+    scores[1] = 0.5  # one row of equal scores
+    scores[2, 5:] = float("-inf")
+    got = topk_lowest_index(scores, k)
+    want = np.argsort(-scores.numpy(), kind="stable", axis=-1)[:, :min(k, scores.shape[-1])]
+    assert got.tolist() == want.tolist()
+    assert got[1].tolist() == list(range(min(k, 12)))

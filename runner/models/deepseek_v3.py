@@ -18,6 +18,7 @@ from dsconv.kernels.attention import attention
 from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
+from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.kv_cache import DecodeRows, LatentCache, StepMeta
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
@@ -193,11 +194,8 @@ class Indexer:
         return torch.bmm(head_weights[:, None], scores)[:, 0]  # [N, 1, heads] @ [N, heads, C] -> [N, C]
 
     def top(self, index: torch.Tensor) -> torch.Tensor:
-        """[N, C] -> [N, min(index_topk, C)] the positions of each row's best scores. relu leaves ties (often
-        several positions at exactly 0): a stable sort breaks them by position, so the choice does not depend on
-        how many queries a call holds (chunked prefill, decode) as topk's may."""
-        top = index.sort(dim=-1, descending=True, stable=True).indices
-        return top[:, :min(self.cfg.index_topk, index.shape[-1])]
+        """[N, C] -> [N, min(index_topk, C)] the positions of each row's best scores (ties: lowest position)."""
+        return topk_lowest_index(index, self.cfg.index_topk)
 
 
 class MoE:

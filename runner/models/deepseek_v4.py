@@ -30,6 +30,7 @@ from dsconv.family.deepseek_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
+from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.kv_cache import SeqStep, StepMeta, gather_groups, lengths_mask
 from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
 from dsconv.runner.models.dist import Dist
@@ -166,9 +167,7 @@ class Indexer:
         keys = self.compressor(new_kv, new_gate, state)  # [n, dim]
         scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
-        # relu leaves ties (often several entries at exactly 0): a stable sort breaks them by entry order, so
-        # the choice does not depend on how many queries or entries this call holds (topk's order is unspecified)
-        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]
+        top = topk_lowest_index(index, self.cfg.index_topk)  # ties: the lowest entry
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
@@ -187,7 +186,7 @@ class Indexer:
         valid = lengths_mask(counts, q.device)  # [B, n]
         scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
-        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.index_topk]  # ties as `select`
+        top = topk_lowest_index(index, self.cfg.index_topk)  # ties as `select`
         top = top.masked_fill(~valid.gather(1, top), padded.shape[1])
         top = top.sort(dim=-1).values  # entry order, padding last
         return [t[:min(n, self.cfg.index_topk)] for t, n in zip(top, counts)]

@@ -4,8 +4,6 @@ With thinking on (chat_template_kwargs {"thinking": true}) the reply's text befo
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -13,7 +11,7 @@ from fastapi.responses import Response
 
 from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
-from dsconv.runner.entrypoints.openai.choice import Choice, chat_logprobs, split_reasoning
+from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
 from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
@@ -48,19 +46,11 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
     return await answer(requests, response, [response.choice], body.stream, params)
 
 
-class ChatCompletion:
+class ChatCompletion(Envelope):
     def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool):
-        self.engine, self.body, self.thinking = engine, body, thinking
-        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.choice = Choice(0, prompt_ids, stop_strings(body),
-                             Detokenizer(engine.tokenizer, skip_special_tokens=True))
-
-    def _head(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
-
-    def _usage(self) -> dict:
-        prompt, completion = len(self.choice.prompt_ids), len(self.choice.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        self.choice = Choice(0, prompt_ids, stop_strings(body), Detokenizer(engine.tokenizer, skip_special_tokens=True))
+        super().__init__(engine, "chatcmpl", [self.choice])
+        self.body, self.thinking = body, thinking
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the reply text so far."""
@@ -78,7 +68,7 @@ class ChatCompletion:
         message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(0),
                   "finish_reason": self.choice.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage()}
+        return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
 
     async def chunks(self, requests: EngineRequests):
         yield self._chunk({"role": "assistant", "content": ""}, None, None)
@@ -87,10 +77,10 @@ class ChatCompletion:
             if chunk is not None:
                 yield chunk
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield {**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage()}
+            yield {**self.head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
 
     def _chunk(self, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
-        return {**self._head("chat.completion.chunk"),
+        return {**self.head("chat.completion.chunk"),
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _next_chunk(self) -> dict | None:

@@ -4,6 +4,8 @@ become a stop string or `</think>`, never half a UTF-8 character)."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass, field
 
 from dsconv.runner.entrypoints.openai.protocol import APIError
@@ -150,3 +152,20 @@ def prompt_offsets(tokenizer, prompt_ids: list[int], added_bos: bool) -> list[in
     if added_bos:
         return [0] + detokenizer.add(prompt_ids[1:])
     return detokenizer.add(prompt_ids)
+
+
+class Envelope:
+    """What every response body and stream chunk of one request carries (id, object kind, creation time, model),
+    and its usage block: the one envelope of /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, engine, id_prefix: str, choices: list[Choice]):
+        self.engine, self.choices = engine, choices
+        self.id, self.created = f"{id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
+
+    def usage(self) -> dict:
+        prompt = sum(len(c.prompt_ids) for c in self.choices)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

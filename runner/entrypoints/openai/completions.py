@@ -3,8 +3,6 @@ logprobs shaped as lm-evaluation-harness reads them (prompt tokens first, the fi
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +11,7 @@ from fastapi.responses import Response
 
 from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
-from dsconv.runner.entrypoints.openai.choice import (Choice, EngineError, completion_logprobs, prompt_offsets)
+from dsconv.runner.entrypoints.openai.choice import Choice, EngineError, Envelope, completion_logprobs, prompt_offsets
 from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
 from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
                                       check_token_id, sampling_params, stop_strings)
@@ -68,25 +66,17 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
     return await answer(requests, response, response.choices, body.stream, params)
 
 
-class Completion:
+class Completion(Envelope):
     def __init__(self, engine: EngineClient, body: CompletionRequest, inputs: list[Prompt]):
-        self.engine, self.body, self.inputs = engine, body, inputs
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        self.choices = [Choice(i, p.ids, stop_strings(body), Detokenizer(engine.tokenizer, skip_special_tokens=True))
-                        for i, p in enumerate(inputs)]
+        super().__init__(engine, "cmpl", [Choice(i, p.ids, stop_strings(body),
+                                                 Detokenizer(engine.tokenizer, skip_special_tokens=True))
+                                          for i, p in enumerate(inputs)])
+        self.body, self.inputs = body, inputs
         self.echo_sent = [False] * len(inputs)
 
     def response(self) -> dict:
-        return {**self._head("text_completion"), "choices": [self._choice(c) for c in self.choices],
-                "usage": self._usage()}
-
-    def _head(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
-
-    def _usage(self) -> dict:
-        prompt = sum(len(p.ids) for p in self.inputs)
-        completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {**self.head("text_completion"), "choices": [self._choice(c) for c in self.choices],
+                "usage": self.usage()}
 
     def _choice(self, choice: Choice) -> dict:
         prompt = self.inputs[choice.index]
@@ -118,7 +108,7 @@ class Completion:
             if chunk is not None:
                 yield chunk
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield {**self._head("text_completion"), "choices": [], "usage": self._usage()}
+            yield {**self.head("text_completion"), "choices": [], "usage": self.usage()}
 
     def _chunk(self, choice: Choice) -> dict | None:
         """What `choice` has new since its last chunk, or None when nothing is new."""
@@ -139,5 +129,5 @@ class Completion:
         choice.sent_text, choice.sent_tokens = len(text), len(choice.token_ids)
         if not delta and logprobs is None and finish is None:
             return None
-        return {**self._head("text_completion"),
+        return {**self.head("text_completion"),
                 "choices": [{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish}]}
