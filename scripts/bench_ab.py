@@ -1,0 +1,203 @@
+"""Paired A/B of two revisions of dsrun on one machine in one run: this tree's code against a base revision's
+(a refactoring must leave speed unchanged within noise).
+
+    python scripts/bench_ab.py --base REV [--family deepseek_v32] [--rounds 8] [--new-tokens 64] [--work DIR]
+
+The base revision is checked out into a temporary git worktree; each side runs in its own processes with
+PYTHONPATH pointing `dsconv` at its code, on the same shards (a tiny checkpoint of --family sharded for one
+rank by this tree's code; the shard format is the same on both sides).
+(1) Decode tokens/s at world 1, BF16, in process: one long-lived process per side loads the model once; the
+    two then take turns, one generation of --new-tokens tokens each per round, so both meet the same spells of
+    machine load. Decode = generation after the first token.
+(2) `dsrun serve` at world 1: one server per side, both up for the whole run; bench_serve.py's continuous
+    workload (32 streamed completions, prompts 16-256 tokens, outputs 8-128, concurrency 8, seed 0) sent to
+    each in turn, round after round.
+Each side's median and best round are printed with the head/base ratio of each; a ratio within the rounds'
+spread means no change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 32
+
+
+def decode_child(shards: str, new_tokens: int) -> None:
+    """Runs in each side's process: loads the model, then answers every line on stdin with one generation's
+    decode tokens/s. Imports whichever layout the side's code has."""
+    import torch
+
+    try:
+        from dsconv.runner.engine.offline import greedy
+        from dsconv.runner.engine.worker import build_model
+        from dsconv.runner.models.dist import Dist
+        from dsconv.runner.models.kv_cache import BLOCK_SIZE
+        from dsconv.runner.models.weights import load_manifest
+    except ImportError:  # the runner before issue 23's restructuring
+        from dsconv.runner.cache import BLOCK_SIZE
+        from dsconv.runner.dist import Dist
+        from dsconv.runner.engine import build_model
+        from dsconv.runner.generate import greedy
+        from dsconv.runner.weights import load_manifest
+    import dsconv
+
+    model, _, new_cache = build_model(Path(shards), load_manifest(Path(shards)), 0, Dist(), torch.bfloat16)
+    prompt = list(range(100, 100 + PROMPT_LEN))
+    print(json.dumps({"code": str(Path(dsconv.__file__).parent)}), flush=True)
+    for _ in sys.stdin:
+        stamps = []
+        greedy(model, new_cache(64 * BLOCK_SIZE), [prompt], new_tokens, None,
+               lambda s, t: stamps.append(time.perf_counter()))
+        print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}), flush=True)
+
+
+class Side:
+    def __init__(self, name: str, code: Path, work: Path):
+        self.name, self.code = name, code
+        package_dir = work / f"pkg-{name}"
+        package_dir.mkdir(parents=True, exist_ok=True)
+        link = package_dir / "dsconv"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(code)  # the repository root is the dsconv package directory
+        self.env = {**os.environ, "PYTHONPATH": str(package_dir)}
+
+
+def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    procs = {}
+    for side in sides:
+        procs[side.name] = subprocess.Popen(
+            [sys.executable, __file__, "--decode-child", str(shards), "--new-tokens", str(new_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=side.env)
+        loaded = json.loads(procs[side.name].stdout.readline())
+        if Path(loaded["code"]).resolve() != side.code.resolve():
+            raise SystemExit(f"bench_ab: the {side.name} process imported dsconv from {loaded['code']}")
+
+    def one(name: str) -> float:
+        procs[name].stdin.write("go\n")
+        procs[name].stdin.flush()
+        return json.loads(procs[name].stdout.readline())["tok_s"]
+
+    for side in sides:
+        one(side.name)  # warm-up
+    results = {side.name: [] for side in sides}
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            results[side.name].append(one(side.name))
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait(60)
+    return results
+
+
+def serve_ab(sides: list[Side], shards: Path, work: Path, rounds: int) -> dict[str, list[float]]:
+    from contextlib import ExitStack
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_serve
+
+    requests, arrivals = bench_serve.workload(32, (16, 256), (8, 128), float("inf"), 0)
+    results = {side.name: [] for side in sides}
+    with ExitStack() as stack:
+        urls = {side.name: stack.enter_context(bench_serve.serving(
+            shards, work / f"serve-{side.name}.log", "--dtype", "bfloat16", "--max-num-seqs", "16", env=side.env))
+            for side in sides}
+
+        async def rounds_against_both():
+            clients = {name: bench_serve.new_client(url, 8) for name, url in urls.items()}
+            models = {name: bench_serve.model_id(url) for name, url in urls.items()}
+            for name, client in clients.items():
+                await bench_serve.warm_up(client, models[name], requests)
+            for r in range(rounds):
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    out, duration = await bench_serve.run_continuous(clients[side.name], models[side.name],
+                                                                      requests, arrivals, 8)
+                    summary = bench_serve.summarize(out, duration)
+                    if summary["failed"]:
+                        raise SystemExit(f"bench_ab: {side.name} server failed requests: {summary['errors']}")
+                    results[side.name].append(summary["output_throughput"])
+            for client in clients.values():
+                await client.aclose()
+
+        asyncio.run(rounds_against_both())
+    return results
+
+
+def report(label: str, unit: str, results: dict[str, list[float]]) -> dict:
+    base, head = results["base"], results["head"]
+    figures = {"base": base, "head": head,
+               "median_ratio": statistics.median(head) / statistics.median(base),
+               "best_ratio": max(head) / max(base),
+               "round_ratios": [h / b for h, b in zip(head, base)]}
+    print(f"{label}:")
+    for name in ("base", "head"):
+        values = results[name]
+        print(f"  {name}: median {statistics.median(values):.1f} {unit}, best {max(values):.1f}, "
+              f"rounds {', '.join(f'{v:.1f}' for v in values)}")
+    ratios = ", ".join(f"{x:.2f}" for x in figures["round_ratios"])
+    print(f"  head / base: median {figures['median_ratio']:.3f}, best {figures['best_ratio']:.3f}; "
+          f"per round {ratios}", flush=True)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", help="the revision to compare against (a git commit or branch)")
+    parser.add_argument("--family", default="deepseek_v32", choices=["deepseek_v3", "deepseek_v32", "deepseek_v4"])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dsrun-bench-ab")
+    parser.add_argument("--skip-serve", action="store_true", help="decode only")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--decode-child", metavar="SHARDS", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.decode_child:
+        decode_child(args.decode_child, args.new_tokens)
+        return 0
+    if not args.base:
+        parser.error("--base REV is required")
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_serve
+    from dsconv.family.layout import Layout
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    tree = args.work / "base-tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.base], check=True,
+                   capture_output=True)
+    try:
+        sides = [Side("base", tree, args.work), Side("head", REPO, args.work)]
+        shards = bench_serve.shards_for(args.work, args.family, Layout(1, 1, 1, 1))
+        info = bench_serve.machine(1)
+        bench_serve.print_machine(info, 1)
+        head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True).stdout.strip()
+        print(f"base {args.base} vs head {head_rev} (+ uncommitted changes, if any); {args.family}, "
+              f"{args.rounds} alternating rounds", flush=True)
+        figures = {"machine": info, "base": args.base, "head": head_rev,
+                   "decode": report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens", "tok/s",
+                                    decode_ab(sides, shards, args.new_tokens, args.rounds))}
+        if not args.skip_serve:
+            figures["serve"] = report("dsrun serve output tokens/s, world 1, 32 requests, concurrency 8", "tok/s",
+                                      serve_ab(sides, shards, args.work, args.rounds))
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
