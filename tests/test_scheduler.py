@@ -1,19 +1,22 @@
 """The serving engine's parts without HTTP: token-major batches and their checks, the continuous-batching
 scheduler (chunked prefill, admission order, preemption and recompute, DP placement), and seeded sampling
-against a NumPy reference of temperature / top-k / top-p."""
+against a NumPy reference of temperature / top-k / top-p, batched sampling and logprobs against a per-row
+reference."""
+
+import random
 
 import numpy as np
 import pytest
 import torch
 
 from dsconv.errors import InputError
-from dsconv.runner.models.batch import Batch, SampleSpec
+from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.worker import build_model
 from dsconv.runner.engine.core import EngineCore
 from dsconv.runner.engine.worker import Worker
-from dsconv.runner.engine.request import SamplingParams
-from dsconv.runner.engine.sampler import sample
+from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
+from dsconv.runner.engine.sampler import sample, step_results, uniform
 from dsconv.runner.engine.scheduler import Scheduler
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
@@ -28,8 +31,8 @@ def scheduler(dp=1, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, bala
 
 def fake_results(step):
     """A deterministic 'model': the next token is the last fed token + 1 (mod VOCAB)."""
-    return [[((batch.input_ids[batch.query_start_loc[i + 1] - 1] + 1) % VOCAB if spec is not None else None,
-              None, []) for i, spec in enumerate(batch.samples)] for batch in step.batches]
+    return [[SeqResult((batch.input_ids[batch.query_start_loc[i + 1] - 1] + 1) % VOCAB if spec is not None else None,
+                       None) for i, spec in enumerate(batch.samples)] for batch in step.batches]
 
 
 def run(s, on_step=None, max_steps=1000):
@@ -185,7 +188,7 @@ def test_prompt_scoring_without_generation():
         batch = step.batches[0]
         assert batch.samples == [None]
         targets += batch.scores[0].targets
-        results = [[(None, None, [object()] * len(batch.scores[0].targets))]]
+        results = [[SeqResult(None, None, [object()] * len(batch.scores[0].targets))]]
         for _, out in s.update(step, results):
             finished = out
     assert targets == list(range(1, 10))  # rows predict the next prompt token; the last row predicts nothing
@@ -221,6 +224,11 @@ def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_p
 
 # -- sampling --------------------------------------------------------------------------------------------------
 
+def sample_row(logits, spec):
+    """The batched sampler on a batch of one row."""
+    return int(sample(logits[None], [spec])[0])
+
+
 def reference_probs(logits, temperature, top_k, top_p):
     """NumPy: softmax at temperature, keep the top_k most likely and the smallest prefix reaching top_p."""
     z = np.asarray(logits, dtype=np.float64) / temperature
@@ -240,7 +248,7 @@ def test_sampling_follows_the_reference_distribution(temperature, top_k, top_p):
     logits = torch.tensor([2.0, 1.5, 0.3, 0.2, -1.0, 0.9])
     want = reference_probs(logits.numpy(), temperature, top_k, top_p)
     draws = 4000
-    counts = np.bincount([sample(logits, SampleSpec(temperature, top_p, top_k, seed, 0, None))
+    counts = np.bincount([sample_row(logits, SampleSpec(temperature, top_p, top_k, seed, 0, None))
                           for seed in range(draws)], minlength=len(want))
     assert np.all(counts[want == 0] == 0)  # filtered tokens are never drawn
     sigma = np.sqrt(want * (1 - want) / draws)
@@ -250,9 +258,119 @@ def test_sampling_follows_the_reference_distribution(temperature, top_k, top_p):
 def test_sampling_depends_on_seed_and_index_only():
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     spec = SampleSpec(1.0, 1.0, 0, seed=7, index=3, logprobs=None)
-    first = sample(logits, spec)
-    assert all(sample(logits.clone(), spec) == first for _ in range(5))
-    draws = {sample(logits, SampleSpec(1.0, 1.0, 0, 7, index, None)) for index in range(30)}
+    first = sample_row(logits, spec)
+    assert all(sample_row(logits.clone(), spec) == first for _ in range(5))
+    draws = {sample_row(logits, SampleSpec(1.0, 1.0, 0, 7, index, None)) for index in range(30)}
     assert len(draws) > 5  # successive positions draw different numbers
-    assert sample(logits, SampleSpec(0.0, 1.0, 0, 7, 0, None)) == int(logits.argmax())
-    assert sample(logits, SampleSpec(1.0, 1.0, 1, 7, 0, None)) == int(logits.argmax())  # top_k 1 is greedy
+    assert sample_row(logits, SampleSpec(0.0, 1.0, 0, 7, 0, None)) == int(logits.argmax())
+    assert sample_row(logits, SampleSpec(1.0, 1.0, 1, 7, 0, None)) == int(logits.argmax())  # top_k 1 is greedy
+
+
+# -- batched sampling against the per-row reference ------------------------------------------------------------
+
+def reference_sample(logits, spec):
+    """One row at a time, as the engine sampled before its sampling was batched: logits [vocab] -> token id."""
+    if spec.temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / spec.temperature, dim=-1)
+    probs, ids = probs.sort(descending=True, stable=True)
+    keep = probs.shape[0] if spec.top_k == 0 else min(spec.top_k, probs.shape[0])
+    if spec.top_p < 1.0:
+        before = probs.cumsum(0) - probs
+        keep = min(keep, max(1, int((before < spec.top_p).sum())))
+    probs, ids = probs[:keep].double(), ids[:keep]
+    cdf = probs.cumsum(0) / probs.sum()
+    pick = int(torch.searchsorted(cdf, torch.tensor([uniform(spec.seed, spec.index)], dtype=cdf.dtype), right=True))
+    return int(ids[min(pick, keep - 1)])
+
+
+def reference_token_logprob(row_log_probs, token, top):
+    best = {}
+    if top:
+        values, ids = row_log_probs.topk(top)
+        best = dict(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(row_log_probs[token]), best)
+
+
+def reference_step_results(batch, logits):
+    """Sequence by sequence: a log-softmax over its rows, then its scored rows' entries and its sampled token."""
+    results, at = [], 0
+    for scores, spec in zip(batch.scores, batch.samples):
+        n_scored = len(scores.targets) if scores is not None else 0
+        seq_logits = logits[at:at + n_scored + (spec is not None)]
+        at += seq_logits.shape[0]
+        logp = torch.log_softmax(seq_logits.float(), dim=-1)
+        scored = [reference_token_logprob(logp[j], t, scores.top) for j, t in enumerate(scores.targets)] \
+            if n_scored else []
+        token = logprob = None
+        if spec is not None:
+            token = reference_sample(seq_logits[-1], spec)
+            if spec.logprobs is not None:
+                logprob = reference_token_logprob(logp[-1], token, spec.logprobs)
+        results.append(SeqResult(token, logprob, scored))
+    return results
+
+
+def random_specs(rng, n):
+    """Greedy, temperature, top-p and top-k rows (some top_p just under 1, some top_k past the vocabulary)."""
+    return [SampleSpec(temperature=rng.choice([0.0, 0.0, 1.0, 0.7, 1.3, 0.05, 5.0, 100.0]),
+                       top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 0.95, 0.999, 0.1, 1 - 1e-9]),
+                       top_k=rng.choice([0, 0, 1, 3, 40, 10**6]), seed=rng.getrandbits(63), index=rng.randrange(500),
+                       logprobs=rng.choice([None, None, 0, 2, 5])) for _ in range(n)]
+
+
+def random_logits(gen, rows, vocab, dtype):
+    logits = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 8
+    logits[:rows // 4] = (logits[:rows // 4] * 2).round() / 2  # rows with many equal logits (ties by token id)
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("vocab,rows,dtype", [(7, 200, torch.float32), (50, 300, torch.float32),
+                                              (1000, 200, torch.float32), (1000, 100, torch.bfloat16),
+                                              (129280, 12, torch.float32)])
+def test_batched_sampling_equals_the_per_row_reference_whatever_the_batch(vocab, rows, dtype):
+    rng, gen = random.Random(vocab), torch.Generator().manual_seed(vocab)
+    logits, specs = random_logits(gen, rows, vocab, dtype), random_specs(rng, rows)
+    want = [reference_sample(logits[i], specs[i]) for i in range(rows)]
+    assert sample(logits, specs).tolist() == want  # all rows at once
+    for _ in range(3):  # other compositions: a shuffled subset, each row among different neighbours
+        order = rng.sample(range(rows), rng.randrange(1, rows + 1))
+        assert sample(logits[order], [specs[i] for i in order]).tolist() == [want[i] for i in order]
+
+
+def random_batch(rng, vocab):
+    """Up to 6 sequences, each scoring some prompt rows, sampling a token, or both."""
+    batch = Batch()
+    for seq_id in range(rng.randrange(1, 7)):
+        query = rng.randrange(1, 9)
+        spec = random_specs(rng, 1)[0] if rng.random() < 0.8 else None
+        room = query - (spec is not None)
+        n_scored = rng.randrange(0 if spec is not None else 1, room + 1) if room else 0
+        if spec is None and n_scored == 0:
+            spec = random_specs(rng, 1)[0]
+        scores = PromptScores([rng.randrange(vocab) for _ in range(n_scored)], rng.choice([0, 1, 3])) \
+            if n_scored else None
+        batch.add(seq_id, [1] * query, query, [3 * seq_id, 3 * seq_id + 1, 3 * seq_id + 2], 4, spec, scores)
+    return batch
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_step_results_equal_the_per_sequence_reference(vocab):
+    """Tokens, their logprobs and the scored prompt rows' logprobs (values and top entries) equal those computed
+    sequence by sequence."""
+    rng, gen = random.Random(vocab), torch.Generator().manual_seed(vocab)
+    for _ in range(40):
+        batch = random_batch(rng, vocab)
+        logits = torch.randn(len(batch.logit_rows()), vocab, generator=gen) * 3
+        assert step_results(batch, logits) == reference_step_results(batch, logits)
+
+
+def test_top_p_is_compared_in_float32_as_the_reference_does():
+    """An edge row: the mass before the second token is float32(0.9) exactly, which is below top_p = 0.9 only in
+    float64. The reference compares in float32 and keeps one token; a draw past 0.9 shows which was kept."""
+    logits = torch.tensor([[2.1972243785858154, 0.0]])
+    probs = torch.softmax(logits[0], dim=-1)
+    assert (probs.cumsum(0) - probs)[1] == torch.tensor(0.9)
+    spec = SampleSpec(1.0, 0.9, 0, seed=10, index=0, logprobs=None)
+    assert uniform(spec.seed, spec.index) > 0.95
+    assert reference_sample(logits[0], spec) == 0 and sample(logits, [spec]).tolist() == [0]

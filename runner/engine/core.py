@@ -16,6 +16,7 @@ import torch
 
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.engine.metrics import ServeMetrics
+from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.scheduler import Scheduler, Step
 from dsconv.runner.engine.worker import Worker
 
@@ -47,7 +48,8 @@ class EngineCore:
             self._record(step, outputs)
         return outputs
 
-    def _run(self, batches: list[Batch]) -> list[list[tuple]]:
+    def _run(self, batches: list[Batch]) -> list[list[SeqResult]]:
+        """-> per DP index, one result per sequence of its batch."""
         if self.world_size == 1:
             return [self.worker.execute(batches[0])]
         _send(Plan(batches))

@@ -48,6 +48,14 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)  # the most likely token ids -> their logprobs
 
 
+@dataclass(frozen=True)
+class SeqResult:
+    """One sequence's share of a step, from the worker that ran it to the scheduler on rank 0."""
+    token: int | None  # the sampled next token; None when the sequence only fed (part of) its prompt
+    logprob: TokenLogprob | None  # the sampled token's, when the request asks for logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the step's scored prompt tokens, in order
+
+
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 

@@ -1,32 +1,100 @@
-"""Next-token choice and logprobs from one row of logits, on the rank that computed the row.
+"""A step's next tokens and logprobs from its rows of logits, on the rank that computed them: one sampling call
+and one logprob call for all of the step's sequences.
 
 A sampled token depends only on the row's logits and (seed, index), the token's position in the request's
 output: the uniform number each draw inverts comes from a generator seeded with both, so the same seed gives
 the same tokens whatever else shares the batch, whatever the world size, and after a preempted request is
 recomputed. The draw inverts the cumulative distribution over tokens sorted by probability (ties by id), so
-float noise in the logits moves a choice only when the number falls on a boundary.
+float noise in the logits moves a choice only when the number falls on a boundary. Rows are batched along the
+first dimension and every reduction runs along the vocabulary, so no row's result depends on the other rows.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from dsconv.runner.models.batch import SampleSpec
-from dsconv.runner.engine.request import TokenLogprob
+from dsconv.runner.engine.request import SeqResult, TokenLogprob
+from dsconv.runner.models.batch import Batch, SampleSpec
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> float32 log-softmax (the logprobs reported: the model's, before any sampling filter)."""
-    return torch.log_softmax(logits.float(), dim=-1)
+def step_results(batch: Batch, logits: torch.Tensor) -> list[SeqResult]:
+    """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
+    row) -> per sequence its sampled token and logprobs."""
+    draw_rows, score_rows, score_targets, score_tops = [], [], [], []
+    at = 0
+    for spec, scores in zip(batch.samples, batch.scores):
+        if scores is not None:
+            score_rows += range(at, at + len(scores.targets))
+            score_targets += scores.targets
+            score_tops += [scores.top] * len(scores.targets)
+            at += len(scores.targets)
+        if spec is not None:
+            draw_rows.append(at)
+            at += 1
+    specs = [spec for spec in batch.samples if spec is not None]
+    every_row = len(draw_rows) == logits.shape[0]  # a decode step: no copy of the logits
+    tokens = sample(logits if every_row else logits[draw_rows], specs).tolist() if specs else []
+
+    # the scored prompt tokens' logprobs, then the sampled tokens' where the request asks for them
+    asked = [(row, token, spec.logprobs) for row, token, spec in zip(draw_rows, tokens, specs)
+             if spec.logprobs is not None]
+    rows = score_rows + [row for row, _, _ in asked]
+    entries = token_logprobs(logits[rows], score_targets + [token for _, token, _ in asked],
+                             score_tops + [top for _, _, top in asked]) if rows else []
+    scored, drawn = iter(entries[:len(score_rows)]), iter(entries[len(score_rows):])
+
+    results, sampled = [], iter(tokens)
+    for spec, scores in zip(batch.samples, batch.scores):
+        prompt = [next(scored) for _ in scores.targets] if scores is not None else []
+        token = next(sampled) if spec is not None else None
+        logprob = next(drawn) if spec is not None and spec.logprobs is not None else None
+        results.append(SeqResult(token, logprob, prompt))
+    return results
 
 
-def token_logprob(row_log_probs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    best = {}
-    if top:
-        values, ids = row_log_probs.topk(top)
-        best = dict(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(row_log_probs[token]), best)
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """logits [rows, vocab], one spec per row -> [rows] token ids: the argmax where the temperature is 0, else a
+    draw from the distribution at the row's temperature restricted to its top_k most likely tokens and its top_p
+    nucleus."""
+    tokens = logits.argmax(dim=-1)
+    drawn = [i for i, spec in enumerate(specs) if spec.temperature != 0.0]
+    if drawn:
+        rows = torch.tensor(drawn, device=logits.device)
+        tokens[rows] = draw(logits[rows], [specs[i] for i in drawn])
+    return tokens
+
+
+def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """logits [rows, vocab] -> [rows] token ids, each row's cumulative distribution inverted at its uniform(seed,
+    index)."""
+    device = logits.device
+    temperature = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32, device=device)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    # descending by probability, ties by token id (a stable sort of ids in order), so the order is exact
+    probs, ids = probs.sort(dim=-1, descending=True, stable=True)
+    keep = kept(probs, specs)
+    in_keep = torch.arange(probs.shape[-1], device=device) < keep[:, None]
+    mass = torch.where(in_keep, probs, 0.0).double().cumsum(dim=-1)  # [rows, vocab], flat after the kept tokens
+    cdf = mass / mass[:, -1:]  # 1.0 exactly from the last kept token on: a number in [0, 1) picks a kept token
+    u = torch.tensor([uniform(spec.seed, spec.index) for spec in specs], dtype=torch.float64, device=device)
+    pick = torch.searchsorted(cdf, u[:, None], right=True)  # [rows, 1]
+    return ids.gather(-1, pick).squeeze(-1)
+
+
+def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """probs [rows, vocab], each row sorted descending -> [rows] how many of the most likely tokens each row
+    keeps: at most its top_k, and the smallest prefix whose mass reaches its top_p."""
+    device, vocab = probs.device, probs.shape[-1]
+    top_k = torch.tensor([min(spec.top_k or vocab, vocab) for spec in specs], device=device)
+    # top_p is compared in float32, the probabilities' type; no nucleus (inf) where top_p is 1
+    top_p = torch.tensor([spec.top_p if spec.top_p < 1.0 else math.inf for spec in specs], dtype=torch.float32,
+                         device=device)
+    before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each token
+    nucleus = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # stays while the mass before is below top_p
+    return torch.minimum(top_k, nucleus)
 
 
 def uniform(seed: int, index: int) -> float:
@@ -34,20 +102,15 @@ def uniform(seed: int, index: int) -> float:
     return float(np.random.default_rng([seed % 2**64, index]).random())
 
 
-def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
-    """logits [vocab] -> the chosen token id: argmax at temperature 0, else a draw from the distribution at
-    spec.temperature restricted to the top_k most likely tokens and the top_p nucleus."""
-    if spec.temperature == 0.0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / spec.temperature, dim=-1)
-    # descending by probability, ties by token id (a stable sort of ids in order), so the order is exact
-    probs, ids = probs.sort(descending=True, stable=True)
-    keep = probs.shape[0] if spec.top_k == 0 else min(spec.top_k, probs.shape[0])
-    if spec.top_p < 1.0:
-        # the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p
-        before = probs.cumsum(0) - probs
-        keep = min(keep, max(1, int((before < spec.top_p).sum())))
-    probs, ids = probs[:keep].double(), ids[:keep]
-    cdf = probs.cumsum(0) / probs.sum()
-    pick = int(torch.searchsorted(cdf, torch.tensor([uniform(spec.seed, spec.index)], dtype=cdf.dtype), right=True))
-    return int(ids[min(pick, keep - 1)])
+def token_logprobs(logits: torch.Tensor, targets: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """logits [rows, vocab] -> per row its target token's logprob and its `top` most likely tokens' (the model's
+    log-softmax, before any sampling filter)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None]).squeeze(-1).tolist()
+    best: list[dict[int, float]] = [{} for _ in targets]
+    for top in set(tops) - {0}:  # one topk per width: a wider one may pick other ids among equal values
+        rows = [i for i, t in enumerate(tops) if t == top]
+        values, ids = logp[rows].topk(top, dim=-1)
+        for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
+            best[i] = dict(zip(row_ids, row_values))
+    return [TokenLogprob(token, logprob, top) for token, logprob, top in zip(targets, chosen, best)]

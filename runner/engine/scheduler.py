@@ -22,7 +22,7 @@ from typing import Callable
 from dsconv.errors import InputError
 from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
-                                    TokenLogprob)
+                                          SeqResult, TokenLogprob)
 
 BALANCING = ("least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
@@ -217,27 +217,27 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------------------------
 
-    def update(self, step: Step, results: list[list[tuple]]) -> list[tuple[Request, RequestOutput]]:
-        """results[rank][i]: (token | None, its TokenLogprob | None, prompt TokenLogprobs) for the i-th sequence
-        of that rank's batch -> the outputs to deliver (finished requests are freed here)."""
+    def update(self, step: Step, results: list[list[SeqResult]]) -> list[tuple[Request, RequestOutput]]:
+        """results[rank][i]: the i-th sequence of that rank's batch -> the outputs to deliver (finished requests
+        are freed here)."""
         outputs, now = [], time.perf_counter()
-        for rank, (batch, rank_results) in enumerate(zip(step.batches, results)):
-            for seq_id, (token, logprob, scored) in zip(batch.seq_ids, rank_results):
+        for batch, rank_results in zip(step.batches, results, strict=True):
+            for seq_id, result in zip(batch.seq_ids, rank_results, strict=True):
                 request = self.by_seq.get(seq_id)
                 if request is None:  # aborted while the step ran
                     continue
                 out = RequestOutput(request.request_id, len(request.prompt))
-                request.prompt_logprobs.extend(scored)
+                request.prompt_logprobs.extend(result.prompt_logprobs)
                 if request.params.prompt_logprobs is not None and not request.prompt_delivered \
                         and not request.scoring and request.num_computed >= len(request.prompt):
                     out.prompt_logprobs = [None, *request.prompt_logprobs]
                     request.prompt_delivered = True
-                if token is not None:
-                    request.output.append(token)
+                if result.token is not None:
+                    request.output.append(result.token)
                     request.previous_token, request.last_token = request.last_token, now
-                    out.new_token_ids = [token]
-                    out.new_logprobs = [logprob] if logprob is not None else None
-                    out.finish_reason = self._finish_reason(request, token)
+                    out.new_token_ids = [result.token]
+                    out.new_logprobs = [result.logprob] if result.logprob is not None else None
+                    out.finish_reason = self._finish_reason(request, result.token)
                 elif request.params.max_tokens == 0 and not request.scoring and \
                         request.num_computed == len(request.prompt):
                     out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated

@@ -9,7 +9,8 @@ import torch
 
 from dsconv.family.arch import family_for
 from dsconv.kernels.device import flush_denormals
-from dsconv.runner.engine.sampler import log_probs, sample, token_logprob
+from dsconv.runner.engine.request import SeqResult
+from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import model_for
@@ -54,9 +55,9 @@ class Worker:
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[tuple] | None:
-        """-> per sequence (sampled token | None, its TokenLogprob | None, scored prompt TokenLogprobs), from the
-        reporting rank of the DP index (None from the others)."""
+    def execute(self, batch: Batch) -> list[SeqResult] | None:
+        """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
+        others)."""
         batch.validate(self.cache.block_size, self.cache.num_blocks)  # as received, before anything is written
         self.dist.steps += 1
         for seq_id in batch.releases:  # finished, aborted or preempted since the last step
@@ -70,18 +71,4 @@ class Worker:
                                     rows=None if every_row else torch.tensor(rows, dtype=torch.long, device=device))
         if not self.reports:
             return None
-        results, at = [], 0
-        for scores, spec in zip(batch.scores, batch.samples):
-            n_scored = len(scores.targets) if scores is not None else 0
-            seq_logits = logits[at:at + n_scored + (spec is not None)]
-            at += seq_logits.shape[0]
-            wants_logprobs = scores is not None or (spec is not None and spec.logprobs is not None)
-            logp = log_probs(seq_logits) if wants_logprobs else None
-            scored = [token_logprob(logp[j], t, scores.top) for j, t in enumerate(scores.targets)] if n_scored else []
-            token = logprob = None
-            if spec is not None:
-                token = sample(seq_logits[-1], spec)
-                if spec.logprobs is not None:
-                    logprob = token_logprob(logp[-1], token, spec.logprobs)
-            results.append((token, logprob, scored))
-        return results
+        return step_results(batch, logits)
