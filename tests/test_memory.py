@@ -38,27 +38,29 @@ def big_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def big_w8a8(tmp_path_factory):
-    return tmp_path_factory.mktemp("big-w8a8") / "out"
+def big_w8a8(big_checkpoint, tmp_path_factory):
+    """`dsconv quantize` of the big checkpoint, run once in a measured process -> (its W8A8 output, its peak RSS):
+    the quantize test checks the RSS, the shard test reads the output, and either builds it when run alone."""
+    out = tmp_path_factory.mktemp("big-w8a8") / "out"
+    rss = peak_rss_of([sys.executable, "-m", "dsconv.convert.cli", "quantize", str(big_checkpoint), str(out)])
+    assert (out / "quant_model_weights.safetensors.index.json").exists()
+    return out, rss
 
 
 def test_quantize_peak_rss_under_1gb(big_checkpoint, big_w8a8):
-    out = big_w8a8
-    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "quantize", str(big_checkpoint), str(out)])
+    out, rss = big_w8a8
     print(f"dsconv quantize peak RSS on a {sum(p.stat().st_size for p in big_checkpoint.glob('*.safetensors')) / 1e9:.2f} GB "
           f"checkpoint: {rss / 2**20:.0f} MiB")
     assert rss < RSS_LIMIT_BYTES, f"peak RSS {rss / 2**20:.0f} MiB"
-    assert (out / "quant_model_weights.safetensors.index.json").exists()
 
 
 def test_shard_peak_rss_under_1gb(big_w8a8, tmp_path):
-    if not (big_w8a8 / "quant_model_weights.safetensors.index.json").exists():
-        pytest.skip("needs the quantize memory test's output")
+    w8a8, _ = big_w8a8
     out = tmp_path / "shards"
     started = time.perf_counter()
-    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "shard", str(big_w8a8), str(out)])
+    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "shard", str(w8a8), str(out)])
     seconds = time.perf_counter() - started
-    size = sum(p.stat().st_size for p in big_w8a8.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in w8a8.glob("*.safetensors"))
     print(f"dsconv shard (EP16/TP16) peak RSS on a {size / 1e9:.2f} GB W8A8 checkpoint: {rss / 2**20:.0f} MiB, "
           f"{seconds:.1f} s incl. start-up ({size / seconds / 1e9:.2f} GB/s)")
     assert rss < RSS_LIMIT_BYTES, f"peak RSS {rss / 2**20:.0f} MiB"

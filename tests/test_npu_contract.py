@@ -146,20 +146,65 @@ def test_grouped_float_experts_and_token_mlp(on_npu):
 
 # --- whole models ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
-def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, w8a8_source, tmp_path, on_npu):
+def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, w8a8_source, tmp_path, on_npu, monkeypatch):
     shards = tmp_path / "w1"
     shard(w8a8_source(family), shards, Layout(1, 1, 1, 1))
     manifest = load_manifest(shards)
     model, _, new_cache = build_model(shards, manifest, 0, Dist(), torch.bfloat16)
     want = greedy(model, new_cache(256), PROMPTS, NEW_TOKENS, eos_id=None)
+    model32, _, new_cache32 = build_model(shards, manifest, 0, Dist(), torch.float32)
     with on_npu() as double:
         got = greedy(model, new_cache(256), PROMPTS, NEW_TOKENS, eos_id=None)
         # --dtype float32 on NPU runs through the BF16 route (the double refuses float32 INT8 inputs)
-        model32, _, new_cache32 = build_model(shards, manifest, 0, Dist(), torch.float32)
-        tokens32 = greedy(model32, new_cache32(256), PROMPTS[:1], 3, eos_id=None)
+        tokens32, logits32 = greedy_logits(model32, new_cache32(256))
+    with monkeypatch.context() as patch:
+        bfloat16_route_on_cpu(patch.setattr)
+        want32, want_logits32 = greedy_logits(model32, new_cache32(256))
     assert got == want
-    assert len(tokens32[0]) == 3
+    assert tokens32 == want32
+    # Float projections of 2 to 16 rows (kernels.linear.linear_t) and a lone decode token's expert sum
+    # (runner.moe.expert_parallel) take other GEMM forms on the NPU branches, so their sums round otherwise: the
+    # logits agree to float32 rounding (1.4e-6 at most, measured), where the plain float32 CPU path's are 3e-2 or
+    # more away from the first step on.
+    for step, (got_step, want_step) in enumerate(zip(logits32, want_logits32, strict=True)):
+        torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
     assert double.calls["npu_quant_matmul"] > 0 and double.calls["npu_grouped_matmul"] > 0
+
+
+def greedy_logits(model, cache):
+    """greedy's tokens for PROMPTS, and the logits of each of its steps."""
+    steps = []
+    forward = model.forward
+
+    def recorded(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        steps.append(logits.clone())
+        return logits
+
+    model.forward = recorded
+    try:
+        return greedy(model, cache, PROMPTS, NEW_TOKENS, eos_id=None), steps
+    finally:
+        del model.forward
+
+
+def bfloat16_route_on_cpu(set_attribute) -> None:
+    """The CPU path computing what kernels.linear promises for float32 on NPU: W8A8 activations quantized from
+    BF16, W8A8 projections' products returned in BF16 and widened; the grouped experts' int32 sums are
+    dequantized in float32 as on the CPU (kernels.moe). set_attribute: e.g. monkeypatch.setattr."""
+    import dsconv.kernels.moe as kernels_moe
+    import dsconv.runner.layers as layers
+    import dsconv.runner.moe as runner_moe
+
+    bf16 = torch.bfloat16
+    project, project_quantized = layers.w8a8_linear, layers.w8a8_linear_quantized
+    set_attribute(layers, "w8a8_linear",
+                  lambda x, w, s, out_dtype: project(x.to(bf16), w, s, out_dtype=bf16).to(out_dtype))
+    set_attribute(layers, "w8a8_linear_quantized",
+                  lambda x_q, x_scale, w, s, out_dtype: project_quantized(x_q, x_scale, w, s, bf16).to(out_dtype))
+    for module in (kernels_moe, runner_moe):
+        set_attribute(module, "quantize_activations",
+                      lambda x, quantize=module.quantize_activations: quantize(x.to(bf16)))
 
 
 @pytest.mark.slow

@@ -188,78 +188,157 @@ def test_seeded_sampling_same_at_world_1_and_16(family, servers, tiny_source):
     assert runs[0] == runs[1]
 
 
-def malformed(vocab: int, model: str) -> list[tuple[str, bytes | dict]]:
-    """(path, body): bodies no server may accept; each must get a 4xx and change nothing else."""
+ONE_OF_PROMPT = "prompt must be one of: str, list[int], list[str], list[list[int]]"
+
+
+def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
+              ) -> list[tuple[str, bytes | dict, int, str]]:
+    """(path, body, status, message): bodies no server may accept, each with the error it must answer (runner/api*.py
+    and the checks they call: api_schema.parse_body and describe for the body's shape, then SamplingParams, the
+    chat checks and EngineClient.submit)."""
     good = {"model": model, "prompt": [5, 6, 7], "max_tokens": 4}
-    cases: list[tuple[str, bytes | dict]] = [
-        ("/v1/completions", b"{not json"), ("/v1/completions", b""), ("/v1/completions", b"[]"),
-        ("/v1/completions", b"\xff\xfe\x00bad utf-8"), ("/v1/completions", b'{"prompt": "\xc3\x28"}'),
-        ("/v1/completions", b"null"), ("/v1/completions", b"42"), ("/v1/completions", b'"a string"'),
-        ("/v1/chat/completions", b"{not json"), ("/v1/chat/completions", b"\xff\xfe"),
-        ("/tokenize", b"{oops"), ("/detokenize", b"[1, 2"),
+    not_json = "the request body is not valid JSON: "
+    cases: list[tuple[str, bytes | dict, int, str]] = [
+        ("/v1/completions", b"{not json", 400,
+         not_json + "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("/v1/completions", b"", 400, not_json + "Expecting value: line 1 column 1 (char 0)"),
+        ("/v1/completions", b"[]", 400, "the request body must be a JSON object, got list"),
+        ("/v1/completions", b"\xff\xfe\x00bad utf-8", 400,
+         "the request body is not valid UTF-8 (invalid start byte at byte 0)"),
+        ("/v1/completions", b'{"prompt": "\xc3\x28"}', 400,
+         "the request body is not valid UTF-8 (invalid continuation byte at byte 12)"),
+        ("/v1/completions", b"null", 400, "the request body must be a JSON object, got NoneType"),
+        ("/v1/completions", b"42", 400, "the request body must be a JSON object, got int"),
+        ("/v1/completions", b'"a string"', 400, "the request body must be a JSON object, got str"),
+        ("/v1/chat/completions", b"{not json", 400,
+         not_json + "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("/v1/chat/completions", b"\xff\xfe", 400,
+         "the request body is not valid UTF-8 (invalid start byte at byte 0)"),
+        ("/tokenize", b"{oops", 400,
+         not_json + "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("/detokenize", b"[1, 2", 400, not_json + "Expecting ',' delimiter: line 1 column 6 (char 5)"),
     ]
-    wrong_values = {
-        "prompt": [None, 5, 5.5, True, {}, [], [[]], "", [""], [1.5], [-1], [vocab], [vocab + 10**6], [[1], "a"],
-                   [[1, -2]], [[vocab]], {"a": 1}, [None]],
-        "max_tokens": [-1, -100, "4", 4.5, None if False else [], {}, 10**9, 2**63, True],
-        "temperature": [-0.5, "hot", [], 1e9],
-        "top_p": [0, -0.1, 1.5, "x"],
-        "top_k": [-5, 1.5, "k"],
-        "n": [2, 0, -1, "2"],
-        "logprobs": [-1, 21, 100, "1", 1.5],
-        "seed": ["s", 1.5, []],
-        "stop": [5, [5], {"a": 1}],
-        "stream": ["yes", 2, []],
-        "echo": ["true", []],
-        "model": ["no-such-model", 5],
-        "stop_token_ids": [[-1], "x", [1.5]],
-        "best_of": [2],
-        "presence_penalty": [1.0],
-        "frequency_penalty": [1.0],
-        "stream_options": ["x", {"include_usage": "x"}],
-        "ignore_eos": ["x", []],
+
+    def outside(where: str, token_id: int) -> str:
+        return f"{where} holds token id {token_id}, outside the vocabulary [0, {vocab})"
+
+    def too_long(prompt_len: int, max_tokens: int) -> str:
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's context of "
+                f"{max_model_len} tokens")
+
+    integer, number = "Input should be a valid integer", "Input should be a valid number"
+    boolean, a_list = "Input should be a valid boolean", "Input should be a valid list"
+    at_least_1 = "max_tokens must be at least 1 (0 only when scoring the prompt), got "
+    logprobs = "logprobs must be between 0 and 20, got "  # requests.MAX_TOP_LOGPROBS
+    wrong_values = {  # field -> (value, message) with the rest of `good`; all 400s but the unknown model's 404
+        "prompt": [(None, ONE_OF_PROMPT), (5, ONE_OF_PROMPT), (5.5, ONE_OF_PROMPT), (True, ONE_OF_PROMPT),
+                   ({}, ONE_OF_PROMPT), ([], "prompt is empty"), ([[]], "prompt is empty"), ("", "prompt is empty"),
+                   ([""], "prompt is empty"), ([1.5], ONE_OF_PROMPT), ([-1], outside("prompt", -1)),
+                   ([vocab], outside("prompt", vocab)), ([vocab + 10**6], outside("prompt", vocab + 10**6)),
+                   ([[1], "a"], ONE_OF_PROMPT), ([[1, -2]], outside("prompt", -2)),
+                   ([[vocab]], outside("prompt", vocab)), ({"a": 1}, ONE_OF_PROMPT), ([None], ONE_OF_PROMPT)],
+        "max_tokens": [(-1, f"{at_least_1}-1"), (-100, f"{at_least_1}-100"),
+                       ("4", f"max_tokens: {integer}"), (4.5, f"max_tokens: {integer}"),
+                       ([], f"max_tokens: {integer}"), ({}, f"max_tokens: {integer}"),
+                       (10**9, too_long(3, 10**9)), (2**63, too_long(3, 2**63)), (True, f"max_tokens: {integer}")],
+        "temperature": [(-0.5, "temperature must be in [0, 100], got -0.5"), ("hot", f"temperature: {number}"),
+                        ([], f"temperature: {number}"), (1e9, "temperature must be in [0, 100], got 1000000000.0")],
+        "top_p": [(0, "top_p must be in (0, 1], got 0.0"), (-0.1, "top_p must be in (0, 1], got -0.1"),
+                  (1.5, "top_p must be in (0, 1], got 1.5"), ("x", f"top_p: {number}")],
+        "top_k": [(-5, "top_k must be -1 or 0 (off) or positive, got -5"), (1.5, f"top_k: {integer}"),
+                  ("k", f"top_k: {integer}")],
+        "n": [(2, "n=2 is not supported: one choice per prompt (n=1)"),
+              (0, "n=0 is not supported: one choice per prompt (n=1)"),
+              (-1, "n=-1 is not supported: one choice per prompt (n=1)"), ("2", f"n: {integer}")],
+        "logprobs": [(-1, f"{logprobs}-1"), (21, f"{logprobs}21"), (100, f"{logprobs}100"),
+                     ("1", f"logprobs: {integer}"), (1.5, f"logprobs: {integer}")],
+        "seed": [("s", f"seed: {integer}"), (1.5, f"seed: {integer}"), ([], f"seed: {integer}")],
+        "stop": [(5, "stop must be one of: str, list[str]"), ([5], "stop must be one of: str, list[str]"),
+                 ({"a": 1}, "stop must be one of: str, list[str]")],
+        "stream": [("yes", f"stream: {boolean}"), (2, f"stream: {boolean}"), ([], f"stream: {boolean}")],
+        "echo": [("true", f"echo: {boolean}"), ([], f"echo: {boolean}")],
+        "model": [("no-such-model", f"The model `no-such-model` does not exist; this server serves `{model}`."),
+                  (5, "model: Input should be a valid string")],
+        "stop_token_ids": [([-1], outside("stop_token_ids", -1)), ("x", f"stop_token_ids: {a_list}"),
+                           ([1.5], f"stop_token_ids.0: {integer}")],
+        "best_of": [([2], f"best_of: {integer}")],
+        "presence_penalty": [([1.0], f"presence_penalty: {number}")],
+        "frequency_penalty": [([1.0], f"frequency_penalty: {number}")],
+        "stream_options": [("x", "stream_options: Input should be a valid dictionary or instance of StreamOptions"),
+                           ({"include_usage": "x"}, f"stream_options.include_usage: {boolean}")],
+        "ignore_eos": [("x", f"ignore_eos: {boolean}"), ([], f"ignore_eos: {boolean}")],
     }
     for field, values in wrong_values.items():
-        for value in values:
-            cases.append(("/v1/completions", {**good, field: value}))
-    for drop in ("prompt",):
-        cases.append(("/v1/completions", {k: v for k, v in good.items() if k != drop}))
-    cases.append(("/v1/completions", {**good, "prompt": list(range(2, 2000)), "max_tokens": 4}))  # over the cache
-    cases.append(("/v1/completions", {**good, "max_tokens": 200_000}))  # over the model's context
+        for value, message in values:
+            status = 404 if message.startswith("The model `") else 400
+            cases.append(("/v1/completions", {**good, field: value}, status, message))
+    cases.append(("/v1/completions", {k: v for k, v in good.items() if k != "prompt"}, 400, "prompt: Field required"))
+    over_cache = cache_tokens + 100  # valid ids, within the model's context, over one DP rank's KV cache
+    cases.append(("/v1/completions", {**good, "prompt": [5] * over_cache}, 400,
+                  f"prompt ({over_cache} tokens) + max_tokens (4) need {over_cache + 4} tokens of KV cache; a DP "
+                  f"rank holds {cache_tokens} (--cache-tokens)"))
+    cases.append(("/v1/completions", {**good, "max_tokens": max_model_len}, 400, too_long(3, max_model_len)))
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for messages in ([], None, "hi", [{}], [{"role": "user"}], [{"role": "nobody", "content": "x"}],
-                     [{"role": "user", "content": 5}], [{"content": "x"}], [[]], [{"role": "user", "content": None}]):
-        cases.append(("/v1/chat/completions", {**chat, "messages": messages}))
-    for field, value in (("max_tokens", -3), ("n", 3), ("temperature", -1), ("model", "other"),
-                         ("max_completion_tokens", -1), ("top_logprobs", 50), ("stream", "x")):
-        cases.append(("/v1/chat/completions", {**chat, field: value}))
-    for body in ({}, {"prompt": 5}, {"prompt": None}, {"messages": "x"}):
-        cases.append(("/tokenize", body))
-    for body in ({}, {"tokens": "abc"}, {"tokens": [-1]}, {"tokens": [vocab + 5]}, {"tokens": [1.5]}):
-        cases.append(("/detokenize", body))
+    roles = "supported roles: system, user, assistant"
+    for messages, message in (
+            ([], "messages is empty: a conversation needs at least one user message"),
+            (None, f"messages: {a_list}"), ("hi", f"messages: {a_list}"),
+            ([{}], f"messages[0] has role=None; {roles}"),
+            ([{"role": "user"}], "messages[0] (user) content must be text, got NoneType"),
+            ([{"role": "nobody", "content": "x"}], f"messages[0] has role='nobody'; {roles}"),
+            ([{"role": "user", "content": 5}], "messages[0] (user) content must be text, got int"),
+            ([{"content": "x"}], f"messages[0] has role=None; {roles}"),
+            ([[]], "messages[0] is a list, not a mapping with role and content"),
+            ([{"role": "user", "content": None}], "messages[0] (user) content must be text, got NoneType")):
+        cases.append(("/v1/chat/completions", {**chat, "messages": messages}, 400, message))
+    for field, value, status, message in (
+            ("max_tokens", -3, 400, f"{at_least_1}-3"),
+            ("n", 3, 400, "n=3 is not supported: one choice per prompt (n=1)"),
+            ("temperature", -1, 400, "temperature must be in [0, 100], got -1.0"),
+            ("model", "other", 404, f"The model `other` does not exist; this server serves `{model}`."),
+            ("max_completion_tokens", -1, 400, f"{at_least_1}-1"),
+            ("top_logprobs", 50, 400, "top_logprobs needs logprobs=true"),
+            ("stream", "x", 400, f"stream: {boolean}")):
+        cases.append(("/v1/chat/completions", {**chat, field: value}, status, message))
+    for body, message in (({}, "give either prompt or messages"),
+                          ({"prompt": 5}, "prompt: Input should be a valid string"),
+                          ({"prompt": None}, "give either prompt or messages"),
+                          ({"messages": "x"}, f"messages: {a_list}")):
+        cases.append(("/tokenize", body, 400, message))
+    for body, message in (({}, "tokens: Field required"), ({"tokens": "abc"}, f"tokens: {a_list}"),
+                          ({"tokens": [-1]}, outside("tokens", -1)),
+                          ({"tokens": [vocab + 5]}, outside("tokens", vocab + 5)),
+                          ({"tokens": [1.5]}, f"tokens.0: {integer}")):
+        cases.append(("/detokenize", body, 400, message))
     return cases
+
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}  # the names OpenAI's SDKs map these statuses to
 
 
 @pytest.mark.parametrize("case_name", ["v32-w1", "v4-w16"])
 def test_malformed_requests_get_4xx_and_change_nothing(case_name, servers, tiny_source):
     family, _ = CASES[case_name]
     server = servers(case_name)
-    server.model = server.openai().models.list().data[0].id
+    (served,) = server.openai().models.list().data
+    server.model = served.id
     ps = prompts(family, tiny_source)
     before = complete(server, ps[0])
     vocab = json.loads((tiny_source(family, "fp8") / "config.json").read_text())["vocab_size"]
-    cases = malformed(vocab, server.model)
+    cases = malformed(vocab, server.model, served.max_model_len, int(FLAGS[FLAGS.index("--cache-tokens") + 1]))
     assert len(cases) >= 100
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        for path, body in cases:
+        for path, body, status, message in cases:
             if isinstance(body, bytes):
                 response = http.post(path, content=body, headers={"content-type": "application/json"})
             else:
                 response = http.post(path, json=body)
-            assert 400 <= response.status_code < 500, (path, body, response.status_code, response.text)
-            error = response.json()["error"]
-            assert error["message"] and error["type"], (path, body, error)
-        assert http.get("/no/such/route").status_code == 404
+            got = (response.status_code, response.json())
+            want = {"message": message, "type": ERROR_TYPES[status], "param": None, "code": status}
+            assert got == (status, {"error": want}), (path, body, got)
+        got = http.get("/no/such/route")
+        want = {"message": "GET /no/such/route: Not Found", "type": "NotFoundError", "param": None, "code": 404}
+        assert (got.status_code, got.json()) == (404, {"error": want})
     assert complete(server, ps[0]) == before
 
 
