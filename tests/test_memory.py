@@ -42,7 +42,7 @@ def big_w8a8(big_checkpoint, tmp_path_factory):
     """`dsconv quantize` of the big checkpoint, run once in a measured process -> (its W8A8 output, its peak RSS):
     the quantize test checks the RSS, the shard test reads the output, and either builds it when run alone."""
     out = tmp_path_factory.mktemp("big-w8a8") / "out"
-    rss = peak_rss_of([sys.executable, "-m", "dsconv.convert.cli", "quantize", str(big_checkpoint), str(out)])
+    rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "quantize", str(big_checkpoint), str(out)])
     assert (out / "quant_model_weights.safetensors.index.json").exists()
     return out, rss
 
