@@ -26,6 +26,13 @@ NEW_TOKENS = 10
 RANKS_TIMEOUT_S = 120
 
 
+def window_nll(logits, window: list[int]) -> float:
+    """logits [len(window), vocab] -> the summed negative log-likelihood of window[1:], in float64."""
+    targets = torch.tensor(window[1:], device=logits.device)
+    log_probs = torch.nn.functional.log_softmax(logits[:-1].float(), dim=-1)  # [len - 1, vocab]
+    return -log_probs.gather(1, targets[:, None]).double().sum().item()
+
+
 def quantized_weight(out_features, in_features, gen):
     """A random weight as INT8 [out, in] with its per-channel scale [out, 1] (the reference quantizer)."""
     return quantize_rows_reference(torch.randn(out_features, in_features, generator=gen))
