@@ -12,7 +12,12 @@ from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.cli import collect
+from dsconv.runner.engine.block_pool import BlockPool
+from dsconv.runner.engine.worker import StepInputs, prepare_inputs
 from dsconv.runner.entrypoints.ranks import RESULTS_NAME
+from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.kv_cache import StepMeta
+from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.shard import make_shard_plan, run_shard
 
@@ -24,6 +29,73 @@ COSINE_MIN = 0.9999  # every INT8 tensor against its source, dequantized (README
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]
 NEW_TOKENS = 10
 RANKS_TIMEOUT_S = 120
+
+
+class Steps:
+    """Steps chosen by a test rather than a scheduler, on one cache: each step's (seq_id, new tokens) pairs become a
+    Batch whose block tables a BlockPool of the cache's size gives, as the scheduler's does, and the worker's
+    prepare_inputs turns it into the model's inputs."""
+
+    def __init__(self, cache):
+        self.cache, self.pool = cache, BlockPool(cache.num_blocks, cache.block_size)
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens fed so far
+
+    def inputs(self, new_tokens: list[tuple[int, list[int]]]) -> StepInputs:
+        batch = Batch()
+        for seq_id, tokens in new_tokens:
+            stop = self.lengths.get(seq_id, 0) + len(tokens)
+            table = self.pool.grow(seq_id, stop)  # InputError when the cache cannot hold it
+            batch.add(seq_id, list(tokens), stop, table, self.pool.block_size, None, None)
+            self.lengths[seq_id] = stop
+        return prepare_inputs(self.cache, batch)
+
+    def forward(self, model, new_tokens: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """One step -> the logits of every row [T, vocab]."""
+        inputs = self.inputs(new_tokens)
+        return model.forward(inputs.tokens, inputs.meta, self.cache)
+
+    def release(self, seq_id: int) -> None:
+        self.pool.release(seq_id)
+        self.cache.release(seq_id)
+        self.lengths.pop(seq_id, None)
+
+
+def last_rows(meta: StepMeta) -> torch.Tensor | None:
+    """The row of each sequence's last token, where its next-token logits come from; None when that is every
+    row, as in a decode step (one token per sequence)."""
+    if all(s.query_len == 1 for s in meta.seqs):
+        return None
+    return torch.tensor([s.stop - 1 for s in meta.seqs], dtype=torch.long, device=meta.positions.device)
+
+
+def forward_full(model, tokens: torch.Tensor) -> torch.Tensor:
+    """A DeepSeek-V4 model over one whole sequence from position 0, in one step on a new state -> logits [T, vocab]:
+    what stepped, chunked and batched runs are compared with."""
+    cache = V4Cache(model.cfg, tokens.shape[0], model.dtype, tokens.device)
+    return Steps(cache).forward(model, [(0, tokens.tolist())])
+
+
+class Recorder:
+    """Wraps a callable of a model (a layer, a norm) and appends what each call returns, or with inputs=True the
+    first argument it gets, to `seen`."""
+
+    def __init__(self, wrapped, seen: list, inputs: bool = False):
+        self.wrapped, self.seen, self.inputs = wrapped, seen, inputs
+
+    def __call__(self, *args, **kwargs):
+        if self.inputs:
+            self.seen.append(args[0])
+        out = self.wrapped(*args, **kwargs)
+        if not self.inputs:
+            self.seen.append(out)
+        return out
+
+
+def window_nll(logits, window: list[int]) -> float:
+    """logits [len(window), vocab] -> the summed negative log-likelihood of window[1:], in float64."""
+    targets = torch.tensor(window[1:], device=logits.device)
+    log_probs = torch.nn.functional.log_softmax(logits[:-1].float(), dim=-1)  # [len - 1, vocab]
+    return -log_probs.gather(1, targets[:, None]).double().sum().item()
 
 
 def quantized_weight(out_features, in_features, gen):

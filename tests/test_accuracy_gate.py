@@ -15,10 +15,10 @@ from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
 from dsconv.runner.engine.worker import start_rank
 from dsconv.runner.engine.offline import greedy
-from dsconv.runner.entrypoints.perplexity import summarize, window_nll, windows
+from dsconv.runner.entrypoints.perplexity import summarize, windows
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
-from tests.helpers import launch_ranks, quantize, shard
+from tests.helpers import Steps, launch_ranks, quantize, shard, window_nll
 
 CONTEXT = 128  # the training sequence length
 EVAL_TOKENS = 4096  # held-out tokens scored (32 windows)
@@ -44,9 +44,7 @@ def window_logits(shards, cut: list[list[int]]) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for window in cut:
-            cache = new_cache(len(window))
-            meta = cache.step([(0, len(window))])
-            out.append(model.forward(torch.tensor(window), meta, cache).float())
+            out.append(Steps(new_cache(len(window))).forward(model, [(0, window)]).float())
     return out
 
 

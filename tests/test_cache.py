@@ -6,6 +6,7 @@ import torch
 
 from dsconv.runner.models import kv_cache as cache_module
 from dsconv.runner.models.kv_cache import LatentCache
+from tests.helpers import Steps
 
 BLOCK = 4
 DIM = 3
@@ -20,6 +21,7 @@ def row(seq_id: int, position: int) -> list[float]:
 def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks(gather_rows, groups, monkeypatch):
     monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)  # 20: decodes split into several groups
     cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
+    runner = Steps(cache)
     lengths = {0: 0, 1: 0, 2: 0, 3: 0}
     consecutive_seen, scattered_seen = set(), set()
     most_groups = 0
@@ -29,7 +31,7 @@ def test_reads_return_every_position_in_order_for_consecutive_and_scattered_bloc
     steps = [[(3, 6)], [(0, 3), (1, 6), (2, 9)]] + [[(0, 1), (1, 1), (2, 1)]] * 6 + [[(2, 1)]] * 3 + [[(0, 5)]] + \
         [[(0, 2), (3, 1), (1, 1)]]
     for new_tokens in steps:
-        meta = cache.step(new_tokens)
+        meta = step_meta(runner, new_tokens)
         values = torch.tensor([row(seq_id, lengths[seq_id] + i) for seq_id, n in new_tokens for i in range(n)],
                               dtype=torch.float32)
         for layer in range(2):
@@ -46,6 +48,11 @@ def test_reads_return_every_position_in_order_for_consecutive_and_scattered_bloc
         most_groups = max(most_groups, len(meta.decodes))
     assert consecutive_seen and scattered_seen  # both read paths ran
     assert most_groups == groups
+
+
+def step_meta(runner, new_tokens):
+    """(seq_id, n_new) pairs -> the step's metadata (the token ids do not matter to the cache)."""
+    return runner.inputs([(seq_id, [0] * n) for seq_id, n in new_tokens]).meta
 
 
 def check_decode_reads(cache, meta):
@@ -78,12 +85,12 @@ def check_decode_reads(cache, meta):
 
 
 def test_first_slot_only_for_consecutive_ranges():
-    cache = LatentCache(layers=1, num_blocks=8, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
-    meta = cache.step([(0, 2), (1, 2)])  # blocks 0 and 1: the step's slots 0, 1, 4, 5 are not one range
+    runner = Steps(LatentCache(layers=1, num_blocks=8, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32))
+    meta = step_meta(runner, [(0, 2), (1, 2)])  # blocks 0 and 1: the step's slots 0, 1, 4, 5 are not one range
     assert meta.first_slot is None
     assert [s.first_slot for s in meta.seqs] == [0, BLOCK]
-    meta = cache.step([(1, 1)])  # one token: always one range
+    meta = step_meta(runner, [(1, 1)])  # one token: always one range
     assert meta.first_slot == BLOCK + 2
     for _ in range(3):  # sequence 0 grows past its block into block 2, after sequence 1's
-        meta = cache.step([(0, 1)])
+        meta = step_meta(runner, [(0, 1)])
     assert meta.seqs[0].first_slot is None

@@ -14,7 +14,7 @@ from dsconv.runner.models.layers import Proj
 from dsconv.runner.models.deepseek_v3 import DeepseekV3, cache_fields
 from dsconv.runner.models.weights import load_manifest, load_rank
 from dsconv.family.layout import Layout
-from tests.helpers import cosine, shard
+from tests.helpers import Recorder, Steps, cosine, last_rows, shard
 
 COSINE_MIN = 0.999
 PROMPT_LEN = 40
@@ -49,15 +49,25 @@ def prompt(vocab, n=PROMPT_LEN, seed=0):
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def record_layer_outputs(model) -> list:
+    """-> the list each layer's output [T, hidden] is appended to as the model runs: what the next layer's input
+    norm gets, and the final norm after the last layer."""
+    hidden = []
+    for layer in range(1, len(model.layers)):
+        attn_norm, *rest = model.layers[layer]
+        model.layers[layer] = (Recorder(attn_norm, hidden, inputs=True), *rest)
+    model.norm = Recorder(model.norm, hidden, inputs=True)
+    return hidden
+
+
 def test_prefill_hidden_states_and_logits(pair):
     ours, reference = pair
     model, cache, cfg = ours()
     ids = prompt(cfg.vocab_size)
     with torch.no_grad():
         ref = reference(torch.tensor([ids]), output_hidden_states=True)
-        hidden = []
-        meta = cache.step([(0, len(ids))])
-        logits = model.forward(torch.tensor(ids), meta, cache, hidden_out=hidden)
+        hidden = record_layer_outputs(model)
+        logits = Steps(cache).forward(model, [(0, ids)])
     # transformers: embeddings, then each layer's output; its last entry is after the final norm
     for layer, (mine, theirs) in enumerate(zip(hidden[:-1], ref.hidden_states[1:-1])):
         assert cosine(mine, theirs[0]) >= COSINE_MIN, layer
@@ -114,12 +124,11 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
 
     def last_logits(model, cache, steps):
         """Runs steps of (seq_id, tokens); -> each step's last-row logits per sequence."""
-        out = []
+        out, runner = [], Steps(cache)
         for step in steps:
-            meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in step])
-            ids = torch.tensor([t for _, tokens in step for t in tokens])
+            inputs = runner.inputs(step)
             with torch.no_grad():
-                logits = model.forward(ids, meta, cache, rows=meta.last_rows)
+                logits = model.forward(inputs.tokens, inputs.meta, cache, rows=last_rows(inputs.meta))
             out.append({seq_id: logits[i] for i, (seq_id, _) in enumerate(step)})
         return out
 
@@ -157,8 +166,8 @@ def test_w8a8_logits_close_to_bf16(family, pair, w8a8_source, tmp_path):
     cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
     ids = prompt(cfg.vocab_size, seed=2)
     with torch.no_grad():
-        logits = model.forward(torch.tensor(ids), cache.step([(0, len(ids))]), cache)
-        reference = bf16_model.forward(torch.tensor(ids), bf16_cache.step([(0, len(ids))]), bf16_cache)
+        logits = Steps(cache).forward(model, [(0, ids)])
+        reference = Steps(bf16_cache).forward(bf16_model, [(0, ids)])
     similarity = cosine(logits, reference)
     print(f"{family} W8A8 vs BF16 logits cosine over {len(ids)} positions: {similarity:.5f}")
     assert similarity >= W8A8_COSINE_MIN
@@ -189,11 +198,11 @@ def test_bf16_decode_steps_close_to_float32(family, pair):
     cache16 = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.bfloat16)
     ids = prompt(cfg.vocab_size, seed=3)
     tokens = torch.tensor(ids)
-    worst = 1.0
+    worst, steps32, steps16 = 1.0, Steps(cache32), Steps(cache16)
     with torch.inference_mode():
         for step in range(6):  # the prompt, then one token per step fed back from the float32 model
-            logits32 = model32.forward(tokens, cache32.step([(0, len(tokens))]), cache32)[-1]
-            logits16 = model16.forward(tokens, cache16.step([(0, len(tokens))]), cache16)[-1]
+            logits32 = steps32.forward(model32, [(0, tokens.tolist())])[-1]
+            logits16 = steps16.forward(model16, [(0, tokens.tolist())])[-1]
             if step:
                 worst = min(worst, cosine(logits16.float(), logits32))
             tokens = logits32.argmax()[None]

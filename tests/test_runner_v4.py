@@ -15,7 +15,8 @@ from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
 from dsconv.runner.models.weights import load_manifest, load_rank
 from dsconv.family.layout import Layout
-from tests.helpers import NEW_TOKENS as DIST_NEW_TOKENS, cosine, run_ranks, shard
+from tests.helpers import (NEW_TOKENS as DIST_NEW_TOKENS, Recorder, Steps, cosine, forward_full, last_rows, run_ranks,
+                           shard)
 
 COSINE_MIN = 0.999
 # The tiny config's sliding_window is 16, its compress rates 4 and 128, its index_topk 8: 300 tokens cross
@@ -50,8 +51,12 @@ def test_prefill_hidden_states_and_logits(pair):
     ids = torch.randint(2, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = reference(ids[None], output_hidden_states=True)
-        hidden = []
-        logits = model.forward_full(ids, hidden_out=hidden)
+        hidden, blocks = [], model.layers  # each block's output streams, as the model runs
+        model.layers = [Recorder(block, hidden) for block in blocks]
+        try:
+            logits = forward_full(model, ids)
+        finally:
+            model.layers = blocks
     # transformers: the embedding's hc_mult copies, then each layer's streams [T, hc_mult, hidden] but the
     # last layer's, whose place holds the final norm's output
     assert len(ref.hidden_states) == cfg.num_hidden_layers + 1
@@ -97,12 +102,12 @@ def test_steps_of_any_size_equal_one_whole_forward(pair):
     ids = torch.tensor(prompt(cfg.vocab_size, 2 * cfg.hca_compress_rate + 5, seed=3))
     chunks = [1, 3, 2 * cfg.csa_compress_rate + 1, cfg.sliding_window + 7, cfg.hca_compress_rate, 1, 1]
     chunks.append(ids.shape[0] - sum(chunks))
-    cache = V4Cache(cfg, ids.shape[0], torch.float32)
+    runner = Steps(V4Cache(cfg, ids.shape[0], torch.float32))
     with torch.no_grad():
-        whole = model.forward_full(ids)
+        whole = forward_full(model, ids)
         stepped = []
         for start, n in zip(torch.tensor([0, *chunks]).cumsum(0).tolist(), chunks):
-            stepped.append(model.forward(ids[start:start + n], cache.step([(0, n)]), cache))
+            stepped.append(runner.forward(model, [(0, ids[start:start + n].tolist())]))
     assert torch.allclose(torch.cat(stepped), whole, atol=1e-4, rtol=0)
 
 
@@ -112,19 +117,21 @@ def test_sequences_with_different_chunks_in_the_same_steps(pair):
     model, cfg, _, _ = pair
     ids = [torch.tensor(prompt(cfg.vocab_size, n, seed=n)) for n in (37, cfg.hca_compress_rate + 22)]
     chunks = [(30, 3), (1, cfg.hca_compress_rate), (0, 2), (6, 17)]  # (first, second) new tokens per step
-    cache = V4Cache(cfg, 512, torch.float32)
+    runner = Steps(V4Cache(cfg, 512, torch.float32))
     got, done = [[], []], [0, 0]
     with torch.no_grad():
-        for step in chunks:
-            meta = cache.step([(seq, n) for seq, n in enumerate(step)])
-            tokens = torch.cat([ids[seq][done[seq]:done[seq] + n] for seq, n in enumerate(step)])
-            logits = model.forward(tokens, meta, cache)
+        for step in chunks:  # an idle sequence is not in the step's batch, as the scheduler leaves it out
+            inputs = runner.inputs([(seq, ids[seq][done[seq]:done[seq] + n].tolist()) for seq, n in enumerate(step)
+                                    if n])
+            logits = model.forward(inputs.tokens, inputs.meta, runner.cache)
+            rows = {s.seq_id: (s.start, s.stop) for s in inputs.meta.seqs}
             for seq, n in enumerate(step):
-                got[seq].append(logits[meta.seqs[seq].start:meta.seqs[seq].stop])
+                start, stop = rows.get(seq, (0, 0))
+                got[seq].append(logits[start:stop])
                 done[seq] += n
         for seq in range(2):
             assert done[seq] == ids[seq].shape[0]
-            assert torch.allclose(torch.cat(got[seq]), model.forward_full(ids[seq]), atol=1e-4, rtol=0)
+            assert torch.allclose(torch.cat(got[seq]), forward_full(model, ids[seq]), atol=1e-4, rtol=0)
 
 
 def test_finished_sequences_give_their_room_back(pair):
@@ -144,14 +151,12 @@ def test_batched_step_equals_each_sequence_alone(pair):
     with torch.no_grad():
         alone = [greedy(model, V4Cache(cfg, 256, torch.float32), [p], 6, eos_id=None)[0] for p in prompts]
         assert greedy(model, V4Cache(cfg, 256, torch.float32), prompts, 6, eos_id=None) == alone
-        cache = V4Cache(cfg, 256, torch.float32)  # the prefill logits too, not only the argmax
-        meta = cache.step([(i, len(p)) for i, p in enumerate(prompts)])
-        batched = model.forward(torch.tensor(sum(prompts, [])), meta, cache)
-        assert torch.allclose(batched, torch.cat([model.forward_full(torch.tensor(p)) for p in prompts]), atol=1e-4,
+        # the prefill logits too, not only the argmax
+        batched = Steps(V4Cache(cfg, 256, torch.float32)).forward(model, list(enumerate(prompts)))
+        assert torch.allclose(batched, torch.cat([forward_full(model, torch.tensor(p)) for p in prompts]), atol=1e-4,
                               rtol=0)
-        cache = V4Cache(cfg, 16, torch.float32)
-        meta = cache.step([])  # a rank without sequences still runs the step, with zero rows
-        assert model.forward(torch.empty(0, dtype=torch.long), meta, cache).shape == (0, cfg.vocab_size)
+        empty = Steps(V4Cache(cfg, 16, torch.float32))  # a rank without sequences still runs the step, zero rows
+        assert empty.forward(model, []).shape == (0, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 16], ids=["one-group", "groups"])
@@ -176,12 +181,11 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
 
     def run(steps):
         """Runs steps of (seq_id, tokens) on a new cache -> per step, each sequence's last-row logits."""
-        cache, out = V4Cache(cfg, 1024, torch.float32), []
+        runner, out = Steps(V4Cache(cfg, 1024, torch.float32)), []
         for step in steps:
-            meta = cache.step([(seq_id, len(tokens)) for seq_id, tokens in step])
+            inputs = runner.inputs(step)
             with torch.no_grad():
-                logits = model.forward(torch.tensor([t for _, tokens in step for t in tokens]), meta, cache,
-                                       rows=meta.last_rows)
+                logits = model.forward(inputs.tokens, inputs.meta, runner.cache, rows=last_rows(inputs.meta))
             out.append({seq_id: logits[i] for i, (seq_id, _) in enumerate(step)})
         return out
 
@@ -192,18 +196,21 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
         for (i, _), logits in zip(own, alone):
             torch.testing.assert_close(together[i][seq_id], logits[seq_id], rtol=1e-5, atol=1e-5)
         with torch.no_grad():  # the last step against the whole sequence's forward
-            whole = model.forward_full(torch.tensor([t for _, tokens in own for t in tokens]))[-1]
+            whole = forward_full(model, torch.tensor([t for _, tokens in own for t in tokens]))[-1]
         torch.testing.assert_close(together[own[-1][0]][seq_id], whole, rtol=0, atol=1e-4)
 
 
 def test_cache_capacity_and_release(pair):
+    """The state's room is the block pool's, in whole blocks (16 tokens here: one block); releasing a sequence
+    frees its blocks and drops its state."""
     _, cfg, _, _ = pair
-    cache = V4Cache(cfg, 10, torch.float32)
-    cache.step([(0, 6)])
-    with pytest.raises(InputError, match="holds 10 tokens; sequence 1 needs 5"):
-        cache.step([(1, 5)])
-    cache.release(0)
-    cache.step([(1, 5)])
+    runner = Steps(V4Cache(cfg, 16, torch.float32))
+    runner.inputs([(0, [2] * 6)])
+    with pytest.raises(InputError, match="holds 16 tokens; sequence 1 needs 5"):
+        runner.inputs([(1, [2] * 5)])
+    runner.release(0)
+    runner.inputs([(1, [2] * 5)])
+    assert list(runner.cache.states) == [1]
 
 
 @pytest.mark.slow
@@ -240,7 +247,7 @@ def test_w8a8_logits_close_to_bf16(pair, w8a8_source, tmp_path):
     assert w8a8.layers[2].ffn.experts.int8  # the experts really run W8A8
     ids = prompt(cfg.vocab_size, PROMPT_LEN, seed=2)
     with torch.no_grad():
-        similarity = cosine(w8a8.forward_full(torch.tensor(ids)), model.forward_full(torch.tensor(ids)))
+        similarity = cosine(forward_full(w8a8, torch.tensor(ids)), forward_full(model, torch.tensor(ids)))
         got = greedy(w8a8, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
         want = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
     agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)

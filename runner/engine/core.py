@@ -1,4 +1,4 @@
-"""The engine's step loop, shared by `dsrun serve`, `dsrun generate` and in-process generation.
+"""The engine's step loop, shared by `dsrun serve`, `dsrun generate`, `dsrun perplexity` and in-process generation.
 
 Rank 0 schedules (scheduler.py) and sends every rank the step's batches; each rank runs its attention-DP
 index's batch through the model (a DP rank with nothing to do runs a zero-token step, so every rank enters the

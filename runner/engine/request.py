@@ -1,5 +1,6 @@
 """What a request asks of the serving engine and what the engine tells back, shared by the scheduler, the step
-loop and the HTTP front end (`dsrun serve`) and by `dsrun generate`, which is a client of the same engine."""
+loop and the HTTP front end (`dsrun serve`) and by `dsrun generate` and `dsrun perplexity`, clients of the same
+engine."""
 
 from __future__ import annotations
 

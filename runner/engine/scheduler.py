@@ -3,9 +3,10 @@
 vLLM V1's scheduler without phases: each step, per DP rank, the running requests come first (oldest first,
 one token each once decoding, the next chunk of a prompt while prefilling), then waiting requests are admitted
 in arrival order, everything within the rank's token budget (chunked prefill: a prompt longer than what is
-left of the budget is fed in chunks over several steps). The KV cache is accounted here, per DP rank, in
-blocks; when a running request needs a block and none is free, the newest running request of that rank is
-preempted (its blocks freed) and recomputed later from its prompt and the tokens it had generated. A request
+left of the budget is fed in chunks over several steps). The KV cache is allocated here, per DP rank, in
+blocks (block_pool.py, the only allocator: the ranks' caches store what each step's batch tells them); when a
+running request needs a block and none is free, the newest running request of that rank is preempted (its
+blocks freed) and recomputed later from its prompt and the tokens it had generated. A request
 is placed on one DP rank at admission and stays there: the least-loaded one by queued and running work in
 tokens, ties broken by free blocks (or round-robin, for comparison); a request may also be pinned.
 """
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dsconv.errors import InputError
-from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
+from dsconv.runner.engine.block_pool import BlockPool
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
+from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
 
 BALANCING = ("least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
@@ -60,33 +62,6 @@ class Request:
         return len(self.tokens) - self.num_computed + min(horizon, self.params.max_tokens - len(self.output))
 
 
-class BlockPool:
-    """One DP rank's cache blocks: which are free, which each sequence holds."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.tables: dict[int, list[int]] = {}
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def missing(self, seq_id: int, tokens: int) -> int:
-        return max(0, self.blocks_for(tokens) - len(self.tables.get(seq_id, ())))
-
-    def grow(self, seq_id: int, tokens: int) -> list[int]:
-        table = self.tables.setdefault(seq_id, [])
-        table.extend(self.free.pop() for _ in range(self.missing(seq_id, tokens)))
-        return table
-
-    def release(self, seq_id: int) -> None:
-        self.free.extend(reversed(self.tables.pop(seq_id, [])))
-
-    @property
-    def used_fraction(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
-
-
 @dataclass
 class Step:
     batches: list[Batch]  # one per DP rank
@@ -121,7 +96,7 @@ class Scheduler:
         need = prompt_len + params.max_tokens
         if pool.blocks_for(need) > pool.num_blocks:
             raise InputError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) need {need} tokens of "
-                             f"KV cache; a DP rank holds {pool.num_blocks * pool.block_size} (--cache-tokens)")
+                             f"KV cache; a DP rank holds {pool.capacity_tokens} (--cache-tokens)")
         if dp_rank is not None and not 0 <= dp_rank < self.dp:
             raise InputError(f"DP rank {dp_rank} is not between 0 and {self.dp - 1}")
 

@@ -1,8 +1,9 @@
-"""One rank's side of the engine: its model built from its shards, and each step's batch run through the model
-and the sampler."""
+"""One rank's side of the engine: its model built from its shards, and each step's batch turned into the model's
+inputs (here only) and run through the model and the sampler."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.kv_cache import StepMeta
 from dsconv.runner.models.registry import model_for
 from dsconv.runner.models.weights import load_rank
 
@@ -47,6 +49,29 @@ def start_rank(shards: str, manifest: dict, dtype: str, device: str):
     return rank, dist, model, new_cache
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What the model's forward takes for one step, besides the cache."""
+    tokens: torch.Tensor  # [T] int64: the batch's input ids
+    meta: StepMeta  # positions, slots, each sequence's context
+    rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
+
+
+def prepare_inputs(cache, batch: Batch) -> StepInputs:
+    """One step's model inputs from its batch, on the cache's device: the batch checked as received (before
+    anything is written), the sequences finished, aborted or preempted since the last step released, the
+    step's metadata from the batch's block tables and slots, and the token ids."""
+    batch.validate(cache.block_size, cache.num_blocks)
+    for seq_id in batch.releases:
+        cache.release(seq_id)
+    meta = cache.prepare_meta(batch)
+    device = meta.positions.device
+    rows = batch.logit_rows()
+    every_row = rows == list(range(batch.num_tokens))
+    return StepInputs(torch.tensor(batch.input_ids, dtype=torch.long, device=device), meta,
+                      None if every_row else torch.tensor(rows, dtype=torch.long, device=device))
+
+
 class Worker:
     """One rank's side of a step: its DP index's batch through the model and the sampler."""
 
@@ -58,17 +83,9 @@ class Worker:
     def execute(self, batch: Batch) -> list[SeqResult] | None:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
         others)."""
-        batch.validate(self.cache.block_size, self.cache.num_blocks)  # as received, before anything is written
+        inputs = prepare_inputs(self.cache, batch)
         self.dist.steps += 1
-        for seq_id in batch.releases:  # finished, aborted or preempted since the last step
-            self.cache.release(seq_id)
-        meta = self.cache.begin(batch)
-        device = meta.positions.device
-        tokens = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
-        rows = batch.logit_rows()
-        every_row = rows == list(range(batch.num_tokens))
-        logits = self.model.forward(tokens, meta, self.cache,
-                                    rows=None if every_row else torch.tensor(rows, dtype=torch.long, device=device))
+        logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
         if not self.reports:
             return None
         return step_results(batch, logits)

@@ -1,11 +1,15 @@
-"""`dsrun perplexity`: how well the model predicts a text, scored on every rank like `generate`.
+"""`dsrun perplexity`: how well the model predicts a text, as a client of the serving engine like `generate`.
 
 The text's tokens (no special tokens) with BOS in front are cut into consecutive windows of `context` tokens;
 every token after the first of its window is scored given the window's earlier tokens, and
 perplexity = exp(mean negative log-likelihood) over all scored tokens (llama.cpp's `llama-perplexity` scores
 the second half of each window only; here every position after the first counts, which is what
-`exp(loss)` of a causal LM over the same windows gives). Window i belongs to attention-DP index i % dp; a
-rank holds one window's cache and one window's logits at a time, never a [tokens, vocab] tensor of the file.
+`exp(loss)` of a causal LM over the same windows gives).
+
+Each window is a prompt the engine scores and generates nothing for (prompt logprobs, max_tokens 0): rank 0
+submits window i to attention-DP index i % dp and sums the negative log-likelihood from the logprobs it gets
+back; the other ranks follow its steps. A DP rank runs one window at a time, with a cache and a token budget
+of one window, so a step's logits are one window's at most, never a [tokens, vocab] tensor of the file.
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.worker import start_rank
-from dsconv.runner.entrypoints.ranks import dp_share, gather_results
+from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.core import EngineCore, follow
+from dsconv.runner.engine.request import RequestOutput, SamplingParams
+from dsconv.runner.engine.scheduler import Scheduler
+from dsconv.runner.engine.worker import Worker, start_rank
+from dsconv.runner.entrypoints.ranks import gather_results
 
-SEQ_ID = 0  # a rank scores one window at a time, as one sequence of its cache
+SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
 
 
 def windows(ids: list[int], context: int) -> list[list[int]]:
@@ -34,55 +41,52 @@ def windows(ids: list[int], context: int) -> list[list[int]]:
     return [window for window in cut if len(window) > 1]
 
 
-def window_nll(logits: torch.Tensor, window: list[int]) -> float:
-    """logits [len(window), vocab] -> the summed negative log-likelihood of window[1:], in float64."""
-    targets = torch.tensor(window[1:], device=logits.device)
-    log_probs = F.log_softmax(logits[:-1].float(), dim=-1)  # [len - 1, vocab]
-    return -log_probs.gather(1, targets[:, None]).double().sum().item()
-
-
-@torch.inference_mode()
-def score(model, new_cache, my_windows: list[list[int]], dist, on_window=None) -> tuple[float, int]:
-    """This rank's windows -> (summed NLL, tokens scored). Every rank steps until no rank has a window left,
-    running zero-token steps when it has none, so all ranks enter the same collectives in the same order."""
-    cache = new_cache(max((len(w) for w in my_windows), default=1))
-    pending, nll, scored = list(my_windows), 0.0, 0
-    while dist.any_active(bool(pending)):
-        window = pending.pop(0) if pending else []
-        meta = cache.step([(SEQ_ID, len(window))] if window else [])
-        tokens = torch.tensor(window, dtype=torch.long, device=meta.positions.device)
-        logits = model.forward(tokens, meta, cache)  # [len(window), vocab]: every position's logits
-        if window:
-            nll += window_nll(logits, window)
-            scored += len(window) - 1
-            cache.release(SEQ_ID)
-        if on_window is not None:
-            on_window()
-    return nll, scored
-
-
 def rank_main(shards: str, manifest: dict, windows: list[list[int]], dtype: str, result_dir: str,
               device: str = "cpu", progress: bool = False) -> None:
     rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
-    mine = dp_share(len(windows), manifest, rank)
-    # rank 0 shows the whole job's progress: ranks step in lockstep, one window per attention-DP index a step
-    bar = tqdm(total=len(windows), unit="window", desc="perplexity", file=sys.stderr, dynamic_ncols=True) \
-        if progress and rank == 0 else None
-    dp, step = manifest["layout"]["dp"], 0
-
-    def on_window() -> None:
-        nonlocal step
-        if bar is not None:
-            bar.update(min(dp, len(windows) - step * dp))
-        step += 1
-
+    longest = max(map(len, windows))
+    worker = Worker(model, new_cache(longest), dist, dp_index=rank // manifest["layout"]["attn_tp"])
+    result = {"rank": rank, "nll": 0.0, "tokens": 0}
     started = time.perf_counter()
-    nll, scored = score(model, new_cache, [windows[i] for i in mine], dist, on_window)
+    if rank == 0:
+        result.update(_score_on_rank0(worker, manifest, windows, longest, progress))
+    elif torch.distributed.is_initialized():
+        follow(worker)
+    result["seconds"] = time.perf_counter() - started
+    gather_results(result, rank, result_dir)
+
+
+def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], longest: int, progress: bool
+                    ) -> dict:
+    """Every window through the engine -> {"nll": summed over the scored tokens, "tokens": their count}."""
+    cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
+    scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=1,
+                          max_num_batched_tokens=longest, eos_token_id=None)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
+                          max_model_len=config["max_position_embeddings"])
+    bar = tqdm(total=len(windows), unit="window", desc="perplexity", file=sys.stderr, dynamic_ncols=True) \
+        if progress else None
+    totals = {"nll": 0.0, "tokens": 0}
+
+    def on_output(out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:  # once per window: None for its first token, then one per token
+            scored = out.prompt_logprobs[1:]
+            totals["nll"] -= sum(entry.logprob for entry in scored)
+            totals["tokens"] += len(scored)
+        if out.finished and bar is not None:
+            bar.update(1)
+
+    client.set_ready()
+    for index, window in enumerate(windows):
+        client.submit(window, SCORE, on_output, dp_rank=index % layout["dp"])
+    client.run(until_idle=True)
     if bar is not None:
         bar.close()
-    reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index score the same windows
-    gather_results({"rank": rank, "nll": nll if reports else 0.0, "tokens": scored if reports else 0,
-                    "seconds": time.perf_counter() - started}, rank, result_dir)
+    expected = sum(len(window) - 1 for window in windows)
+    if totals["tokens"] != expected:
+        raise RuntimeError(f"the engine scored {totals['tokens']} of the windows' {expected} tokens")
+    return totals
 
 
 def summarize(records: list[dict]) -> dict:

@@ -1,5 +1,5 @@
-"""What the rank entry points of `dsrun generate` and `dsrun perplexity` share: which items a rank's attention-DP
-index owns, and every rank's result sent to rank 0 for the launcher to read."""
+"""What the rank entry points of `dsrun generate` and `dsrun perplexity` share: every rank's result sent to rank 0
+for the launcher to read."""
 
 from __future__ import annotations
 
@@ -9,12 +9,6 @@ from pathlib import Path
 import torch
 
 RESULTS_NAME = "results.json"  # written by rank 0: every rank's sequences and timings
-
-
-def dp_share(n_items: int, manifest: dict, rank: int) -> list[int]:
-    """The items (prompts, windows) of this rank's attention-DP index: item i belongs to index i % dp."""
-    dp, dp_index = manifest["layout"]["dp"], rank // manifest["layout"]["attn_tp"]
-    return [i for i in range(n_items) if i % dp == dp_index]
 
 
 def gather_results(result: dict, rank: int, result_dir: str) -> None:

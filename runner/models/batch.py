@@ -3,8 +3,9 @@ it, every rank of that DP index receives it, and both sides validate it.
 
 Sequence i feeds input_ids[query_start_loc[i]:query_start_loc[i + 1]], the tokens at positions
 context_lens[i] - query_len .. context_lens[i] - 1; their cache entries go to slot_mapping's slots, which its
-block table gives (slot = block_tables[i][p // block_size] * block_size + p % block_size). A cache without
-paged storage (DeepSeek-V4's state) has block_size 1 and uses the tables for accounting only.
+block table gives (slot = block_tables[i][p // block_size] * block_size + p % block_size). The tables come
+from the scheduler's block pool (runner/engine/block_pool.py), the only allocator; a cache without paged
+storage (DeepSeek-V4's state) leaves the slots unused.
 """
 
 from __future__ import annotations

@@ -254,16 +254,14 @@ class DeepseekV3:
         # convert losslessly), so a decode step reads the context as is instead of converting it in every layer
         self.cache_dtype = matmul_dtype_for(dtype, dist.device)
 
-    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
-                hidden_out: list | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         x = cast(F.embedding(tokens, self.embed), self.dtype)
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))
-            if hidden_out is not None:
-                hidden_out.append(x)
         h = self.norm(x)
         return self.logits(h if rows is None else h[rows])
 

@@ -430,15 +430,8 @@ class DeepseekV4:
             w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
         w.finish()
 
-    def forward_full(self, tokens: torch.Tensor, hidden_out: list | None = None) -> torch.Tensor:
-        """tokens [T] int64, one whole sequence from position 0 -> logits [T, vocab].
-
-        hidden_out collects each layer's output streams [T, hc_mult, hidden]."""
-        cache = V4Cache(self.cfg, tokens.shape[0], self.dtype, tokens.device)
-        return self.forward(tokens, cache.step([(0, tokens.shape[0])]), cache, hidden_out=hidden_out)
-
-    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
-                hidden_out: list | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
         says, each sequence continuing its state in `cache` -> logits [len(rows) or T, vocab] of those rows.
 
@@ -448,8 +441,6 @@ class DeepseekV4:
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
         for layer, block in enumerate(self.layers):
             streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])
-            if hidden_out is not None:
-                hidden_out.append(streams)
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))

@@ -33,7 +33,7 @@ class Dist:
     device: torch.device = torch.device("cpu")  # where the collectives' buffers live (gloo: cpu)
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
-    steps: int = 0
+    steps: int = 0  # engine steps this rank has run (the Worker counts them)
 
     @classmethod
     def from_layout(cls, layout: dict, device: torch.device) -> "Dist":
@@ -51,14 +51,6 @@ class Dist:
             yield
         finally:
             self.comm_seconds += time.perf_counter() - started
-
-    def any_active(self, active: bool) -> bool:
-        """Lockstep: the generation loop runs while any rank still has a sequence to extend."""
-        self.steps += 1
-        if self.groups is None or self.groups.world.size == 1:
-            return active
-        with self._timed():
-            return bool(all_reduce_sum(torch.tensor([int(active)], device=self.device), self.groups.world).item())
 
     def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Heads split over attention TP: sum the partial o_proj outputs."""

@@ -6,8 +6,11 @@ p % block_size. MLA caches the normalized latent `c_kv` and the rotated shared k
 field, `c_kv_k_pe`, so decode gathers a token's latent key with one read; V3.2 adds the indexer's keys
 `index_k`. A sequence whose blocks are consecutive (as a sequence running alone gets them) reads its context
 as a view of the cache, and a step whose slots form one range writes into a view: no gather, no scatter, no
-copy of the context per layer and step; otherwise reads gather through the sequence's slots. DeepSeek-V4's
-state (window, compressors) is in v4_state.py, on the same step protocol.
+copy of the context per layer and step; otherwise reads gather through the sequence's slots.
+
+The cache allocates nothing: the scheduler's block pool (runner/engine/block_pool.py) chooses every sequence's
+blocks and each step's Batch carries its block tables and slot mapping, which `prepare_meta` turns into the
+step's metadata. DeepSeek-V4's state (window, compressors) is in v4_state.py, with the same two methods.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dsconv.errors import InputError
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.device import cast
 from dsconv.runner.models.batch import Batch, slots
@@ -71,14 +73,6 @@ class StepMeta:
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
     decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
 
-    @property
-    def last_rows(self) -> torch.Tensor | None:
-        """The row of each sequence's last token, where its next-token logits come from; None when that is
-        every row, as in a decode step (one token per sequence)."""
-        if all(s.query_len == 1 for s in self.seqs):
-            return None
-        return torch.tensor([s.stop - 1 for s in self.seqs], dtype=torch.long, device=self.positions.device)
-
 
 def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """torch.cat of int64 [n] parts, without a call for the common one-sequence step (or an empty step)."""
@@ -116,50 +110,24 @@ def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
 
 
-def cache_full(capacity_tokens: int, seq_id: int, needed: int) -> InputError:
-    return InputError(f"the KV cache holds {capacity_tokens} tokens; sequence {seq_id} needs {needed} (raise "
-                      f"--cache-tokens or shorten the prompt)")
-
-
 class LatentCache:
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype, device=self.device)
                      for name, dim in fields.items()}
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
-        self.block_tables: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens cached, as of its last step
         self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [length] the slots of its positions so far
-        self.own_tables: set[int] = set()  # sequences whose blocks `step` took from free_blocks (not a scheduler)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
-        """Reserve slots for (seq_id, n_new) pairs, in order, from this cache's own free blocks (a scoring or
-        test loop without a scheduler); returns the step's flattened metadata."""
-        batch = Batch()
-        for seq_id, n_new in new_tokens:
-            start = self.lengths.get(seq_id, 0)
-            table = self.block_tables.setdefault(seq_id, [])
-            need = -(-(start + n_new) // self.block_size) - len(table)
-            if need > len(self.free_blocks):
-                raise cache_full(self.capacity_tokens, seq_id, start + n_new)
-            table.extend(self.free_blocks.pop() for _ in range(need))
-            self.own_tables.add(seq_id)
-            batch.add(seq_id, [0] * n_new, start + n_new, table, self.block_size, None, None)
-        return self.begin(batch)
-
-    def begin(self, batch: Batch) -> StepMeta:
-        """The step's metadata from a batch whose block tables the scheduler chose (the token ids are not read;
-        the batch's releases are the caller's to apply first)."""
+    def prepare_meta(self, batch: Batch) -> StepMeta:
+        """The step's metadata (positions, slots, each sequence's context and causal mask, the decode groups)
+        from a batch whose block tables the scheduler chose; the token ids are not read, and the batch's releases
+        are the caller's to apply first (the worker's prepare_inputs)."""
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
             row, stop, context = batch.span(i)
             n_new, start = stop - row, context - (stop - row)
-            table = self.block_tables[seq_id] = batch.block_tables[i]
+            table = batch.block_tables[i]
             new_slots = torch.tensor(batch.slot_mapping[row:stop], dtype=torch.long, device=self.device)
             if start and self.lengths.get(seq_id) == start:  # extended once per step, read by every layer
                 context_slots = torch.cat([self.context_slots[seq_id], new_slots])
@@ -220,9 +188,6 @@ class LatentCache:
         return torch.index_select(self.data[name][layer], 0, slots.flatten()).view(*slots.shape, -1)
 
     def release(self, seq_id: int) -> None:
-        table = self.block_tables.pop(seq_id, [])
-        if seq_id in self.own_tables:  # a scheduler's blocks are its own to reuse
-            self.own_tables.discard(seq_id)
-            self.free_blocks.extend(reversed(table))
+        """Forgets a finished (or preempted) sequence; its blocks are the pool's to reuse."""
         self.lengths.pop(seq_id, None)
         self.context_slots.pop(seq_id, None)

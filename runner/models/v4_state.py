@@ -9,8 +9,10 @@ rest is fixed in size (the window, the unfinished windows).
   [< ratio, series * dim], which the next steps complete; and for the overlapping (CSA) compressors the last
   complete window's first series with its gates [ratio, dim], which the next entry pools.
 
-`model_v4` reads and advances this state; here it is only held. The step protocol is LatentCache's: `step`
-reserves the new tokens and returns the step's metadata, `release` drops a finished request.
+The model (deepseek_v4.py) reads and advances this state; here it is only held. The methods are LatentCache's:
+`prepare_meta` turns a step's Batch into its metadata (and starts a new request's state), `release` drops a
+finished request. Capacity is the scheduler's block pool's, in blocks of BLOCK_SIZE tokens as for the paged
+caches (the state grows with the tokens it holds); the slots the batch carries are not used.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.runner.models.batch import Batch
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, cache_full, concat
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat
 
 
 @dataclass
@@ -76,49 +78,30 @@ class LayerState:
 
 
 class V4Cache:
+    block_size = BLOCK_SIZE  # what the block pool accounts in; the state is per request, not paged
+
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.cfg, self.capacity_tokens, self.dtype, self.device = cfg, capacity_tokens, dtype, torch.device(device)
-        self.lengths: dict[int, int] = {}
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.num_blocks = -(-capacity_tokens // BLOCK_SIZE)  # the pool's size, rounded up as for LatentCache
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens its state has taken in
         self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
 
-    # A scheduler accounts for this cache in blocks of BLOCK_SIZE tokens, as for the paged caches; the slots it
-    # hands out are not used (the state is per request).
-    block_size = BLOCK_SIZE
-
-    @property
-    def num_blocks(self) -> int:
-        return self.capacity_tokens // BLOCK_SIZE
-
-    def step(self, new_tokens: list[tuple[int, int]]) -> StepMeta:
-        """Reserve (seq_id, n_new) tokens, in order -> the step's metadata (a scoring or test loop without a
-        scheduler)."""
-        seqs, positions, row = [], [], 0
-        for seq_id, n_new in new_tokens:
-            start = self.lengths.get(seq_id, 0)
-            if sum(self.lengths.values()) + n_new > self.capacity_tokens:
-                raise cache_full(self.capacity_tokens, seq_id, start + n_new)
-            self._ensure_state(seq_id)
-            self.lengths[seq_id] = start + n_new
-            seqs.append(SeqStep(seq_id, row, row + n_new, start + n_new))
-            positions.append(torch.arange(start, start + n_new, device=self.device))
-            row += n_new
-        flat = concat(positions, self.device)
-        return StepMeta(seqs, flat, flat)
-
-    def _ensure_state(self, seq_id: int) -> None:
-        if seq_id not in self.states:
-            self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
-                                    for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
-
-    def begin(self, batch: Batch) -> StepMeta:
-        """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache)."""
+    def prepare_meta(self, batch: Batch) -> StepMeta:
+        """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache). Each
+        sequence's tokens continue its state, which a new sequence gets empty."""
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
             row, stop, context = batch.span(i)
-            self._ensure_state(seq_id)
+            start = context - (stop - row)
+            if self.lengths.get(seq_id, 0) != start:  # the state is position by position: no gap, no rewind
+                raise ValueError(f"invalid step batch: sequence {seq_id} continues at position {start}, its "
+                                 f"state holds {self.lengths.get(seq_id, 0)} tokens")
+            if seq_id not in self.states:
+                self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
+                                       for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
             self.lengths[seq_id] = context
             seqs.append(SeqStep(seq_id, row, stop, context))
-            positions.append(torch.arange(context - (stop - row), context, device=self.device))
+            positions.append(torch.arange(start, context, device=self.device))
         flat = concat(positions, self.device)
         return StepMeta(seqs, flat, flat)
 
