@@ -105,7 +105,7 @@ class Attention:
                                       cache, layer, seq, allowed)
             chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
             chosen.scatter_(-1, top, True)  # each query has its own choice: a mask over the whole context
-            allowed = allowed & chosen  # new: seq.causal is shared by layers
+            allowed = allowed & chosen  # not in place: seq.causal is shared by every layer
         product_dtype = self.w_uk_t.dtype
         ctx = cast(ctx, product_dtype)
         ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
@@ -164,8 +164,7 @@ class Indexer:
         per query the context positions of its top k = min(index_topk, C) index scores."""
         q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
         (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
-        # mm rather than the equivalent einsum or matmul (which fold to it): the same product without their
-        # per-call setup
+        # torch.mm: einsum and matmul fold to this product, with per-call setup on top
         scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
         return self.top(self.index(scores, head_weights).masked_fill(~allowed, float("-inf")))
 

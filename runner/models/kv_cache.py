@@ -174,7 +174,7 @@ class LatentCache:
         """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""
         if seq.first_slot is not None:  # consecutive blocks: a view, no gather (a single sequence's usual case)
             return [self.data[name][layer].narrow(0, seq.first_slot, seq.context_len) for name in names]
-        # index_select rather than tensor[index]: the same gather without advanced indexing's per-call setup
+        # index_select: tensor[index]'s gather without advanced indexing's per-call setup
         return [torch.index_select(self.data[name][layer], 0, seq.context_slots) for name in names]
 
     def read_decode(self, layer: int, decode: DecodeRows, name: str) -> torch.Tensor:
