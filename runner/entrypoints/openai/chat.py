@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
-from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
+from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.family.chat import encode_chat_ids
@@ -42,7 +42,7 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
                              f"max_model_len={engine.max_model_len}")
     params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     response = ChatCompletion(engine, body, prompt_ids, thinking)
-    requests = EngineRequests(engine, request, dp_rank)
+    requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, [response.choice], body.stream, params)
 
 
@@ -70,9 +70,9 @@ class ChatCompletion(Envelope):
                   "finish_reason": self.choice.finish_reason}
         return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
 
-    async def chunks(self, requests: EngineRequests):
+    async def chunks(self, requests: RequestGroup):
         yield self._chunk({"role": "assistant", "content": ""}, None, None)
-        async for _ in follow(requests, [self.choice]):
+        async for _ in updates(requests, [self.choice]):
             chunk = self._next_chunk()
             if chunk is not None:
                 yield chunk

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, EngineError, Envelope, completion_logprobs, prompt_offsets
-from dsconv.runner.entrypoints.openai.streaming import EngineRequests, answer, follow
+from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
                                       check_token_id, sampling_params, stop_strings)
 
@@ -62,7 +62,7 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
     params = sampling_params(body, max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo else None)
     response = Completion(engine, body, inputs)
-    requests = EngineRequests(engine, request, dp_rank)
+    requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, response.choices, body.stream, params)
 
 
@@ -102,8 +102,8 @@ class Completion(Envelope):
             offsets = prompt_offsets(self.engine.tokenizer, prompt.ids, prompt.added_bos) + offsets
         return completion_logprobs(self.engine.tokenizer, ids, entries, offsets, self.body.return_tokens_as_token_ids)
 
-    async def chunks(self, requests: EngineRequests):
-        async for choice in follow(requests, self.choices):
+    async def chunks(self, requests: RequestGroup):
+        async for choice in updates(requests, self.choices):
             chunk = self._chunk(choice)
             if chunk is not None:
                 yield chunk

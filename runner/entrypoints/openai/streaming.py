@@ -69,7 +69,10 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its requests were running."""
 
 
-class EngineRequests:
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt or choice), and the queue their outputs reach the
+    event loop through."""
+
     def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
         self.engine = engine
         self.dp_rank = dp_rank
@@ -123,7 +126,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterator[Choice]:
+async def updates(requests: RequestGroup, choices: list[Choice]) -> AsyncIterator[Choice]:
     """Feeds each engine output to its choice and yields the choice, until every choice is done. A choice a stop
     string ended has its engine request aborted; outputs still in flight for it are dropped."""
     while not all(choice.done for choice in choices):
@@ -137,7 +140,7 @@ async def follow(requests: EngineRequests, choices: list[Choice]) -> AsyncIterat
         yield choice
 
 
-async def answer(requests: EngineRequests, response, choices: list[Choice], stream: bool,
+async def answer(requests: RequestGroup, response, choices: list[Choice], stream: bool,
                  params: SamplingParams) -> Response:
     """Submits every choice's prompt, then returns the SSE stream or, once every choice is done, the whole
     response (response: the route's Completion or ChatCompletion: `chunks`, `response`). The requests are
@@ -147,9 +150,9 @@ async def answer(requests: EngineRequests, response, choices: list[Choice], stre
         for choice in choices:
             choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
         if stream:
-            made = EngineStream(sse_events(response.chunks(requests)), requests)
+            made = EventStream(sse_events(response.chunks(requests)), requests)
             return made
-        async for _ in follow(requests, choices):
+        async for _ in updates(requests, choices):
             pass
         return JSONResponse(response.response())
     except EngineError as exc:
@@ -182,11 +185,11 @@ async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield DONE
 
 
-class EngineStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """A server-sent-event stream that closes its engine requests however the response ends: the client going
     away may cancel the body iterator before it starts, where its own `finally` would never run."""
 
-    def __init__(self, events: AsyncIterator[str], requests: EngineRequests):
+    def __init__(self, events: AsyncIterator[str], requests: RequestGroup):
         super().__init__(events, media_type="text/event-stream")
         self.requests = requests
 
