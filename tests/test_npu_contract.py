@@ -193,8 +193,8 @@ def bfloat16_route_on_cpu(set_attribute) -> None:
     BF16, W8A8 projections' products returned in BF16 and widened; the grouped experts' int32 sums are
     dequantized in float32 as on the CPU (kernels.moe). set_attribute: e.g. monkeypatch.setattr."""
     import dsconv.kernels.moe as kernels_moe
-    import dsconv.runner.layers as layers
-    import dsconv.runner.moe as runner_moe
+    import dsconv.runner.models.layers as layers
+    import dsconv.runner.models.moe as runner_moe
 
     bf16 = torch.bfloat16
     project, project_quantized = layers.w8a8_linear, layers.w8a8_linear_quantized
