@@ -38,7 +38,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -230,8 +231,9 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
                          args=(entry, args, rank, world_size, device, timeout_s, log_dir, store.port, alive_r))
              for rank in range(world_size)]
     try:
-        for proc in procs:
-            proc.start()
+        with _sigint_held():  # a Ctrl-C during start-up is acted on once every started rank has its pid
+            for proc in procs:
+                proc.start()
         alive_r.close()
         if sigterm_to_rank0:
             previous = signal.signal(signal.SIGTERM, lambda *_: procs[0].is_alive() and os.kill(procs[0].pid,
@@ -250,6 +252,26 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
         raise
     finally:
         alive_w.close()
+
+
+@contextmanager
+def _sigint_held() -> Iterator[None]:
+    """A SIGINT that arrives inside the block is delivered on leaving it, to the handler the caller had.
+
+    `Process.start()` interrupted after the child is forked but before it records the child's pid leaves a
+    rank that `_stop` cannot see, so the supervisor would stop one rank fewer than it says."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield  # signals reach only the main thread; a handler set outside Python cannot be put back
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _rank_process(entry, args, rank, world_size, device, timeout_s, log_dir, master_port, alive_r) -> None:

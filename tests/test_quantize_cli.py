@@ -203,10 +203,51 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def cli_process(src, out, *extra):
-    cmd = [sys.executable, "-m", "dsconv.cli", "quantize", str(src), str(out), "--max-file-size", "4MB",
-           "--workers", "1", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+QUANTIZE_ARGS = ("--max-file-size", "4MB", "--workers", "1")
+
+# `dsconv quantize` that pauses in the middle of its second weight file: the first file is finished and the
+# second has its first chunk written when it touches READY and sleeps until it is signalled. The test signals a
+# run that is certainly half done, however fast or loaded the machine.
+PAUSING_QUANTIZE = """
+import sys, time
+from pathlib import Path
+import dsconv.convert.quantize as quantize
+from dsconv.cli import app
+
+ready, finished = Path(sys.argv[1]), []
+write_part = quantize.write_part
+
+def write_part_pausing_in_the_second(part, path, block, workers, on_progress):
+    def progress(n_bytes):
+        on_progress(n_bytes)
+        if finished:
+            ready.touch()
+            while True:
+                time.sleep(1)
+    write_part(part, path, block, workers, progress)
+    finished.append(path)
+
+quantize.write_part = write_part_pausing_in_the_second
+app(["quantize", *sys.argv[2:]], prog_name="dsconv")
+"""
+EVENT_BOUND_S = 300  # polls for the pause end as soon as it comes; the bound only ends a broken run
+
+
+def cli_process(src, out, *extra, pause_at: Path | None = None):
+    args = [str(src), str(out), *QUANTIZE_ARGS, *extra]
+    entry = ["-m", "dsconv.cli", "quantize"] if pause_at is None else ["-c", PAUSING_QUANTIZE, str(pause_at)]
+    return subprocess.Popen([sys.executable, *entry, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for_pause(proc: subprocess.Popen, ready: Path) -> None:
+    deadline = time.monotonic() + EVENT_BOUND_S
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not ready.exists():
+        proc.kill()
+        _, stderr = proc.communicate()
+        pytest.fail(f"the run never reached its second file (exit code {proc.returncode}): {stderr[-1500:]}")
 
 
 @pytest.mark.slow
@@ -214,20 +255,21 @@ def cli_process(src, out, *extra):
 def test_interrupted_run_resumes_byte_identical(tiny_source, tmp_path, sig):
     src = tiny_source("deepseek_v3", "bf16", config_overrides={"moe_intermediate_size": 1024})
     reference = tmp_path / "reference"
-    assert run_cli(src, reference, "--max-file-size", "4MB", "--workers", "1").exit_code == 0
+    assert run_cli(src, reference, *QUANTIZE_ARGS).exit_code == 0
 
     out = tmp_path / "out"
-    proc = cli_process(src, out)
-    deadline = time.time() + 120
-    while not list(out.glob("quant_model_weights-*.safetensors")) and time.time() < deadline:
-        time.sleep(0.005)
+    proc = cli_process(src, out, pause_at=tmp_path / "paused")
+    wait_for_pause(proc, tmp_path / "paused")
     proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=EVENT_BOUND_S)
     seen = f"exit code {proc.returncode}, stderr ends: {stderr[-1500:]!r}"  # for a failure's message
-    assert proc.returncode != 0, "the run finished before it could be interrupted; make the fixture bigger"
+    assert proc.returncode != 0, seen
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "run the same command again to resume" in stderr, seen
         assert "Traceback" not in stderr, seen
+        assert not list(out.glob("*.partial")), "Ctrl-C removes the file it was writing"
+    else:
+        assert list(out.glob("*.partial")), "a killed run leaves its half-written file for the resume to drop"
     assert not (out / OUT_INDEX).exists(), seen
     written = list(out.glob("quant_model_weights-*.safetensors"))
     assert written, "at least one part was finished before the interruption"
