@@ -11,7 +11,7 @@ Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalL
 starting from the random fixture's weights of the same config), so the model is the reference's; the result is
 written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
-The same machine gives the same bytes on every run (fixed seed, fixed data order, no threads racing).
+Every x86-64 CPU gives the same bytes (fixed seed and data order, and TRAINING_ENV, which says why).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
+import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -31,7 +34,7 @@ from dsconv.convert.demo import build_once, cache_dir
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
-TRAINED_VERSION = 1  # bump when training or encoding changes, so stale caches are rebuilt
+TRAINED_VERSION = 2  # bump when training or encoding changes, so stale caches are rebuilt
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 ENCODINGS = ("fp8", "bf16")
 
@@ -48,11 +51,21 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # ids
 SEED = 0
 SEQ_LEN = 128
 BATCH = 8
-STEPS = 150  # about 0.75 s each on 2 cores for either family
+STEPS = 150  # about 1.4 s each on one core for either family
 LR = 3e-3
 WARMUP = 10
 MIN_LR_FRACTION = 0.1  # cosine decay to this fraction of LR
 GRAD_CLIP = 1.0
+
+# Float32 training rounds differently on different CPUs, and 150 steps of AdamW (with the routers' and indexers'
+# top-k choices) grow a last-bit difference at step 1 into a different model, with different accuracy figures.
+# Three things pick the rounding: ATen's vectorized kernels (softmax, norms, reductions, the optimizer) are chosen
+# by instruction set (AVX-512, AVX2, ...), MKL's GEMM kernels by CPU model, and MKL's split of a GEMM by its thread
+# count. Training therefore runs ATen's baseline kernels, MKL's code path that gives the same results on every
+# Intel-compatible CPU (conditional numerical reproducibility), and one thread. ATen and MKL read these settings
+# when torch loads, so training runs in a fresh interpreter.
+TRAINING_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1"}
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -207,23 +220,29 @@ class TrainedMaker(TensorMaker):
         return scale
 
 
-def build_trained(out: Path, family: str, log: Callable[[str], None] = print) -> Path:
+def build_trained(out: Path, family: str) -> Path:
     """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
-    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json."""
+    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json.
+    Runs in a fresh interpreter with TRAINING_ENV."""
+    subprocess.run([sys.executable, "-m", "dsconv.convert.trained", family, str(out)],
+                   env={**os.environ, **TRAINING_ENV}, check=True)
+    return out
+
+
+def _train_and_write(family: str, out: Path) -> None:
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
+        raise RuntimeError(f"training needs {TRAINING_ENV} in the environment before torch loads; this process has "
+                           f"{torch.backends.cpu.get_cpu_capability()} kernels and {torch.get_num_threads()} threads")
     from dsconv.convert.source import open_checkpoint
 
     texts = stdlib_text(TRAIN_MODULES)
     tokenizer = train_tokenizer(texts)
     ids = [token for text in texts for token in [0] + tokenizer.encode(text).ids]  # BOS opens each module
     config = training_config(family)
+    torch.use_deterministic_algorithms(True)
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)  # a process-wide switch: restored for whoever called us
-        try:
-            model = train_model(family, config, torch.tensor(ids), work, log)
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
+        model = train_model(family, config, torch.tensor(ids), work, print)
         model.save_pretrained(work / "saved")
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
@@ -232,7 +251,6 @@ def build_trained(out: Path, family: str, log: Callable[[str], None] = print) ->
         (out / encoding).mkdir(parents=True)
         write_checkpoint(out / encoding, config, maker, encoding)
         tokenizer.save(str(out / encoding / "tokenizer.json"))
-    return out
 
 
 def trained_source(family: str, encoding: str = "fp8") -> Path:
@@ -248,3 +266,7 @@ def trained_source(family: str, encoding: str = "fp8") -> Path:
 
 def heldout_texts() -> list[str]:
     return stdlib_text(HELDOUT_MODULES)
+
+
+if __name__ == "__main__":  # build_trained's fresh interpreter
+    _train_and_write(sys.argv[1], Path(sys.argv[2]))

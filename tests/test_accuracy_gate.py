@@ -24,13 +24,21 @@ CONTEXT = 128  # the training sequence length
 EVAL_TOKENS = 4096  # held-out tokens scored (32 windows)
 PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
 NEW_TOKENS = 64
-# Gate thresholds; measured on 2-core AMD EPYC: perplexity -0.15% (V3.2) / +0.12% (V4), cosine 0.99935 / 0.99998
+# Gate thresholds. The trained models are the same bytes on every x86-64 CPU (convert/trained.py, TRAINING_ENV) and
+# measured, with ATen's AVX-512, AVX2 and baseline kernels alike: perplexity -0.03% (V3.2) / +0.14% (V4), cosine
+# 0.99942 / 0.99998, top-1 agreement 0.9766 / 0.9969 (625 and 638 of 640)
 PERPLEXITY_RELATIVE = 0.01
 COSINE_MIN = 0.999  # mean over scored positions of the per-position cosine of the logits
-# Share of the 10 x 64 greedy tokens W8A8 generates as BF16 does, up to each sequence's first divergence. V3.2
-# diverges far earlier than V4; the likely cause (not isolated): its indexer keeps 8 keys (index_topk=8), and a
-# key that INT8 error moves across that cut changes the attention outright.
-AGREEMENT_MIN = {"deepseek_v32": 0.4, "deepseek_v4": 0.95}  # measured 0.519 and 0.998
+# Top-1 agreement along BF16's greedy text: BF16 continues each of the 10 prompts by 64 tokens, both models read
+# prompt + continuation, and we count the 640 continuation positions where W8A8 ranks first the token BF16 ranks
+# first. Each position is judged on its own, so a near-tie that a CPU's rounding tips moves the share by 1/640;
+# counting matches only up to each sequence's first divergence instead lets one early near-tie drop the rest of
+# its sequence, up to a tenth of the whole (V4's 2 differing positions of 640 scored 0.892 that way). Each bound
+# sits about 10 positions below what INT8 reaches and above what a 6-bit grid (scale amax/31) reaches: 0.9500 /
+# 0.9625, where V4's 6-bit perplexity (+0.48%) and cosine (0.99983) pass their bounds. V3.2 agrees less than V4;
+# the likely cause (not isolated): its indexer keeps 8 keys (index_topk=8), and a key that INT8 error moves across
+# that cut changes the attention.
+AGREEMENT_MIN = {"deepseek_v32": 0.96, "deepseek_v4": 0.98}
 RELATIVE_TOLERANCE = 1e-4  # dsrun perplexity against transformers
 
 
@@ -54,13 +62,16 @@ def greedy_tokens(shards, prompts: list[list[int]]) -> list[list[int]]:
         return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts)), prompts, NEW_TOKENS, None)
 
 
-def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
-    """Share of the reference's tokens matched before each sequence's first divergence (after a divergence the
-    two continue from different texts, so later matches say nothing)."""
-    matched = 0
-    for a, b in zip(ours, reference):
-        matched += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-    return matched / sum(map(len, reference))
+def top1_agreement(bf16, w8a8, prompts: list[list[int]]) -> float:
+    """Share of the positions of BF16's greedy continuations at which W8A8 and BF16, reading the same text, rank
+    the same token first (both through the same forward pass, so only the weights differ)."""
+    texts = [prompt + continuation for prompt, continuation in zip(prompts, greedy_tokens(bf16, prompts))]
+    matched = scored = 0
+    for prompt, base, quant in zip(prompts, window_logits(bf16, texts), window_logits(w8a8, texts)):
+        predicting = slice(len(prompt) - 1, -1)  # the logits that chose each continuation token
+        matched += (base[predicting].argmax(-1) == quant[predicting].argmax(-1)).sum().item()
+        scored += base[predicting].shape[0]
+    return matched / scored
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +121,9 @@ def test_w8a8_accuracy_gate(family, trained_source, gate_shards):
 
     prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
     assert len(prompts) == len(HELDOUT_MODULES) == 10
-    agree = agreement(greedy_tokens(w8a8, prompts), greedy_tokens(bf16, prompts))
+    agree = top1_agreement(bf16, w8a8, prompts)
     report = (f"{family}: perplexity bf16 {ppl_base:.4f} w8a8 {ppl_quant:.4f} ({ppl_quant / ppl_base - 1:+.3%}); "
-              f"logits cosine mean {cosines.mean():.6f} min {cosines.min():.6f}; greedy agreement {agree:.3f}")
+              f"logits cosine mean {cosines.mean():.6f} min {cosines.min():.6f}; top-1 agreement {agree:.4f}")
     print(report)
     assert abs(ppl_quant / ppl_base - 1) <= PERPLEXITY_RELATIVE, report
     assert cosines.mean() >= COSINE_MIN, report
