@@ -7,8 +7,7 @@ Otherwise `launch` starts the ranks itself and supervises them, one rank per vis
 machine with fewer devices than ranks is refused before any rank starts: start one process per device on each
 node with torchrun instead). CPU ranks are `multiprocessing` processes from the "forkserver" context: the fork server is a fresh interpreter (exec'ed, so it shares no threads, CUDA state or
 sockets with this process) that imports torch once; each rank is forked from it. With "spawn" every rank
-imports torch again, about 2 s of CPU each: 16 gloo ranks and one all_reduce took 41 s with spawn and 3 s
-with the fork server on a 2-core machine. Failure handling is the same as with spawn: `Process.exitcode`
+imports torch again, seconds of CPU each (figures in docs/benchmarks.md, "Kernel choices"). Failure handling is the same as with spawn: `Process.exitcode`
 tells an exception (positive) from a signal (negative), `Process.sentinel` lets the supervisor sleep until
 any rank exits, and `terminate`/`kill` reach a rank even while it is blocked inside a C++ collective, which
 no in-process timeout can interrupt. Accelerator ranks start with "spawn": each initialises its device runtime
