@@ -135,7 +135,7 @@ class LatentCache:
                 self.data[name] = zeros(field.dim, dtype)
                 continue
             self.data[f"{name}.int8"] = zeros(field.int8_dims, torch.int8)
-            self.data[f"{name}.scale"] = zeros(1, torch.float32)
+            self.data[f"{name}.scale"] = zeros(field.scales, torch.float32)
             if field.dim > field.int8_dims:
                 self.data[f"{name}.rest"] = zeros(field.dim - field.int8_dims, rest_dtype or dtype)
         self.lengths: dict[int, int] = {}  # seq_id -> tokens cached, as of its last step
@@ -199,9 +199,10 @@ class LatentCache:
             if not field.int8_dims:
                 self._store(name, layer, meta, value)
                 continue
-            q, scale = quantize_tokens(value[:, :field.int8_dims])
-            self._store(f"{name}.int8", layer, meta, q)
-            self._store(f"{name}.scale", layer, meta, scale)
+            tokens = value.shape[0]
+            q, scale = quantize_tokens(value[:, :field.int8_dims].reshape(tokens, field.scales, field.scale_tile))
+            self._store(f"{name}.int8", layer, meta, q.view(tokens, field.int8_dims))
+            self._store(f"{name}.scale", layer, meta, scale.view(tokens, field.scales))
             if field.dim > field.int8_dims:
                 self._store(f"{name}.rest", layer, meta, value[:, field.int8_dims:])
 
@@ -229,8 +230,8 @@ class LatentCache:
 
     def read_int8(self, layer: int, name: str, seq: SeqStep | None = None,
                   decode: DecodeRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """An INT8 field as stored, (int8 [..., int8_dims], float32 scale [..., 1]), for one sequence's context
-        ([C, ...]) or a decode group's ([B, max_context, ...])."""
+        """An INT8 field as stored, (int8 [..., int8_dims], float32 scales [..., scales]: one per tile), for one
+        sequence's context ([C, ...]) or a decode group's ([B, max_context, ...])."""
         if seq is not None:
             return tuple(self._rows(self.data[f"{name}.{part}"][layer], seq.first_slot, seq.context_len,
                                     seq.context_slots) for part in ("int8", "scale"))
@@ -249,7 +250,8 @@ class LatentCache:
             return self._rows(self.data[name][layer], first_slot, count, slots)
         q, scale = (self._rows(self.data[f"{name}.{part}"][layer], first_slot, count, slots)
                     for part in ("int8", "scale"))
-        values = dequantize_tokens(q, scale, self.dtype)
+        tiles = (*q.shape[:-1], field.scales, field.scale_tile)
+        values = dequantize_tokens(q.view(tiles), scale[..., None], self.dtype).view(*q.shape)
         if field.dim == field.int8_dims:
             return values
         rest = self._rows(self.data[f"{name}.rest"][layer], first_slot, count, slots)
