@@ -16,6 +16,19 @@ import torch
 from dsconv.kernels.linear import EXACT_FLOAT32_K, quantize_activations
 
 
+def hadamard(dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalized Hadamard matrix H [dim, dim] (Sylvester's construction; dim a power of two): orthogonal and
+    symmetric, so (q @ H) . (k @ H) = q . k. Rotating q and k by it before INT8 quantization spreads an outlier
+    coordinate over all of them, shrinking the per-row scale, as DeepSeek's V3.2 indexer (rotate_activation
+    before its FP8 cast) and CANN's A8C8 indexer do."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two width, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return (h / dim ** 0.5).to(dtype=dtype, device=device)
+
+
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] float -> (int8 [..., d], float32 scale [..., 1]): one scale per row of d values. On an NPU
     through npu_dynamic_quant (kernels.linear.quantize_activations), elsewhere kernels.int8's formula."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dsconv.family.deepseek_v3 import V3Config
 from dsconv.kernels.attention import attention
-from dsconv.kernels.cache_int8 import int8_scores, quantize_tokens
+from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
@@ -145,7 +145,8 @@ class Attention:
 
 class Indexer:
     """V3.2's Lightning indexer: scores every cached position per query, keeps the top `index_topk`. With an INT8
-    key cache the scores are A8C8: queries quantized per head, INT8 x INT8 sums, scales applied after."""
+    key cache the scores are A8C8: keys and queries rotated by a Hadamard matrix (dot products unchanged, outliers
+    spread), quantized per token (queries per token and head), INT8 x INT8 sums, scales applied after."""
 
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
         self.cfg = cfg
@@ -153,13 +154,21 @@ class Indexer:
         # the LayerNorm's parameters in the compute dtype, once (F.layer_norm wants them in the input's dtype)
         self.k_norm_weight = cast(w.take(f"{prefix}.k_norm.weight"), dtype)
         self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
+        # an INT8 key cache stores keys rotated by H and scores queries rotated alike (same dot products)
+        self.rotation = hadamard(cfg.index_head_dim, torch.float32, w.device)
 
     def write_keys(self, k, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
         """k [T, index_head_dim]: wk of the layer input, normed, rotated and cached here."""
         cfg = self.cfg
         k = F.layer_norm(k, (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias, INDEXER_K_NORM_EPS)
         k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
+        if cache.is_int8("index_k"):
+            k = self.rotate(k)
         cache.write(layer, meta, index_k=k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] @ H in float32: what the A8C8 path quantizes."""
+        return torch.matmul(x.float(), self.rotation)
 
     def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
         """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
@@ -167,7 +176,7 @@ class Indexer:
         q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
         if cache.is_int8("index_k"):  # A8C8: INT8 queries against the INT8 key cache
             keys, key_scale = cache.read_int8(layer, "index_k", seq=seq)  # [C, dim] int8, [C, 1]
-            q_int8, q_scale = quantize_tokens(q.view(-1, q.shape[-1]))  # a scale per query and head
+            q_int8, q_scale = quantize_tokens(self.rotate(q).view(-1, q.shape[-1]))  # a scale per query, head
             scores = int8_scores(q_int8, q_scale, keys, key_scale).view(*q.shape[:2], -1)
         else:
             (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
@@ -183,7 +192,7 @@ class Indexer:
         q = self.queries(q_resid, cos, sin)  # [B, heads, dim]
         if cache.is_int8("index_k"):  # A8C8: INT8 queries against the INT8 key cache
             keys, key_scale = cache.read_int8(layer, "index_k", decode=decode)  # [B, C, dim] int8, [B, C, 1]
-            scores = int8_scores(*quantize_tokens(q), keys, key_scale)  # [B, heads, C]
+            scores = int8_scores(*quantize_tokens(self.rotate(q)), keys, key_scale)  # [B, heads, C]
         else:
             keys = cache.read_decode(layer, decode, "index_k")  # [B, C, dim]
             scores = torch.bmm(q.float(), cast(keys, torch.float32).transpose(1, 2))  # [B, heads, C]
