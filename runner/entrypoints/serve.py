@@ -67,10 +67,10 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
         client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0), world, layout["attn_tp"], metrics))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
-        client.set_ready()
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({world} ranks, "
               f"DP {layout['dp']} x attention TP {layout['attn_tp']}, EP {layout['ep']}); KV cache "
               f"{cache.num_blocks * cache.block_size} tokens per DP rank ({kv_cache_dtype})", flush=True)
+        client.set_ready()  # after the line above: a client that sees /health 200 finds it in the log
         client.run()
     finally:
         server.should_exit = True

@@ -167,8 +167,8 @@ class Indexer:
         cache.write(layer, meta, index_k=k)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] @ H in float32: what the A8C8 path quantizes."""
-        return torch.matmul(x.float(), self.rotation)
+        """x [..., dim] @ H, multiplied in float32 and returned in x's dtype: what the A8C8 path quantizes."""
+        return torch.matmul(x.float(), self.rotation).to(x.dtype)
 
     def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
         """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
