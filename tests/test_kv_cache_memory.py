@@ -13,7 +13,7 @@ from dsconv.runner.engine.worker import build_model
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
 from dsconv.runner.models.weights import load_manifest
-from dsconv.shard.sizes import CACHE_DTYPE, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token
+from dsconv.shard.sizes import CACHE_DTYPE, kv_cache_bytes_per_token
 from tests.helpers import Steps, shard
 
 REAL_V32 = Path(__file__).parent / "data" / "deepseek_v32_exp.config.json"

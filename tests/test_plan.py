@@ -234,4 +234,4 @@ def test_cli_json_shows_the_v32_memory_plan(models, expected):
     print(f"V3.2-Exp W8A8 v32-indexer, DP16/EP16/lm_head TP16 + o_proj/embedding TP16, int8 KV: weights "
           f"{row['weights_total'] / GB:.2f} GB (default layout {sum(default.values()) / GB:.2f} GB), headroom "
           f"{(card - row['weights_total']) / GB:.2f} GB, {row['tokens_fit']:,} tokens per DP rank; auto KV: "
-          f"{int((card - row["weights_total"]) // sum(kv_cache_bytes_per_token(family, arch).values())):,} tokens")
+          f"{int((card - row['weights_total']) // sum(kv_cache_bytes_per_token(family, arch).values())):,} tokens")
