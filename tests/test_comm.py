@@ -219,8 +219,12 @@ def _write_pid_and_sleep(pid_dir: str) -> None:
     time.sleep(10 * TIMEOUT_S)
 
 
+# The supervisor answers Ctrl-C as a process started from a terminal does: a job started in the background by a
+# non-interactive shell (`cmd &`, as CI scripts and nohup'd runs do) inherits SIGINT ignored, and Python then
+# keeps it ignored, so these tests would wait for an interrupt that never lands.
 SUPERVISOR = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from dsconv.comm.launch import launch
 sys.exit(launch("test_comm:_write_pid_and_sleep", (sys.argv[1],), world_size=2, device="cpu",
                 timeout_s=120.0, log_dir=sys.argv[1]))
