@@ -267,3 +267,13 @@ class stable_index_ties:
         from transformers.models.deepseek_v32 import modeling_deepseek_v32
 
         modeling_deepseek_v32.DeepseekV32Indexer.forward = self.original
+
+
+def answer_ctrl_c() -> None:
+    """subprocess.Popen's preexec_fn for a child a test interrupts with SIGINT: the default disposition, so the
+    child's Python raises KeyboardInterrupt as one started from a terminal does. A job started in the background
+    by a non-interactive shell (`cmd &`: CI scripts, nohup'd runs) inherits SIGINT ignored, and Python keeps an
+    ignored SIGINT ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

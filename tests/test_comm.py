@@ -219,12 +219,8 @@ def _write_pid_and_sleep(pid_dir: str) -> None:
     time.sleep(10 * TIMEOUT_S)
 
 
-# The supervisor answers Ctrl-C as a process started from a terminal does: a job started in the background by a
-# non-interactive shell (`cmd &`, as CI scripts and nohup'd runs do) inherits SIGINT ignored, and Python then
-# keeps it ignored, so these tests would wait for an interrupt that never lands.
 SUPERVISOR = """
-import signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)
+import sys
 from dsconv.comm.launch import launch
 sys.exit(launch("test_comm:_write_pid_and_sleep", (sys.argv[1],), world_size=2, device="cpu",
                 timeout_s=120.0, log_dir=sys.argv[1]))
@@ -256,8 +252,11 @@ def _start_supervisor(tmp_path, script: str = SUPERVISOR) -> tuple[subprocess.Po
     exited too, which takes seconds more under load and is no part of what the tests claim."""
     path = [str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the test module by name, and dsconv as we see it
+    from tests.helpers import answer_ctrl_c  # here: the ranks import this module by name, without `tests`
+
     with open(tmp_path / "supervisor.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env, stderr=err,
+                                preexec_fn=answer_ctrl_c)  # Ctrl-C reaches it even from a background job
     deadline = time.monotonic() + EVENT_BOUND_S
     while len(list(tmp_path.glob("*.pid"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
