@@ -1,4 +1,5 @@
-"""The process groups of one layout: attention TP, attention DP, MoE EP, lm_head TP, and the world.
+"""The process groups of one layout: attention TP, attention DP, MoE EP, lm_head TP, o_proj and embedding TP, and
+the world.
 
 Membership comes from `family.layout.Layout.groups()`, the same table the shard writer used, so a rank reads
 exactly the shard its groups expect.
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from dsconv.family.layout import Layout
 
-GROUP_NAMES = ("attn_tp", "attn_dp", "ep", "tp")
+GROUP_NAMES = ("attn_tp", "attn_dp", "ep", "tp", "oproj_tp", "embed_tp")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Groups:
     attn_dp: Group
     ep: Group
     tp: Group
+    oproj_tp: Group
+    embed_tp: Group
 
 
 def make_groups(layout: Layout | dict) -> Groups:
@@ -66,7 +69,7 @@ def make_groups(layout: Layout | dict) -> Groups:
 def _as_layout(layout: Layout | dict) -> Layout:
     if isinstance(layout, Layout):
         return layout
-    built = Layout(world_size=layout["world_size"], ep=layout["ep"], tp=layout["tp"], attn_tp=layout["attn_tp"])
+    built = Layout.from_json(layout)
     if "groups" in layout and layout["groups"] != built.groups():
         raise ValueError(f"the manifest's layout groups {layout['groups']} disagree with the groups its sizes "
                          f"give: {built.groups()}")

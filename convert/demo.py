@@ -12,7 +12,7 @@ from pathlib import Path
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
 
 DEMO_FAMILY = "deepseek_v4"
-DEMO_VERSION = 3  # bump when a demo's contents change, so stale caches are rebuilt
+DEMO_VERSION = 4  # bump when a demo's contents change, so stale caches are rebuilt
 
 
 def cache_dir() -> Path:

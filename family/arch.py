@@ -97,6 +97,40 @@ class TensorSpec:
         return len(self.shape) == 2 and self.role not in not_linear
 
 
+# vLLM's --kv-cache-dtype values dsrun and `dsconv plan` take: "auto" keeps cache entries in the compute dtype
+# (BF16 on a device), "int8" stores the quantities a family marks (CacheField.int8_dims) as INT8 with a float32
+# scale per token (symmetric, kernels.int8's formula), dequantized or multiplied as INT8 where they are read.
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_SCALE_BYTES = 4  # an INT8 cache entry's per-token scale is one float32
+
+
+@dataclass(frozen=True)
+class CacheField:
+    """One quantity a paged cache keeps per token and layer: `dim` values, of which the leading `int8_dims` are
+    stored as INT8 under --kv-cache-dtype int8, with one float32 scale per token for each `tile` of them (0: all
+    in the cache dtype)."""
+    dim: int
+    int8_dims: int = 0
+    tile: int = 0  # values per scale; 0: one scale for all int8_dims
+
+    def __post_init__(self):
+        if self.int8_dims and self.int8_dims % self.scale_tile:
+            raise ValueError(f"{self.int8_dims} INT8 values do not split into tiles of {self.tile}")
+
+    @property
+    def scale_tile(self) -> int:
+        return self.tile or self.int8_dims
+
+    @property
+    def scales(self) -> int:
+        """Scales per token and layer."""
+        return self.int8_dims // self.scale_tile if self.int8_dims else 0
+
+    def nbytes(self, itemsize: int) -> int:
+        """Bytes per token and layer, `itemsize` being the cache dtype's (2 for BF16)."""
+        return self.int8_dims + self.scales * KV_SCALE_BYTES + (self.dim - self.int8_dims) * itemsize
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything the pipeline knows about one model family; its module builds one and registers it.
@@ -120,12 +154,23 @@ class Family:
     fused: tuple[tuple[Role, ...], ...]  # roles engines run as one matmul: every recipe gives a group one type
     attention_tp: Mapping[Role, int]  # with attn_tp > 1: the attention roles split by heads, and on which dim
     check_attention_tp: Callable[[Any, int], None] | None  # (config, attn_tp): raises when heads cannot split
-    kv_cache_bytes_per_token: Callable[[Any, int], dict[str, float]]  # (config, entry bytes) -> by component
+    # (config, entry bytes, kv_cache_dtype) -> bytes per token by component
+    kv_cache_bytes_per_token: Callable[[Any, int, str], dict[str, float]]
     kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
     tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
     # family/chat.py's encoder: (messages, thinking, tokenizer_config.json) -> prompt text; None: no chat format
     # (prompts are fed as raw text, dsrun --no-chat)
     encode_chat: Callable[[Any, bool, Mapping], str] | None
+    # why --kv-cache-dtype int8 is refused for this family; None: its caches have an INT8 form
+    kv_cache_int8_refusal: str | None = None
+
+
+def check_kv_cache_dtype(family: Family, kv_cache_dtype: str) -> None:
+    """Refuses an unknown --kv-cache-dtype, or int8 for a family whose caches have no INT8 form, in one line."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "int8" and family.kv_cache_int8_refusal is not None:
+        raise InputError(f"--kv-cache-dtype int8 is not available for {family.name}: {family.kv_cache_int8_refusal}")
 
 
 # The families that ship with dsconv; each module registers its Family when imported.

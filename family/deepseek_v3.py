@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Iterator
 
-from dsconv.family.arch import ArchError, Encoding, Family, Role, TensorSpec, register
+from dsconv.family.arch import ArchError, CacheField, Encoding, Family, Role, TensorSpec, register
 from dsconv.family.deepseek_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
 from dsconv.family.chat import encode_v32, render_template
@@ -172,6 +172,12 @@ def tiny_config(model_type: str, partial_block: bool = False, **overrides) -> di
 RECIPE = Recipe("v3", frozenset({Role.ATTN_Q_B, Role.ATTN_O, Role.DENSE_W1, Role.DENSE_W2, Role.DENSE_W3} | EXPERTS),
                 "q_b_proj, o_proj, routed + shared experts, dense MLP (msModelSlim's per-token Ascend recipe); "
                 "q_a/kv_a/kv_b, the V3.2 indexer (wq_b, wk, weights_proj), router, embed, head stay BF16")
+# CANN's V3.2 practice on Atlas A3 runs the indexer prolog's q_b (the indexer's wq_b) in W8A8 too: this recipe
+# adds it to v3's. wk and weights_proj stay BF16: dsrun merges them into the layer input's one projection with
+# q_a and kv_a, which stay BF16 in both recipes.
+RECIPE_INDEXER = Recipe("v32-indexer", RECIPE.int8_roles | {Role.INDEXER_Q_B},
+                        "v3 plus the V3.2 Lightning indexer's wq_b (CANN's A3 practice: the indexer prolog's "
+                        "q_b in W8A8); wk and weights_proj stay BF16")
 # q_a and kv_a, which engines fuse, and V3.2's indexer wk and weights_proj, which read the same layer input and
 # which dsrun runs in the same merged projection
 MLA_FUSED = (Role.ATTN_Q_A, Role.ATTN_KV_A, Role.INDEXER_K, Role.INDEXER_WEIGHTS)
@@ -181,15 +187,43 @@ MLA_FUSED = (Role.ATTN_Q_A, Role.ATTN_KV_A, Role.INDEXER_K, Role.INDEXER_WEIGHTS
 ATTENTION_TP = {Role.ATTN_Q_B: 0, Role.ATTN_KV_B: 0, Role.ATTN_O: 1}
 
 
+# An INT8 latent has one scale per token for each 128 values: the granularity of DeepSeek's FP8 MLA cache
+# (FlashMLA: 512 FP8 + 4 float32 scales + 64 BF16 rope = 656 bytes a token) and of CANN's C8 cache on Atlas A3
+# (vllm-ascend's sparse C8: npu_dynamic_block_quant with 1 x 128 blocks; npu_kv_quant_sparse_flash_attention
+# reads 656-byte rows, tile_size 128).
+LATENT_INT8_TILE = 128
+
+
+def cache_fields(cfg: V3Config, kv_cache_dtype: str = "auto") -> dict[str, CacheField]:
+    """What MLA caches per token and layer: the normalized latent and the rotated shared key side by side in one
+    row (as vLLM's MLA cache keeps them: one gather per decode read), and V3.2's indexer keys.
+
+    Under --kv-cache-dtype int8 the latent is INT8 with a float32 scale per token and 128 values (one per token
+    when kv_lora_rank is not a multiple of 128), the indexer keys INT8 with one scale per token (as DeepSeek's
+    FP8 indexer cache and CANN's A8C8 keep them), and the rope key stays in the compute dtype. DeepSeek's FP8
+    MLA cache and CANN's C8 cache keep it unquantized the same way: it carries the position, its dot product
+    with q_pe decides much of the attention weight, and at 64 of 576 values it is a small share of the bytes.
+    The latent only meets the queries through W_UK / W_UV, which spread its rounding over every head."""
+    if kv_cache_dtype != "int8":
+        fields = {"c_kv_k_pe": CacheField(cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+        if cfg.has_indexer:
+            fields["index_k"] = CacheField(cfg.index_head_dim)
+        return fields
+    tile = LATENT_INT8_TILE if cfg.kv_lora_rank % LATENT_INT8_TILE == 0 else 0
+    fields = {"c_kv_k_pe": CacheField(cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank, tile)}
+    if cfg.has_indexer:
+        fields["index_k"] = CacheField(cfg.index_head_dim, cfg.index_head_dim)
+    return fields
+
+
+CACHE_COMPONENTS = {"c_kv_k_pe": "MLA latent + rope key", "index_k": "indexer keys"}
+
+
 # KV cache per rank and sequence, main decoder layers only. MLA keeps one latent per token shared by all heads,
 # so attention TP does not split it.
-def kv_cache_bytes_per_token(cfg: V3Config, itemsize: int) -> dict[str, float]:
-    layers = cfg.num_hidden_layers
-    # MLA caches the compressed latent (kv_lora_rank) plus the shared rope key per token per layer
-    parts = {"MLA latent + rope key": layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize}
-    if cfg.has_indexer:
-        parts["indexer keys"] = layers * cfg.index_head_dim * itemsize
-    return parts
+def kv_cache_bytes_per_token(cfg: V3Config, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    return {CACHE_COMPONENTS[name]: cfg.num_hidden_layers * field.nbytes(itemsize)
+            for name, field in cache_fields(cfg, kv_cache_dtype).items()}
 
 
 def kv_cache_bytes_per_sequence(cfg: V3Config, itemsize: int) -> dict[str, int]:
@@ -207,7 +241,8 @@ def ascend_mtp_copies(cfg: V3Config) -> dict[str, str]:
 for _model_type in ARCHITECTURES:
     register(Family(name=_model_type, parse_config=parse_config, inventory=inventory, hub_name=hub_name,
                     hub_config=hub_config, ascend_mtp_copies=ascend_mtp_copies,
-                    scale_suffix="weight_scale_inv", scale_is_e8m0=False, recipes=(RECIPE,),
+                    scale_suffix="weight_scale_inv", scale_is_e8m0=False,
+                    recipes=(RECIPE, RECIPE_INDEXER) if _model_type == V32 else (RECIPE,),
                     fused=FUSED_PAIRS + (MLA_FUSED,), attention_tp=ATTENTION_TP, check_attention_tp=None,
                     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
                     kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,

@@ -264,13 +264,19 @@ def check_attention_tp(cfg: V4Config, attn_tp: int) -> None:
 
 # KV cache per rank and sequence, main decoder layers only. V4 has one KV head, so attention TP does not split it.
 # Each compressed layer keeps one entry per `ratio` tokens, its own ratio.
-def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int) -> dict[str, float]:
+def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    if kv_cache_dtype != "auto":
+        raise ArchError(f"--kv-cache-dtype {kv_cache_dtype} is not available for deepseek_v4: {KV_CACHE_INT8_REFUSAL}")
     csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
     return {
         "CSA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in csa),
         "CSA indexer keys": sum(cfg.index_head_dim * itemsize / ratio for ratio in csa),
         "HCA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in hca),
     }
+
+
+KV_CACHE_INT8_REFUSAL = ("dsrun keeps V4's compressed entries, sliding window and indexer keys in the compute dtype "
+                         "(INT8 caches exist for V3 / V3.2's MLA latent and indexer keys only); use auto")
 
 
 def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
@@ -342,5 +348,6 @@ FAMILY = register(
         kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
         tiny_config=tiny_config,
         encode_chat=encode_v4,
+        kv_cache_int8_refusal=KV_CACHE_INT8_REFUSAL,
     )
 )

@@ -7,7 +7,9 @@ the one thing a family adds (`Family.attention_tp`).
 
 Modes: replicated (written once under `common/`, read by every rank); expert (a routed expert, owned by
 one EP rank: `ep-XXXXX/`); vocab (lm_head rows split over the lm_head TP group: `tp-XXXXX/`); head_split
-(attention TP over heads, on dim 0 or dim 1: `attn-tp-XXXXX/`). A directory per group index, not per rank,
+(attention TP over heads, on dim 0 or dim 1: `attn-tp-XXXXX/`); oproj_split (o_proj's output rows over the
+o_proj TP group: `oproj-tp-XXXXX/`); embed_split (the embedding's vocabulary rows over the embedding TP group:
+`embed-tp-XXXXX/`, the MTP layer's embedding too). A directory per group index, not per rank,
 so a shard shared by several ranks (attention DP replicas, EP or TP groups smaller than the world) is
 written once and listed with all its readers.
 """
@@ -29,6 +31,14 @@ class Mode(str, enum.Enum):
     EXPERT = "expert"
     VOCAB = "vocab"
     HEAD_SPLIT = "head_split"
+    OPROJ_SPLIT = "oproj_split"
+    EMBED_SPLIT = "embed_split"
+
+
+# A split mode -> the layout group it splits over (family.layout.Layout.groups()) and its directory prefix
+SPLIT_GROUPS = {Mode.VOCAB.value: "tp", Mode.HEAD_SPLIT.value: "attn_tp", Mode.OPROJ_SPLIT.value: "oproj_tp",
+                Mode.EMBED_SPLIT.value: "embed_tp"}
+SPLIT_DIRS = {Mode.VOCAB: "tp", Mode.HEAD_SPLIT: "attn-tp", Mode.OPROJ_SPLIT: "oproj-tp", Mode.EMBED_SPLIT: "embed-tp"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,10 @@ def rule_for(spec: TensorSpec, family: Family, layout: Layout) -> Rule:
         return COMMON_RULES[spec.role]
     if layout.attn_tp > 1 and spec.role in family.attention_tp:
         return Rule(Mode.HEAD_SPLIT, family.attention_tp[spec.role])
+    if layout.oproj_tp > 1 and spec.role is Role.ATTN_O:
+        return Rule(Mode.OPROJ_SPLIT, dim=0)  # [hidden, heads * v]: output rows, each computed whole on one rank
+    if layout.embed_tp > 1 and spec.role is Role.EMBED:
+        return Rule(Mode.EMBED_SPLIT, dim=0)  # [vocab, hidden]: contiguous vocabulary rows
     return _REPLICATED
 
 
@@ -69,6 +83,20 @@ def check_layout(family: Family, arch: object, layout: Layout) -> None:
         raise InputError(f"num_attention_heads={heads} is not divisible by attn-tp={layout.attn_tp}")
     if family.check_attention_tp is not None:
         family.check_attention_tp(arch, layout.attn_tp)
+    if layout.oproj_tp > 1:
+        if layout.attn_tp > 1:
+            raise InputError(f"oproj-tp={layout.oproj_tp} splits o_proj over attention-DP ranks, which needs "
+                             f"attn-tp 1 (attn-tp={layout.attn_tp} already splits o_proj by heads)")
+        if Role.ATTN_O not in family.attention_tp:
+            raise InputError(f"oproj-tp={layout.oproj_tp}: {family.name} has no o_proj to split (its output "
+                             f"projection is grouped); use --oproj-tp 1")
+        if arch.hidden_size % layout.oproj_tp:
+            raise InputError(f"hidden_size={arch.hidden_size} is not divisible by oproj-tp={layout.oproj_tp}")
+    if vocab % layout.embed_tp:
+        raise InputError(f"vocab_size={vocab} is not divisible by embed-tp={layout.embed_tp}")
+    if layout.embed_tp > 1 and getattr(arch, "tie_word_embeddings", False):
+        raise InputError(f"embed-tp={layout.embed_tp}: the embedding is tied to lm_head, which lm_head TP splits "
+                         f"its own way; use --embed-tp 1")
 
 
 @dataclass(frozen=True)
@@ -107,9 +135,9 @@ def place(spec: TensorSpec, family: Family, arch: object, layout: Layout) -> lis
     if rule.mode is Mode.EXPERT:
         owner = expert_owner(spec.expert, arch.n_routed_experts, layout.ep)
         return [Placement(f"ep-{owner:05d}", tuple(r for r in ranks if layout.ep_rank(r) == owner), rule.mode, None)]
-    parts, rank_of, prefix = ((layout.tp, layout.tp_rank, "tp") if rule.mode is Mode.VOCAB
-                              else (layout.attn_tp, layout.attn_tp_rank, "attn-tp"))
-    return [Placement(f"{prefix}-{k:05d}", tuple(r for r in ranks if rank_of(r) == k), rule.mode,
+    group, prefix = SPLIT_GROUPS[rule.mode.value], SPLIT_DIRS[rule.mode]
+    parts = getattr(layout, group)
+    return [Placement(f"{prefix}-{k:05d}", tuple(r for r in ranks if layout.group_rank(group, r) == k), rule.mode,
                       _split(spec, rule.dim, parts, k)) for k in range(parts)]
 
 

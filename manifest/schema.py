@@ -1,9 +1,9 @@
 """`manifest.json`: the contract between `dsconv shard` and whatever maps the shards (dsrun, verify).
 
-Schema "dsconv-manifest", version 1 (documented in README.md):
+Schema "dsconv-manifest", version 2 (documented in README.md):
   model      {family, config}: the model_type and the whole config.json
   precision  "w8a8" (INT8 weights + per-channel scales) or "bf16"
-  layout     world_size, ep, tp, attn_tp, dp and the rank membership of every process group
+  layout     world_size, ep, tp, attn_tp, oproj_tp, embed_tp, dp and the rank membership of every process group
   files      [{path, bytes, sha256}]: every weight file, paths relative to the manifest's directory
   side_files [{path, bytes, sha256}]: config.json and tokenizer files, copied once
   tensors    [{name, file, dtype, shape, role, mode, ranks, source {name, shape}, split {dim, start, stop} | null,
@@ -21,7 +21,7 @@ from dsconv.convert.safetensors_io import DTYPE_NAMES, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "dsconv-manifest"
-VERSION = 1
+VERSION = 2  # 2: the layout's oproj_tp and embed_tp
 HASH_CHUNK_BYTES = 16 << 20
 
 TOP_LEVEL_KEYS = {"schema": str, "version": int, "model": dict, "precision": str, "layout": dict, "files": list,
@@ -30,7 +30,8 @@ FILE_KEYS = {"path": str, "bytes": int, "sha256": str}
 TENSOR_KEYS = {"name": str, "file": str, "dtype": str, "shape": list, "role": str, "mode": str, "ranks": list,
                "source": dict, "split": (dict, type(None)), "layer": (int, type(None)),
                "expert": (int, type(None)), "mtp": bool, "scale": (str, type(None)), "scale_of": (str, type(None))}
-LAYOUT_KEYS = {"world_size": int, "ep": int, "tp": int, "attn_tp": int, "dp": int, "groups": dict}
+LAYOUT_KEYS = {"world_size": int, "ep": int, "tp": int, "attn_tp": int, "oproj_tp": int, "embed_tp": int, "dp": int,
+               "groups": dict}
 
 
 def sha256_of(path: Path) -> str:

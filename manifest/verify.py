@@ -19,7 +19,7 @@ from dsconv.convert.safetensors_io import DTYPE_NAMES, read_header
 from dsconv.manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, SCHEMA, TENSOR_KEYS, TOP_LEVEL_KEYS, VERSION,
                              sha256_of)
 from dsconv.family.layout import Layout
-from dsconv.family.placement import Mode, check_layout, place, sliced_shape
+from dsconv.family.placement import SPLIT_GROUPS, Mode, check_layout, place, sliced_shape
 
 
 MAX_PROBLEMS_PER_CHECK = 20  # beyond this a broken shard set just repeats itself
@@ -48,7 +48,7 @@ def check_schema(manifest: object) -> list[str]:
         return ["manifest: not a JSON object"]
     if manifest.get("schema") != SCHEMA or manifest.get("version") != VERSION:
         return [f"manifest: schema {manifest.get('schema')!r} version {manifest.get('version')!r} is not "
-                f"{SCHEMA!r} version {VERSION}"]
+                f"{SCHEMA!r} version {VERSION} (shards written by another dsconv: run `dsconv shard` again)"]
     if not _typed(manifest, TOP_LEVEL_KEYS, "manifest", problems):
         return problems
     _typed(manifest["layout"], LAYOUT_KEYS, "layout", problems)
@@ -155,10 +155,10 @@ def check_coverage(manifest: dict) -> list[str]:
     family = family_for(config)
     arch = family.parse_config(config)
     lay = manifest["layout"]
-    layout = Layout(lay["world_size"], lay["ep"], lay["tp"], lay["attn_tp"])
+    layout = Layout.from_json(lay)
     check_layout(family, arch, layout)
     if layout.to_json() != lay:
-        problems.append("layout: dp or groups do not follow from world_size, ep, tp, attn_tp")
+        problems.append("layout: dp or groups do not follow from world_size, ep, tp, attn_tp, oproj_tp, embed_tp")
     world = set(range(layout.world_size))
 
     entries: dict[str, list[dict]] = defaultdict(list)
@@ -180,9 +180,9 @@ def check_coverage(manifest: dict) -> list[str]:
         actual = {(tuple(t["ranks"]), None if t["split"] is None else
                    (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])) for t in found}
         mode = found[0]["mode"]
-        if mode in (Mode.VOCAB.value, Mode.HEAD_SPLIT.value) and all(t["split"] for t in found):
+        if mode in SPLIT_GROUPS and all(t["split"] for t in found):
             dim = found[0]["split"]["dim"]
-            for group in (layout.groups()["tp"] if mode == Mode.VOCAB.value else layout.groups()["attn_tp"]):
+            for group in layout.groups()[SPLIT_GROUPS[mode]]:
                 spans = [(t["split"]["start"], t["split"]["stop"]) for t in found if set(t["ranks"]) & set(group)]
                 problems += _slices_tile(spec.name, spec.shape[dim], spans, group)
         if mode == Mode.EXPERT.value:

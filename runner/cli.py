@@ -47,14 +47,22 @@ def _prompt_ids(tokenizer, text: str, family, chat: bool, system: str | None, th
                            tokenizer_config)
 
 
-def _open_shards(shards: Path, world_size: int | None, dtype: str) -> dict:
+KV_CACHE_DTYPE_HELP = ("KV cache entries (vLLM's flag): auto keeps them in the compute dtype; int8 stores V3 / "
+                       "V3.2's MLA latent (a float32 scale per token and 128 values, the rope key kept in the "
+                       "compute dtype) and indexer keys (a scale per token; the indexer scores them INT8 x INT8) "
+                       "and dequantizes the latent before attention. V4 takes auto only.")
+
+
+def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto") -> dict:
     """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
+    from dsconv.family.arch import check_kv_cache_dtype, family_for
     from dsconv.runner.engine.worker import DTYPES
     from dsconv.runner.models.weights import load_manifest
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     manifest = load_manifest(shards)
+    check_kv_cache_dtype(family_for(manifest["model"]["config"]), kv_cache_dtype)
     world = manifest["layout"]["world_size"]
     if world_size is not None and world_size != world:
         raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
@@ -82,6 +90,7 @@ def generate(
                                                                    "--prompt (chat format only).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
+    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
@@ -103,7 +112,7 @@ def generate(
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
                               "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
-        manifest = _open_shards(shards, world_size, dtype)
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
@@ -119,7 +128,7 @@ def generate(
         results = _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
             "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
             "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-            "stream_tokenizer": None if json_output else str(tokenizer_path)}, manifest, device, timeout)
+            "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path)}, manifest, device, timeout)
     except InputError as exc:
         fail(str(exc))
     if results is not None:
@@ -137,6 +146,7 @@ def perplexity(
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (perplexity, tokens "
                                                              "scored, windows).")] = False,
+    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
@@ -145,7 +155,7 @@ def perplexity(
     from dsconv.runner.entrypoints.perplexity import summarize, windows
 
     try:
-        manifest = _open_shards(shards, world_size, dtype)
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
         config = manifest["model"]["config"]
         if config.get("bos_token_id") is None:
             raise InputError(f"{shards}/config.json has no bos_token_id: the text's first window starts with BOS")
@@ -163,7 +173,8 @@ def perplexity(
             check_prompt(window, 0, config["vocab_size"], config["max_position_embeddings"])
         started = time.perf_counter()
         results = _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
-            "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output}, manifest, device,
+            "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
+            "kv_cache_dtype": kv_cache_dtype}, manifest, device,
             timeout)
     except InputError as exc:
         fail(str(exc))
@@ -192,6 +203,10 @@ def serve(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens one attention-DP rank feeds per step; longer "
                                                               "prompts are prefilled in chunks.")] = 4096,
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 16384,
+    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
+        help="KV cache size per attention-DP rank in bytes (vLLM's flag), instead of --cache-tokens: as many "
+             "tokens as fit in it, in the cache's own layout (V3 / V3.2).")] = None,
     dp_balancing: Annotated[str, typer.Option(help="Placing requests on attention-DP ranks: least-loaded (queued "
                                                    "and running tokens) or round-robin.")] = "least-loaded",
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the "
@@ -220,7 +235,12 @@ def serve(
             err_console.print("[yellow]No --shards given: serving the built-in demo, a tiny DeepSeek-V4 model with "
                               "RANDOM weights (the text is noise).[/]")
             shards = demo_shards()
-        manifest = _open_shards(shards, world_size, dtype)
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
+            raise InputError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} must be at least 1")
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
+        if kv_cache_memory_bytes is not None and manifest["model"]["family"] == "deepseek_v4":
+            raise InputError("--kv-cache-memory-bytes is not available for deepseek_v4 (its windows and compressor "
+                             "state are per sequence): size its cache with --cache-tokens")
         if "max_position_embeddings" not in manifest["model"]["config"]:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         _, tokenizer_path = _tokenizer(Path(shards))
@@ -229,7 +249,8 @@ def serve(
             "model_name": served_model_name or Path(shards).resolve().name, "tokenizer_path": str(tokenizer_path),
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "cache_tokens": cache_tokens, "balancing": dp_balancing, "timeout_s": timeout,
-            "drain_timeout_s": drain_timeout}, manifest, device, timeout, sigterm_to_rank0=True)
+            "drain_timeout_s": drain_timeout, "kv_cache_dtype": kv_cache_dtype,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes}, manifest, device, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))
 

@@ -43,6 +43,14 @@ def shard(
         = DEFAULT_WORLD_SIZE,
     attn_tp: Annotated[int, typer.Option(help="Attention tensor-parallel size: 1 replicates attention "
                                               "(attention DP = world); 8 gives V3.2's DP2 x TP8.")] = 1,
+    oproj_tp: Annotated[int, typer.Option(help="o_proj tensor-parallel size (vllm-ascend's "
+                                               "oproj_tensor_parallel_size): o_proj's output rows split over groups "
+                                               "of this many attention-DP ranks, which exchange activations instead "
+                                               "of each holding the whole weight. Needs --attn-tp 1; V3 / V3.2 only."
+                                               )] = 1,
+    embed_tp: Annotated[int, typer.Option(help="Embedding tensor-parallel size (vllm-ascend's "
+                                               "embedding_tensor_parallel_size): the embedding's vocabulary rows "
+                                               "split over groups of this many ranks.")] = 1,
     world_size: Annotated[int, typer.Option(help="Number of ranks; every size must divide it.")]
         = DEFAULT_WORLD_SIZE,
     max_file_size: Annotated[str, typer.Option(help="Cap on each shard file.")] = "4GB",
@@ -52,13 +60,14 @@ def shard(
     """Write per-rank shards of SRC to OUT plus OUT/manifest.json (check it with `dsconv verify`).
 
     Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
-    OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/.
+    OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/,
+    o_proj row slices to OUT/oproj-tp-XXXXX/, embedding vocabulary slices to OUT/embed-tp-XXXXX/.
     """
     from dsconv.shard.shard import make_shard_plan, run_shard
 
     with user_errors():
         n_workers = resolve_workers(workers)
-        layout = Layout(world_size, ep, tp, attn_tp)
+        layout = Layout(world_size, ep, tp, attn_tp, oproj_tp, embed_tp)
         plan = make_shard_plan(src, layout, parse_size(max_file_size))
         if dry_run:
             console.print(rank_table(plan))

@@ -16,14 +16,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dsconv.family.arch import Family, family_for
+from dsconv.family.arch import Family, check_kv_cache_dtype, family_for
 from dsconv.console import console, fail
 from dsconv.errors import InputError
 from dsconv.family.recipes import Recipe, recipe_for, recipes_help
 from dsconv.family.layout import DEFAULT_WORLD_SIZE, Layout
 from dsconv.family.placement import CATEGORIES, check_layout
 from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
-                         kv_cache_bytes_per_token)
+                                kv_cache_bytes_per_token)
 
 GB = 10**9  # every figure is printed in decimal GB, card capacity included
 CONFIG_NAME = "config.json"
@@ -59,35 +59,72 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.2f}"
 
 
-def _weights_table(title: str, per_rank: dict[int, dict[str, int]], kv_bytes: int, card_gb: float) -> Table:
+def _tokens(count: int) -> str:
+    return f"{count:,}" if count > 0 else "0"
+
+
+def build_report(family: Family, arch: object, layout: Layout, precisions: list[tuple[str, Recipe | None]],
+                 kv_cache_dtype: str, card_gb: float, batch: int, seq: int, mtp: bool) -> dict:
+    """Everything `dsconv plan` shows, as one JSON-able object (what --json prints)."""
+    per_token = kv_cache_bytes_per_token(family, arch, kv_cache_dtype)
+    per_sequence = kv_cache_bytes_per_sequence(family, arch)
+    token_bytes, sequence_bytes = sum(per_token.values()), sum(per_sequence.values())
+    kv_bytes = kv_cache_bytes(family, arch, batch, seq, kv_cache_dtype)
+    card = round(card_gb * GB)
+    report = {
+        "model": family.name, "layout": {k: v for k, v in layout.to_json().items() if k != "groups"},
+        "card_bytes": card, "batch": batch, "seq": seq, "mtp_counted": mtp,
+        "kv_cache": {"dtype": kv_cache_dtype, "entry_dtype": str(CACHE_DTYPE).removeprefix("torch."),
+                     "bytes_per_token": per_token, "bytes_per_token_total": token_bytes,
+                     "bytes_per_sequence": per_sequence, "bytes_for_batch": kv_bytes},
+        "precisions": [],
+    }
+    for label, chosen in precisions:
+        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family, arch, layout)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, by_category in per_rank.items():
+            groups.setdefault(tuple(by_category[c] for c in CATEGORIES), []).append(rank)
+        rows = []
+        for figures, ranks in groups.items():
+            weights = sum(figures)
+            free = card - weights - batch * sequence_bytes  # what the cache's growing part may use
+            rows.append({"ranks": ranks, "weights": dict(zip(CATEGORIES, figures)), "weights_total": weights,
+                         "headroom": card - weights - kv_bytes,
+                         "tokens_fit": max(0, int(free // token_bytes)) if token_bytes else None})
+        report["precisions"].append({
+            "label": label, "recipe": None if chosen is None else chosen.name, "ranks": rows,
+            "on_disk_bytes": sum(sum(by_category.values()) for by_category in on_disk.values()),
+            "shard_directories": len(on_disk)})
+    return report
+
+
+def _weights_table(title: str, precision: dict, kv_bytes: int, card_gb: float) -> Table:
     table = Table(title=title, title_justify="left")
-    for column in ("ranks", *CATEGORIES, "weights", "KV cache", f"headroom on {card_gb:g} GB"):
+    for column in ("ranks", *CATEGORIES, "weights", "KV cache", f"headroom on {card_gb:g} GB", "tokens that fit"):
         table.add_column(column, justify="left" if column == "ranks" else "right")
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, by_category in per_rank.items():
-        groups.setdefault(tuple(by_category[c] for c in CATEGORIES), []).append(rank)
-    for figures, ranks in groups.items():
-        weights = sum(figures)
-        headroom = card_gb * GB - weights - kv_bytes
-        table.add_row(rank_ranges(ranks), *map(_gb, figures), _gb(weights), _gb(kv_bytes),
-                      Text(_gb(headroom), style="bold red" if headroom < 0 else "green"))
+    for row in precision["ranks"]:
+        headroom = Text(_gb(row["headroom"]), style="bold red" if row["headroom"] < 0 else "green")
+        table.add_row(rank_ranges(row["ranks"]), *(_gb(row["weights"][c]) for c in CATEGORIES),
+                      _gb(row["weights_total"]), _gb(kv_bytes), headroom,
+                      "" if row["tokens_fit"] is None else f"{row['tokens_fit']:,}")
     return table
 
 
-def _kv_table(family: Family, arch: object, batch: int, seq: int) -> Table:
-    per_token = kv_cache_bytes_per_token(family, arch)
-    per_sequence = kv_cache_bytes_per_sequence(family, arch)
-    table = Table(title=f"KV cache per rank ({str(CACHE_DTYPE).removeprefix('torch.')}; the "
-                        f"{arch.num_hidden_layers} main layers, MTP layers not counted)", title_justify="left")
+def _kv_table(report: dict, layers: int) -> Table:
+    kv, batch, seq = report["kv_cache"], report["batch"], report["seq"]
+    form = (f"INT8 with float32 scales where quantized, the rest {kv['entry_dtype']}" if kv["dtype"] == "int8"
+            else kv["entry_dtype"])
+    table = Table(title=f"KV cache per rank, --kv-cache-dtype {kv['dtype']} ({form}; the {layers} main layers, "
+                        f"MTP layers not counted)", title_justify="left")
     for column in ("component", "bytes per token", "bytes per sequence", f"GB for {batch} x {seq} tokens"):
         table.add_column(column, justify="left" if column == "component" else "right")
-    for name, nbytes in per_token.items():
+    for name, nbytes in kv["bytes_per_token"].items():
         table.add_row(name, f"{nbytes:,.0f}", "", _gb(batch * seq * nbytes))
-    for name, nbytes in per_sequence.items():
+    for name, nbytes in kv["bytes_per_sequence"].items():
         table.add_row(name, "", f"{nbytes:,}", _gb(batch * nbytes))
     table.add_section()
-    table.add_row("total", f"{sum(per_token.values()):,.0f}", f"{sum(per_sequence.values()):,}",
-                  _gb(kv_cache_bytes(family, arch, batch, seq)), style="bold")
+    table.add_row("total", f"{kv['bytes_per_token_total']:,.0f}", f"{sum(kv['bytes_per_sequence'].values()):,}",
+                  _gb(kv["bytes_for_batch"]), style="bold")
     return table
 
 
@@ -106,27 +143,40 @@ def plan(
     attn_tp: Annotated[int, typer.Option(help="Attention tensor-parallel size (heads split over attn-tp ranks); "
                                               "1 replicates attention on every rank (attention DP = world "
                                               "size). V3.2's usual choice is 8, V4-Flash's is 1.")] = 1,
+    oproj_tp: Annotated[int, typer.Option(help="o_proj tensor-parallel size over attention-DP ranks (needs "
+                                               "--attn-tp 1; V3 / V3.2).")] = 1,
+    embed_tp: Annotated[int, typer.Option(help="Embedding vocabulary-parallel size.")] = 1,
     world_size: Annotated[int, typer.Option(help="Number of ranks (cards).")] = DEFAULT_WORLD_SIZE,
     card_gb: Annotated[float, typer.Option(help="Memory of one card in GB (10^9 bytes); headroom = card - "
                                                 "weights - KV cache.")] = 64,
     batch: Annotated[int, typer.Option(help="Sequences per attention-DP rank (each DP rank holds only its own "
                                             "requests' KV cache).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (prompt + generated).")] = 4096,
+    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache entries: auto (BF16) or int8 (V3 / V3.2: the MLA "
+                                                     "latent and indexer keys in INT8 with float32 scales, the "
+                                                     "rope key BF16), as dsrun --kv-cache-dtype.")] = "auto",
     recipe: Annotated[Optional[str], typer.Option(
         help="Recipe of the W8A8 table. " + recipes_help())] = None,
     mtp: Annotated[bool, typer.Option(help="Count the MTP layer's weights (the converter writes them; a runner "
                                            "without speculative decoding need not load them).")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (per-rank weights by "
+                                                             "category, cache bytes per token by component, "
+                                                             "headroom, tokens that fit) instead of tables.")]
+    = False,
 ) -> None:
     """Per-rank memory for a parallel layout, from config.json alone: plan before downloading 160-700 GB.
 
-    Tables for BF16 and W8A8: each rank's weights by category, KV cache for --batch x --seq, headroom per card.
+    Tables for BF16 and W8A8: each rank's weights by category, KV cache for --batch x --seq, headroom per card,
+    and the tokens of KV cache per attention-DP rank that fit beside the weights (no reserve for activations or
+    workspace).
     """
     try:
         raw = load_config(config)
         family = family_for(raw)
         arch = family.parse_config(raw)
-        layout = Layout(world_size=world_size, ep=ep, tp=tp, attn_tp=attn_tp)
+        layout = Layout(world_size=world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
         check_layout(family, arch, layout)
+        check_kv_cache_dtype(family, kv_cache_dtype)
         for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb)):
             if value <= 0:
                 raise InputError(f"{name} {value} must be positive")
@@ -134,20 +184,27 @@ def plan(
     except InputError as exc:
         fail(str(exc))
 
-    kv_bytes = kv_cache_bytes(family, arch, batch, seq)
+    report = build_report(family, arch, layout, precisions, kv_cache_dtype, card_gb, batch, seq, mtp)
+    if json_output:
+        print(json.dumps(report, indent=1))
+        return
+    kv_bytes = report["kv_cache"]["bytes_for_batch"]
+    fine = "".join(f", {name} {size}" for name, size in (("o_proj TP", oproj_tp), ("embedding TP", embed_tp))
+                   if size > 1)
     console.print(f"[bold]dsconv plan[/]: {family.name} from {escape(str(config))}; {layout.world_size} ranks: "
-                  f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}")
+                  f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}{fine}")
     mtp_note = "MTP layer included" if mtp else "MTP layer not counted"
-    for label, chosen in precisions:
-        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family, arch, layout)
-        title = f"{label} weights, GB (10^9 B) per rank ({mtp_note}); KV cache for {batch} x {seq} tokens"
-        console.print(_weights_table(title, per_rank, kv_bytes, card_gb))
-        disk = sum(sum(by_category.values()) for by_category in on_disk.values())
-        console.print(f"  on disk: {_gb(disk)} GB in {len(on_disk)} shard directories (replicated tensors counted "
-                      f"once; file headers and Ascend weight_offset zeros excluded)")
-    console.print(_kv_table(family, arch, batch, seq))
+    for precision in report["precisions"]:
+        title = (f"{precision['label']} weights, GB (10^9 B) per rank ({mtp_note}); KV cache "
+                 f"({kv_cache_dtype}) for {batch} x {seq} tokens; tokens of KV cache that fit beside the weights")
+        console.print(_weights_table(title, precision, kv_bytes, card_gb))
+        console.print(f"  on disk: {_gb(precision['on_disk_bytes'])} GB in {precision['shard_directories']} shard "
+                      f"directories (replicated tensors counted once; file headers and Ascend weight_offset zeros "
+                      f"excluded)")
+    console.print(_kv_table(report, arch.num_hidden_layers))
     console.print(f"  --batch {batch} is per attention-DP rank: {layout.dp} DP ranks hold up to {batch * layout.dp} "
-                  f"sequences in all.")
+                  f"sequences in all. Tokens that fit: (card - weights - {batch} x bytes per sequence) / bytes per "
+                  f"token, per attention-DP rank, with no reserve for activations or workspace.")
     if layout.attn_tp > 1:
         console.print(f"  Attention TP does not split this cache (one latent or one KV head serves all heads): "
                       f"each of a DP group's {layout.attn_tp} ranks holds it whole.")

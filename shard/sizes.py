@@ -94,14 +94,14 @@ def directory_bytes(items: Iterable[Entry], family: Family, arch: object,
 
 # --- KV cache ---------------------------------------------------------------------------------------------
 #
-# Per rank and per sequence, main decoder layers only (MTP layers excluded), entries in CACHE_DTYPE, by the
-# family's own formulas. Attention TP never splits these caches (MLA keeps one latent per token shared by all
+# Per rank and per sequence, main decoder layers only (MTP layers excluded), entries in CACHE_DTYPE (or INT8 with
+# float32 scales where --kv-cache-dtype int8 quantizes them), by the family's own formulas. Attention TP never splits these caches (MLA keeps one latent per token shared by all
 # heads, V4 has one KV head), so every attention-TP rank holds the whole cache of its DP group's sequences.
 
 
-def kv_cache_bytes_per_token(family: Family, arch: object) -> dict[str, float]:
+def kv_cache_bytes_per_token(family: Family, arch: object, kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Bytes that grow with each token of a sequence, by component (fractions where 1 entry covers n tokens)."""
-    return family.kv_cache_bytes_per_token(arch, CACHE_DTYPE.itemsize)
+    return family.kv_cache_bytes_per_token(arch, CACHE_DTYPE.itemsize, kv_cache_dtype)
 
 
 def kv_cache_bytes_per_sequence(family: Family, arch: object) -> dict[str, int]:
@@ -109,8 +109,8 @@ def kv_cache_bytes_per_sequence(family: Family, arch: object) -> dict[str, int]:
     return family.kv_cache_bytes_per_sequence(arch, CACHE_DTYPE.itemsize)
 
 
-def kv_cache_bytes(family: Family, arch: object, batch: int, seq: int) -> int:
+def kv_cache_bytes(family: Family, arch: object, batch: int, seq: int, kv_cache_dtype: str = "auto") -> int:
     """One rank's cache for `batch` sequences of `seq` tokens each (batch = this rank's DP group's share)."""
-    per_token = sum(kv_cache_bytes_per_token(family, arch).values())
+    per_token = sum(kv_cache_bytes_per_token(family, arch, kv_cache_dtype).values())
     per_sequence = sum(kv_cache_bytes_per_sequence(family, arch).values())
     return round(batch * (seq * per_token + per_sequence))

@@ -165,13 +165,13 @@ def launch_ranks(entry, args: dict, shards, results) -> list[dict]:
 
 
 def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS,
-              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None):
+              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None, kv_cache_dtype="auto"):
     """Generation on every rank -> each prompt's generated tokens. entry: the ranks' function (rank_main's
     arguments), e.g. one that installs a test double first; its results directory is tmp_path / results_name
     (default: named after the shards)."""
     results = tmp_path / (results_name or f"results-{shards.name}")
     launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, "eos_id": None, "dtype": dtype,
-                         "cache_tokens": 256}, shards, results)
+                         "cache_tokens": 256, "kv_cache_dtype": kv_cache_dtype}, shards, results)
     return collect(results, len(prompts))[0]
 
 
@@ -267,3 +267,13 @@ class stable_index_ties:
         from transformers.models.deepseek_v32 import modeling_deepseek_v32
 
         modeling_deepseek_v32.DeepseekV32Indexer.forward = self.original
+
+
+def answer_ctrl_c() -> None:
+    """subprocess.Popen's preexec_fn for a child a test interrupts with SIGINT: the default disposition, so the
+    child's Python raises KeyboardInterrupt as one started from a terminal does. A job started in the background
+    by a non-interactive shell (`cmd &`: CI scripts, nohup'd runs) inherits SIGINT ignored, and Python keeps an
+    ignored SIGINT ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

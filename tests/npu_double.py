@@ -191,6 +191,46 @@ class TorchNpuDouble(types.ModuleType):
         return out
 
 
+# --- --kv-cache-dtype int8 on an NPU -------------------------------------------------------------------------------
+# The runner's INT8 cache path is torch ops on the cache's device (no host reads; tests/test_cache_int8.py runs it on
+# the meta device) plus one torch_npu op, npu_dynamic_quant (modelled above), which quantizes the entries and the
+# indexer's queries. What a real NPU build would call for each step, with the constraints their documentation gives
+# (op-plugin master docs/zh/custom_APIs/torch_npu/, schemas in op_plugin/config/op_plugin_functions.yaml; vllm-ascend
+# 182b75ea's sfa_v1.py; CANN's cann-recipes-infer deepseek_v3_2_exp). Not modelled by this double: the runner does
+# not call them, so nothing here runs them.
+INT8_CACHE_NPU_OPS = {
+    "store": ("npu_scatter_nd_update_(input, indices, updates)",
+              "int8 supported on Atlas A2/A3; indices at least 2-D. vllm-ascend writes its LI C8 keys with it. "
+              "dsrun stores with index_copy_ (one torch op, no host read)."),
+    "quantize per token": ("npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)",
+                           "x float16/bfloat16, more than one dimension; scale = rowmax(|x|) / 127, float32, x's "
+                           "shape without the last dim. dsrun calls it (kernels.linear.quantize_activations)."),
+    "quantize per 128-value tile": ("npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode='rint', dst_type=1, "
+                                    "row_block_size=1, col_block_size=128)",
+                                    "int8 output and the 1 x 128 block only: the MLA latent's C8 scales (vllm-ascend "
+                                    "sparse C8). dsrun quantizes each tile as a row of npu_dynamic_quant instead."),
+    "dequantize": ("npu_anti_quant(x, scale, *, offset=None, dst_dtype=None, src_dtype=None)",
+                   "scale 1-D, of size 1 or x's last dim: per channel only, so a per-token scale is a broadcast "
+                   "multiply, which is what dsrun does (kernels.cache_int8.dequantize_tokens)."),
+    "A8C8 indexer": ("npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, "
+                     "query_quant_mode, key_quant_mode, *, actual_seq_lengths_query, actual_seq_lengths_key, "
+                     "block_table, layout_query='BSND', layout_key='BSND', sparse_count=2048, sparse_mode=3, ...)",
+                     "Atlas A3 inference: int8 query and key, quant modes 0 (per token and head) only, weights and "
+                     "both dequant scales float16 (dsrun keeps float32 scales: a cast), head dim 128, query heads at "
+                     "most 64, one key head, paged block size a multiple of 16 up to 1024 (dsrun's is 16); returns "
+                     "the top-k indices itself. Keys and queries rotated by a Hadamard matrix before quantizing, as "
+                     "vllm-ascend and cann-recipes-infer do and dsrun does."),
+    "C8 attention": ("npu_kv_quant_sparse_flash_attention (vllm-ascend's torch.ops._C_ascend op)",
+                     "key int8 on A2/A3, key_quant_mode 2 (per tile), tile_size 128, KV_D 656 only: each token one "
+                     "row [512 int8 latent | 64 BF16 rope key | 4 float32 scales]; dsrun holds the same bytes in "
+                     "three tensors (kv_cache.LatentCache), which a device build would pack into that row."),
+    "int8 x int8 -> int32 product": ("npu_quant_matmul(x1, x2, scale, *, ..., output_dtype=torch.int32)",
+                                     "listed for int8 inputs with int32 output on A2/A3, a scale still required; "
+                                     "dsrun's int8_scores multiplies the INT8 values as float32 (exact for a "
+                                     "128-wide head) on any device."),
+}
+
+
 def install() -> TorchNpuDouble:
     """A fresh double, made the module the NPU branches call, with CPU tensors routed to them."""
     from dsconv.kernels.device import route_to_npu_path

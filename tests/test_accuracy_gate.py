@@ -46,28 +46,32 @@ def heldout_ids(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(text).ids for text in heldout_texts()]
 
 
-def window_logits(shards, cut: list[list[int]]) -> list[torch.Tensor]:
+def window_logits(shards, cut: list[list[int]], kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Every window's logits [len, vocab] from dsrun's model on one rank, in this process, float32."""
     _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
     out = []
     with torch.inference_mode():
         for window in cut:
-            out.append(Steps(new_cache(len(window))).forward(model, [(0, window)]).float())
+            out.append(Steps(new_cache(len(window), kv_cache_dtype)).forward(model, [(0, window)]).float())
     return out
 
 
-def greedy_tokens(shards, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_tokens(shards, prompts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[int]]:
     _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
     with torch.inference_mode():
-        return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts)), prompts, NEW_TOKENS, None)
+        return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts), kv_cache_dtype), prompts,
+                      NEW_TOKENS, None)
 
 
-def top1_agreement(bf16, w8a8, prompts: list[list[int]]) -> float:
+def top1_agreement(bf16, w8a8, prompts: list[list[int]], kv_cache_dtypes=("auto", "auto")) -> float:
     """Share of the positions of BF16's greedy continuations at which W8A8 and BF16, reading the same text, rank
-    the same token first (both through the same forward pass, so only the weights differ)."""
-    texts = [prompt + continuation for prompt, continuation in zip(prompts, greedy_tokens(bf16, prompts))]
+    the same token first (both through the same forward pass, so only the weights differ). Any two sides: each a
+    shard set and its --kv-cache-dtype."""
+    base_kv, other_kv = kv_cache_dtypes
+    texts = [prompt + continuation for prompt, continuation in zip(prompts, greedy_tokens(bf16, prompts, base_kv))]
     matched = scored = 0
-    for prompt, base, quant in zip(prompts, window_logits(bf16, texts), window_logits(w8a8, texts)):
+    for prompt, base, quant in zip(prompts, window_logits(bf16, texts, base_kv),
+                                   window_logits(w8a8, texts, other_kv)):
         predicting = slice(len(prompt) - 1, -1)  # the logits that chose each continuation token
         matched += (base[predicting].argmax(-1) == quant[predicting].argmax(-1)).sum().item()
         scored += base[predicting].shape[0]
@@ -128,6 +132,66 @@ def test_w8a8_accuracy_gate(family, trained_source, gate_shards):
     assert abs(ppl_quant / ppl_base - 1) <= PERPLEXITY_RELATIVE, report
     assert cosines.mean() >= COSINE_MIN, report
     assert agree >= AGREEMENT_MIN[family], report
+
+
+# The gate of issue 24 for the INT8 caches and the indexer recipe (V3.2): perplexity within 0.5% of the
+# reference side's, and the logits' cosine, taken at every position of 32 windows of 128 tokens (longer than
+# index_topk = 8, so the indexer selects from the 9th position on), at least 0.999 on average, as COSINE_MIN above.
+# Averaged over the windows position by position, the worst position is lower: with INT8 keys the indexer's top 8
+# of up to 128 candidates differ where the 8th and 9th scores nearly tie (measured for the INT8 cache: worst
+# position 0.9961 with keys and queries INT8, 0.9972 with float queries, 0.9991 with only the latent INT8).
+# POSITION_COSINE_MIN guards that worst position against a regression, below those figures.
+CACHE_PERPLEXITY_RELATIVE = 0.005
+POSITION_COSINE_MIN = 0.995
+
+
+def gate_figures(family: str, trained_source, base: tuple, other: tuple) -> dict:
+    """base, other: (shards, kv_cache_dtype) -> perplexities, the per-position mean cosine, top-1 agreement."""
+    tokenizer = Tokenizer.from_file(str(trained_source(family) / "tokenizer.json"))
+    ids = [0] + [t for module in heldout_ids(tokenizer) for t in module][:EVAL_TOKENS - 1]
+    cut = [w for w in windows(ids, CONTEXT) if len(w) == CONTEXT]
+    ref, new = window_logits(*base[:1], cut, base[1]), window_logits(*other[:1], cut, other[1])
+    tokens = sum(len(w) - 1 for w in cut)
+    ppl_ref = math.exp(sum(window_nll(l, w) for l, w in zip(ref, cut)) / tokens)
+    ppl_new = math.exp(sum(window_nll(l, w) for l, w in zip(new, cut)) / tokens)
+    cosines = torch.nn.functional.cosine_similarity(torch.stack(ref).double(), torch.stack(new).double(), dim=-1)
+    per_position = cosines.mean(0)  # [CONTEXT]: each position's mean over the windows
+    prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
+    agree = top1_agreement(base[0], other[0], prompts, (base[1], other[1]))
+    return {"ppl_ref": ppl_ref, "ppl_new": ppl_new, "relative": ppl_new / ppl_ref - 1,
+            "position_min": per_position.min().item(), "cosine_mean": cosines.mean().item(), "agreement": agree,
+            "windows": len(cut)}
+
+
+def _gate_report(name: str, figures: dict) -> str:
+    return (f"{name}: perplexity {figures['ppl_ref']:.4f} -> {figures['ppl_new']:.4f} ({figures['relative']:+.3%}) "
+            f"over {figures['windows']} windows; logits cosine mean {figures['cosine_mean']:.6f}, worst position "
+            f"{figures['position_min']:.6f}; top-1 agreement {figures['agreement']:.4f}")
+
+
+def test_int8_kv_cache_gate(trained_source, gate_shards):
+    """--kv-cache-dtype int8 against auto on the trained V3.2 (BF16 weights, float32 compute): the INT8 latent
+    and the A8C8 indexer alone."""
+    bf16, _ = gate_shards("deepseek_v32")
+    figures = gate_figures("deepseek_v32", trained_source, (bf16, "auto"), (bf16, "int8"))
+    report = _gate_report("deepseek_v32 int8 KV cache", figures)
+    print(report)
+    assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
+    assert figures["cosine_mean"] >= COSINE_MIN, report
+    assert figures["position_min"] >= POSITION_COSINE_MIN, report
+
+
+def test_indexer_recipe_gate(trained_source, gate_shards, tmp_path):
+    """Recipe v32-indexer (the indexer's wq_b in W8A8 too) against recipe v3, both W8A8, float32 compute."""
+    _, w8a8 = gate_shards("deepseek_v32")
+    quantize(trained_source("deepseek_v32"), tmp_path / "indexer", recipe="v32-indexer")
+    shard(tmp_path / "indexer", tmp_path / "indexer-shards", Layout(1, 1, 1, 1))
+    figures = gate_figures("deepseek_v32", trained_source, (w8a8, "auto"), (tmp_path / "indexer-shards", "auto"))
+    report = _gate_report("deepseek_v32 recipe v32-indexer vs v3", figures)
+    print(report)
+    assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
+    assert figures["cosine_mean"] >= COSINE_MIN, report
+    assert figures["position_min"] >= POSITION_COSINE_MIN, report
 
 
 def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:

@@ -4,6 +4,7 @@ blocks are consecutive (read as a view of the cache) or scattered (gathered thro
 import pytest
 import torch
 
+from dsconv.family.arch import CacheField
 from dsconv.runner.models import kv_cache as cache_module
 from dsconv.runner.models.kv_cache import LatentCache
 from tests.helpers import Steps
@@ -20,7 +21,7 @@ def row(seq_id: int, position: int) -> list[float]:
                          ids=["one-group", "groups"])
 def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks(gather_rows, groups, monkeypatch):
     monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)  # 20: decodes split into several groups
-    cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32)
+    cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": CacheField(DIM)}, dtype=torch.float32)
     runner = Steps(cache)
     lengths = {0: 0, 1: 0, 2: 0, 3: 0}
     consecutive_seen, scattered_seen = set(), set()
@@ -85,7 +86,7 @@ def check_decode_reads(cache, meta):
 
 
 def test_first_slot_only_for_consecutive_ranges():
-    runner = Steps(LatentCache(layers=1, num_blocks=8, block_size=BLOCK, fields={"a": DIM}, dtype=torch.float32))
+    runner = Steps(LatentCache(layers=1, num_blocks=8, block_size=BLOCK, fields={"a": CacheField(DIM)}, dtype=torch.float32))
     meta = step_meta(runner, [(0, 2), (1, 2)])  # blocks 0 and 1: the step's slots 0, 1, 4, 5 are not one range
     assert meta.first_slot is None
     assert [s.first_slot for s in meta.seqs] == [0, BLOCK]

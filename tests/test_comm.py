@@ -252,8 +252,11 @@ def _start_supervisor(tmp_path, script: str = SUPERVISOR) -> tuple[subprocess.Po
     exited too, which takes seconds more under load and is no part of what the tests claim."""
     path = [str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the test module by name, and dsconv as we see it
+    from tests.helpers import answer_ctrl_c  # here: the ranks import this module by name, without `tests`
+
     with open(tmp_path / "supervisor.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env, stderr=err,
+                                preexec_fn=answer_ctrl_c)  # Ctrl-C reaches it even from a background job
     deadline = time.monotonic() + EVENT_BOUND_S
     while len(list(tmp_path.glob("*.pid"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

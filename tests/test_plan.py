@@ -27,8 +27,9 @@ FLOAT_OUT_BYTES = {Encoding.FP8: 2, Encoding.FP4: 2, Encoding.BF16: 2, Encoding.
                    Encoding.I64: 8}
 INT8_BYTES, SCALE_BYTES = 1, 4
 
+FINE_TP = Layout(ep=16, tp=16, oproj_tp=16, embed_tp=16)
 LAYOUTS = [(V4_FLASH, Layout(ep=16, tp=16)), (V32_EXP, Layout(ep=16, tp=16)),
-           (V32_EXP, Layout(ep=16, tp=16, attn_tp=8))]
+           (V32_EXP, Layout(ep=16, tp=16, attn_tp=8)), (V32_EXP, FINE_TP), (V4_FLASH, Layout(ep=16, tp=16, embed_tp=16))]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,8 @@ def expected(models):
     return get
 
 
-@pytest.mark.parametrize("path,layout", LAYOUTS, ids=["v4-flash-ep16", "v32-ep16", "v32-attn-tp8"])
+@pytest.mark.parametrize("path,layout", LAYOUTS, ids=["v4-flash-ep16", "v32-ep16", "v32-attn-tp8", "v32-fine-tp",
+                                                    "v4-flash-embed-tp"])
 def test_rank_bytes_equal_brute_force(models, plan_entries, expected, path, layout):
     family, arch, specs = models[path]
     check_layout(family, arch, layout)
@@ -190,8 +192,46 @@ def test_cli_errors(tmp_path):
     assert_one_line_error(run_plan("--config", tmp_path / "nope.json"), "nope.json", "does not exist")
     assert_one_line_error(run_plan("--config", V32_EXP, "--seq", 0), "--seq 0")
     assert_one_line_error(run_plan("--config", V32_EXP, "--recipe", "v4"), "recipe 'v4'")
+    assert_one_line_error(run_plan("--config", V4_FLASH, "--kv-cache-dtype", "int8"),
+                          "--kv-cache-dtype int8 is not available for deepseek_v4", "use auto")
+    assert_one_line_error(run_plan("--config", V32_EXP, "--kv-cache-dtype", "fp8"), "not one of auto, int8")
+    assert_one_line_error(run_plan("--config", V4_FLASH, "--oproj-tp", 16), "deepseek_v4 has no o_proj to split")
+    assert_one_line_error(run_plan("--config", V32_EXP, "--oproj-tp", 2, "--attn-tp", 8), "needs attn-tp 1")
+    assert_one_line_error(run_plan("--config", V32_EXP, "--embed-tp", 3), "embed-tp=3 must divide world size 16")
     llama = tmp_path / "config.json"
     llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     assert_one_line_error(run_plan("--config", tmp_path), "model_type='llama'")
     llama.write_text("{not json")
     assert_one_line_error(run_plan("--config", llama), "not valid JSON")
+
+
+def test_cli_json_shows_the_v32_memory_plan(models, expected):
+    """The plan of issue 24 for V3.2-Exp on 16 cards of 64 GB: W8A8 (indexer recipe), INT8 caches, o_proj and
+    embedding TP over all 16 attention-DP ranks, as one JSON object."""
+    result = run_plan("--config", V32_EXP, "--oproj-tp", 16, "--embed-tp", 16, "--kv-cache-dtype", "int8",
+                      "--recipe", "v32-indexer", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    family, arch, _ = models[V32_EXP]
+    kv = report["kv_cache"]
+    # latent: 512 INT8 + 4 float32 scales + 64 BF16 = 656 B; indexer keys: 128 INT8 + 1 scale = 132 B; 61 layers
+    assert kv["bytes_per_token"] == {"MLA latent + rope key": 61 * 656, "indexer keys": 61 * 132}
+    assert kv["bytes_per_token_total"] == 61 * (656 + 132) and kv["dtype"] == "int8"
+    assert report["layout"]["oproj_tp"] == report["layout"]["embed_tp"] == 16
+    bf16, w8a8 = report["precisions"]
+    assert w8a8["recipe"] == "v32-indexer" and bf16["recipe"] is None
+    (row,) = w8a8["ranks"]  # every rank holds the same bytes
+    per_rank, _ = footprint(entries(family, arch, recipe_for("v32-indexer", family)), family, arch, FINE_TP)
+    assert row["ranks"] == list(range(16)) and row["weights"] == per_rank[0]
+    assert row["weights_total"] == sum(per_rank[0].values())
+    card = 64 * GB
+    assert row["headroom"] == card - row["weights_total"] - kv["bytes_for_batch"]
+    assert row["tokens_fit"] == (card - row["weights_total"]) // kv["bytes_per_token_total"]
+    # the default layout replicates o_proj and the embedding; split, they fit the card with room for a cache
+    default = footprint(entries(family, arch, recipe_for("v32-indexer", family)), family, arch,
+                        Layout(ep=16, tp=16))[0][0]
+    assert sum(default.values()) > card > row["weights_total"]
+    print(f"V3.2-Exp W8A8 v32-indexer, DP16/EP16/lm_head TP16 + o_proj/embedding TP16, int8 KV: weights "
+          f"{row['weights_total'] / GB:.2f} GB (default layout {sum(default.values()) / GB:.2f} GB), headroom "
+          f"{(card - row['weights_total']) / GB:.2f} GB, {row['tokens_fit']:,} tokens per DP rank; auto KV: "
+          f"{int((card - row['weights_total']) // sum(kv_cache_bytes_per_token(family, arch).values())):,} tokens")

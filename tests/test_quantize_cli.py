@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dsconv.cli import app
+from tests.helpers import answer_ctrl_c
 
 INDEX = "model.safetensors.index.json"
 OUT_INDEX = "quant_model_weights.safetensors.index.json"
@@ -237,7 +238,7 @@ def cli_process(src, out, *extra, pause_at: Path | None = None):
     args = [str(src), str(out), *QUANTIZE_ARGS, *extra]
     entry = ["-m", "dsconv.cli", "quantize"] if pause_at is None else ["-c", PAUSING_QUANTIZE, str(pause_at)]
     return subprocess.Popen([sys.executable, *entry, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=answer_ctrl_c)
 
 
 def wait_for_pause(proc: subprocess.Popen, ready: Path) -> None:

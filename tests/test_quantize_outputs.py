@@ -79,3 +79,49 @@ def test_recipes_pick_the_documented_linears(tiny_source, family):
     assert not any(item.weight.spec.mtp for item in plan.items if item.action == "int8")
     if family == "deepseek_v32":  # msModelSlim keeps the whole Lightning indexer float
         assert not any(".indexer." in n for n in int8)
+
+
+# vllm-ascend's per-layer rule for msModelSlim's layout (vllm_ascend/quantization/modelslim_config.py, at
+# vllm-ascend 182b75ea; quant_config.py before 2026-01): a linear built with quant_config reads
+# quant_model_description.json at `prefix + ".weight"`; "FLOAT" makes it unquantized, "W8A8_DYNAMIC" an INT8
+# AscendW8A8DynamicLinearMethod; a missing key raises KeyError; a packed layer (deepseek_v32's fused_qkv_a_proj =
+# q_a_proj + kv_a_proj_with_mqa, gate_up_proj = gate_proj + up_proj) reads each shard's key and raises ValueError
+# when they differ. vLLM's V3.2 Indexer (vllm/model_executor/models/deepseek_v2.py, used by vllm-ascend's
+# patch_deepseek_v2.py) builds wq_b with quant_config and wk + weights_proj as one MergedColumnParallelLinear with
+# quant_config=None: those two are always loaded as float weights.
+VLLM_ASCEND_PACKED = {"fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def vllm_ascend_quant_type(description: dict, prefix: str) -> str:
+    """What vllm-ascend makes of a linear built with quant_config, or the exception it raises."""
+    parent, _, name = prefix.rpartition(".")
+    shards = VLLM_ASCEND_PACKED.get(name, (name,))
+    types = {description[f"{parent}.{shard}.weight"] for shard in shards}  # KeyError when missing, as there
+    if len(types) != 1:
+        raise ValueError(f"{prefix}: shards of a fused layer have different quant types {types}")
+    return types.pop()
+
+
+def test_v32_indexer_recipe_as_vllm_ascend_loads_it(tiny_source, tmp_path):
+    quantize(tiny_source("deepseek_v32"), tmp_path / "out", recipe="v32-indexer")
+    out = tmp_path / "out"
+    description = json.loads((out / DESCRIPTION_NAME).read_text())
+    tensors, _ = read_all(out, "quant_model_weights.safetensors.index.json")
+    config = json.loads((out / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        attn = f"model.layers.{layer}.self_attn"
+        expected = {f"{attn}.fused_qkv_a_proj": ASCEND_FLOAT, f"{attn}.q_b_proj": ASCEND_INT8,
+                    f"{attn}.kv_b_proj": ASCEND_FLOAT, f"{attn}.o_proj": ASCEND_INT8,
+                    f"{attn}.indexer.wq_b": ASCEND_INT8}
+        for prefix, quant_type in expected.items():
+            assert vllm_ascend_quant_type(description, prefix) == quant_type, prefix
+        wq_b = f"{attn}.indexer.wq_b"
+        assert tensors[f"{wq_b}.weight"].dtype == torch.int8
+        assert tensors[f"{wq_b}.weight_scale"].shape == (tensors[f"{wq_b}.weight"].shape[0], 1)
+        for float_only in ("wk", "weights_proj"):  # built with quant_config=None: must be float weights
+            name = f"{attn}.indexer.{float_only}.weight"
+            assert description[name] == ASCEND_FLOAT and tensors[name].dtype == torch.bfloat16
+    # recipe v3 (msModelSlim's V3.2 recipes exclude *wq_b): the same key says FLOAT
+    quantize(tiny_source("deepseek_v32"), tmp_path / "v3")
+    v3 = json.loads((tmp_path / "v3" / DESCRIPTION_NAME).read_text())
+    assert vllm_ascend_quant_type(v3, "model.layers.0.self_attn.indexer.wq_b") == ASCEND_FLOAT

@@ -1,10 +1,13 @@
 """Sharded runs give the same tokens as one process: world 1, 2 and 16 (EP16 + lm_head TP16), V3.2 also with
-attention DP2 x TP8, several prompts of different lengths spread over the attention-DP ranks."""
+attention DP2 x TP8, and with o_proj and embedding TP over all 16 attention-DP ranks, several prompts of different
+lengths spread over the attention-DP ranks."""
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from dsconv.family.layout import Layout
-from tests.helpers import NEW_TOKENS, run_ranks, shard
+from tests.helpers import NEW_TOKENS, PROMPTS, run_ranks, shard
 
 pytestmark = pytest.mark.slow  # multi-process or large-checkpoint runs
 
@@ -31,3 +34,34 @@ def test_w8a8_same_tokens_at_world_16_as_world_1(w8a8_source, tmp_path):
         shard(w8a8_source("deepseek_v3"), shards, layout)
         tokens.append(run_ranks(shards, tmp_path))
     assert tokens[1] == tokens[0]
+
+
+FINE_TP = Layout(16, 16, 16, 1, oproj_tp=16, embed_tp=16)
+
+
+def test_oproj_and_embedding_tp_tokens_equal_transformers(tiny_source, tmp_path):
+    """V3.2 at world 16 with o_proj and the embedding split over all 16 attention-DP ranks: float32 greedy tokens
+    equal transformers' generate on the same weights."""
+    shards = tmp_path / "fine-tp"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, FINE_TP)
+    assert {p.name.split("-0")[0] for p in shards.iterdir() if p.is_dir()} >= {"oproj-tp", "embed-tp"}
+    reference = AutoModelForCausalLM.from_pretrained(tiny_source("deepseek_v32", "bf16"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in PROMPTS]
+    assert run_ranks(shards, tmp_path) == expected
+
+
+def test_w8a8_oproj_tp_and_int8_cache_same_tokens_as_world_1(w8a8_source, tmp_path):
+    """W8A8 with o_proj TP (INT8 activations exchanged with their per-token scales) and embedding TP, and the
+    INT8 KV cache: the same tokens at world 16 as in one process. Each prompt runs alone on its attention-DP rank
+    at world 16, so each runs alone at world 1 too: batched with the others, a product of a different row count
+    rounds its last bits differently, and on this random-weight model an INT8 cache entry near a rounding
+    boundary can turn that into another step of the grid and a near-tie into another token."""
+    w1, w16 = tmp_path / "w8a8-w1", tmp_path / "w8a8-w16"
+    shard(w8a8_source("deepseek_v32"), w1, Layout(1, 1, 1, 1))
+    shard(w8a8_source("deepseek_v32"), w16, FINE_TP)
+    for kv in ("auto", "int8"):
+        alone = [run_ranks(w1, tmp_path, prompts=[ids], kv_cache_dtype=kv, results_name=f"w1-{kv}-{i}")[0]
+                 for i, ids in enumerate(PROMPTS)]
+        assert run_ranks(w16, tmp_path, kv_cache_dtype=kv, results_name=f"w16-{kv}") == alone, kv

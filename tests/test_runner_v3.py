@@ -11,7 +11,8 @@ from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.layers import Proj
-from dsconv.runner.models.deepseek_v3 import DeepseekV3, cache_fields
+from dsconv.family.deepseek_v3 import cache_fields
+from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.weights import load_manifest, load_rank
 from dsconv.family.layout import Layout
 from tests.helpers import Recorder, Steps, cosine, last_rows, shard

@@ -449,3 +449,31 @@ def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_so
         assert reasoning == before and message.content == (after if closed else None)
     else:
         assert message.content == text and reasoning is None
+
+
+def test_int8_kv_cache_server_fills_its_byte_budget(tiny_source, tmp_path):
+    """`--kv-cache-dtype int8 --kv-cache-memory-bytes B`: the server sizes its cache to as many whole blocks as
+    B holds in the INT8 layout (what it reports when ready), more than twice what auto's float32 entries fit on
+    CPU, and serves with it."""
+    from dsconv.family.arch import family_for
+    from dsconv.family.deepseek_v3 import cache_fields
+    from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
+
+    shards = tmp_path / "v32-int8"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(1, 1, 1, 1))
+    config = json.loads((shards / "config.json").read_text())
+    cfg = family_for(config).parse_config(config)
+    budget = 3 << 20
+    per_token = {kv: LatentCache(cfg.num_hidden_layers, 1, BLOCK_SIZE, cache_fields(cfg, kv), torch.float32, "meta")
+                 .bytes_per_token for kv in ("auto", "int8")}
+    tokens = budget // (per_token["int8"] * BLOCK_SIZE) * BLOCK_SIZE
+    assert tokens > 2 * budget // per_token["auto"]
+    server = Server(shards, tmp_path / "server.log", "--dtype", "float32", "--kv-cache-dtype", "int8",
+                    "--kv-cache-memory-bytes", budget)
+    try:
+        assert f"KV cache {tokens} tokens per DP rank (int8)" in server.log()
+        out = server.openai().completions.create(model="v32-int8", prompt=list(range(5, 45)), max_tokens=4,
+                                                 temperature=0)
+        assert len(out.choices[0].text) > 0 and out.usage.completion_tokens == 4
+    finally:
+        assert server.stop() == 0, server.log()

@@ -156,3 +156,36 @@ def test_shape_lie_in_file_and_manifest_is_caught_by_the_inventory(shards):
 
     edit_manifest(shards, lie)
     assert_problem(run_verify(shards), "layers.1.attn.wq_b.weight", "does not match the model's")
+
+
+@pytest.fixture(scope="session")
+def fine_tp_shards(w8a8_source, tmp_path_factory):
+    """V3.2 W8A8 with o_proj and the embedding split over all 16 ranks."""
+    out = tmp_path_factory.mktemp("fine-tp") / "shards"
+    shard(w8a8_source("deepseek_v32"), out, Layout(16, 16, 16, 1, oproj_tp=16, embed_tp=16))
+    return out
+
+
+def test_fine_tp_slices_are_checked(fine_tp_shards, tmp_path):
+    assert run_verify(fine_tp_shards).exit_code == 0
+    manifest = json.loads((fine_tp_shards / "manifest.json").read_text())
+    assert manifest["layout"]["oproj_tp"] == manifest["layout"]["embed_tp"] == 16
+    modes = {t["name"].split(".")[-2]: t["mode"] for t in manifest["tensors"] if t["scale_of"] is None}
+    assert modes["o_proj"] == "oproj_split" and modes["embed_tokens"] == "embed_split"
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    for name, edit, needle in (
+            (o_proj, lambda t: t["split"].update(start=t["split"]["start"] - 4), "overlap"),
+            ("model.embed_tokens.weight", None, "on no rank"),
+            (o_proj, lambda t: t.update(ranks=[2, 3]), "placement")):
+        copy = tmp_path / f"copy-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(fine_tp_shards, copy)
+
+        def change(manifest, name=name, edit=edit):
+            pieces = [t for t in manifest["tensors"] if t["name"] == name and t["ranks"] == [3]]
+            if edit is None:
+                manifest["tensors"] = [t for t in manifest["tensors"] if t not in pieces]
+            else:
+                edit(pieces[0])
+
+        edit_manifest(copy, change)
+        assert_problem(run_verify(copy), name.split(".")[-2], needle)

@@ -14,15 +14,30 @@ from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import StepMeta
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, StepMeta
 from dsconv.runner.models.registry import model_for
 from dsconv.runner.models.weights import load_rank
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+class CacheFactory:
+    """A model's caches: `factory(tokens, kv_cache_dtype)` makes one holding `tokens` tokens per rank;
+    `tokens_in(nbytes, kv_cache_dtype)` says how many tokens fit in a byte budget (whole blocks)."""
+
+    def __init__(self, entry, cfg, model, device: torch.device):
+        self.entry, self.cfg, self.model, self.device = entry, cfg, model, device
+
+    def __call__(self, tokens: int, kv_cache_dtype: str = "auto"):
+        return self.entry.new_cache(self.cfg, self.model, tokens, self.device, kv_cache_dtype)
+
+    def tokens_in(self, nbytes: int, kv_cache_dtype: str = "auto") -> int:
+        per_block = self.entry.bytes_per_token(self.cfg, self.model, kv_cache_dtype) * BLOCK_SIZE
+        return nbytes // per_block * BLOCK_SIZE
+
+
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
-    """-> (model, its config, new_cache(capacity_tokens) -> the cache its forward takes), by the shards' family."""
+    """-> (model, its config, a CacheFactory for the cache its forward takes), by the shards' family."""
     config = manifest["model"]["config"]
     family = family_for(config)
     entry = model_for(family.name)
@@ -30,7 +45,7 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
     flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
     weights = load_rank(shards, manifest, rank, dist.device)
     model = entry.new_model(cfg, weights, dist, dtype)
-    return model, cfg, lambda tokens: entry.new_cache(cfg, model, tokens, dist.device)
+    return model, cfg, CacheFactory(entry, cfg, model, dist.device)
 
 
 def rank_device(device: str) -> torch.device:

@@ -21,12 +21,12 @@ from dsconv.runner.entrypoints.ranks import gather_results
 
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
               dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
-              device: str = "cpu") -> None:
+              device: str = "cpu", kv_cache_dtype: str = "auto") -> None:
     """`dsrun generate`: the serving engine's loop with every prompt submitted at the start (prompt i pinned to
     attention-DP index i % dp), greedy, until all have finished."""
     rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
     layout = manifest["layout"]
-    worker = Worker(model, new_cache(cache_tokens), dist, dp_index=rank // layout["attn_tp"])
+    worker = Worker(model, new_cache(cache_tokens, kv_cache_dtype), dist, dp_index=rank // layout["attn_tp"])
     result = {"rank": rank, "prompts": [], "generated": [], "prefill_s": 0.0, "decode_s": 0.0}
     if rank == 0:
         result.update(_generate_on_rank0(worker, manifest, prompts, max_new_tokens, eos_id, stream_tokenizer))

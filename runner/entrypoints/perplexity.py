@@ -42,10 +42,10 @@ def windows(ids: list[int], context: int) -> list[list[int]]:
 
 
 def rank_main(shards: str, manifest: dict, windows: list[list[int]], dtype: str, result_dir: str,
-              device: str = "cpu", progress: bool = False) -> None:
+              device: str = "cpu", progress: bool = False, kv_cache_dtype: str = "auto") -> None:
     rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
     longest = max(map(len, windows))
-    worker = Worker(model, new_cache(longest), dist, dp_index=rank // manifest["layout"]["attn_tp"])
+    worker = Worker(model, new_cache(longest, kv_cache_dtype), dist, dp_index=rank // manifest["layout"]["attn_tp"])
     result = {"rank": rank, "nll": 0.0, "tokens": 0}
     started = time.perf_counter()
     if rank == 0:

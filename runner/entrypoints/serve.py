@@ -33,12 +33,14 @@ SERVER_START_S = 30.0  # how long uvicorn may take to bind before the server giv
 
 def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: str, host: str, port: int,
               model_name: str, tokenizer_path: str, max_num_seqs: int, max_num_batched_tokens: int,
-              cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float) -> None:
+              cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float,
+              kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
-        worker = Worker(model, new_cache(cache_tokens), dist, dp_index=rank // manifest["layout"]["attn_tp"])
+        cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
+        worker = Worker(model, cache, dist, dp_index=rank // manifest["layout"]["attn_tp"])
         torch.distributed.barrier()  # every rank has loaded
         follow(worker)
         return
@@ -58,21 +60,32 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
     signal.signal(signal.SIGTERM, lambda *_: client.drain())
     try:
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
-        cache = new_cache(cache_tokens)
+        cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
         scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs, max_num_batched_tokens,
                               config.get("eos_token_id"), balancing)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0), world, layout["attn_tp"], metrics))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
-        client.set_ready()
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({world} ranks, "
-              f"DP {layout['dp']} x attention TP {layout['attn_tp']}, EP {layout['ep']})", flush=True)
+              f"DP {layout['dp']} x attention TP {layout['attn_tp']}, EP {layout['ep']}); KV cache "
+              f"{cache.num_blocks * cache.block_size} tokens per DP rank ({kv_cache_dtype})", flush=True)
+        client.set_ready()  # after the line above: a client that sees /health 200 finds it in the log
         client.run()
     finally:
         server.should_exit = True
         thread.join(timeout=SERVER_START_S)
     print("dsrun serve: stopped", flush=True)
+
+
+def _new_cache(new_cache, cache_tokens: int, kv_cache_dtype: str, memory_bytes: int | None):
+    """The rank's cache: --cache-tokens tokens, or as many as --kv-cache-memory-bytes holds (every rank computes
+    the same count from the same shapes, so the block pools agree)."""
+    if memory_bytes is not None:
+        cache_tokens = new_cache.tokens_in(memory_bytes, kv_cache_dtype)
+        if cache_tokens < 1:
+            raise InputError(f"--kv-cache-memory-bytes {memory_bytes} holds less than one block of the KV cache")
+    return new_cache(cache_tokens, kv_cache_dtype)
 
 
 def _start_http(app, host: str, port: int):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dsconv.family.deepseek_v3 import V3Config
 from dsconv.kernels.attention import attention
+from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
@@ -87,7 +88,7 @@ class Attention:
             rows = decode.rows
             out[rows] = self.decode(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
                                     step_rope, rows, cache, layer, decode, scale)
-        o = self.wo(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+        o = self.dist.oproj(out.reshape(x.shape[0], heads * cfg.v_head_dim), self.wo)  # o_proj TP: an exchange
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
     def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
@@ -143,7 +144,9 @@ class Attention:
 
 
 class Indexer:
-    """V3.2's Lightning indexer: scores every cached position per query, keeps the top `index_topk`."""
+    """V3.2's Lightning indexer: scores every cached position per query, keeps the top `index_topk`. With an INT8
+    key cache the scores are A8C8: keys and queries rotated by a Hadamard matrix (dot products unchanged, outliers
+    spread), quantized per token (queries per token and head), INT8 x INT8 sums, scales applied after."""
 
     def __init__(self, cfg: V3Config, w: RankWeights, prefix: str, dtype: torch.dtype):
         self.cfg = cfg
@@ -151,21 +154,34 @@ class Indexer:
         # the LayerNorm's parameters in the compute dtype, once (F.layer_norm wants them in the input's dtype)
         self.k_norm_weight = cast(w.take(f"{prefix}.k_norm.weight"), dtype)
         self.k_norm_bias = cast(w.take(f"{prefix}.k_norm.bias"), dtype)
+        # an INT8 key cache stores keys rotated by H and scores queries rotated alike (same dot products)
+        self.rotation = hadamard(cfg.index_head_dim, torch.float32, w.device)
 
     def write_keys(self, k, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
         """k [T, index_head_dim]: wk of the layer input, normed, rotated and cached here."""
         cfg = self.cfg
         k = F.layer_norm(k, (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias, INDEXER_K_NORM_EPS)
         k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
+        if cache.is_int8("index_k"):
+            k = self.rotate(k)
         cache.write(layer, meta, index_k=k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] @ H, multiplied in float32 and returned in x's dtype: what the A8C8 path quantizes."""
+        return torch.matmul(x.float(), self.rotation).to(x.dtype)
 
     def select(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, seq, allowed) -> torch.Tensor:
         """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
         per query the context positions of its top k = min(index_topk, C) index scores."""
         q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
-        (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
-        # torch.mm: einsum and matmul fold to this product, with per-call setup on top
-        scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
+        if cache.is_int8("index_k"):  # A8C8: INT8 queries against the INT8 key cache
+            keys, key_scale = cache.read_int8(layer, "index_k", seq=seq)  # [C, dim] int8, [C, 1]
+            q_int8, q_scale = quantize_tokens(self.rotate(q).view(-1, q.shape[-1]))  # a scale per query, head
+            scores = int8_scores(q_int8, q_scale, keys, key_scale).view(*q.shape[:2], -1)
+        else:
+            (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
+            # torch.mm: einsum and matmul fold to this product, with per-call setup on top
+            scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
         return self.top(self.index(scores, head_weights).masked_fill(~allowed, float("-inf")))
 
     def select_decode(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int,
@@ -174,8 +190,12 @@ class Indexer:
         after every real one, so a context shorter than index_topk keeps all its positions and pads the rest).
         -> [B, k] positions, k = min(index_topk, longest context)."""
         q = self.queries(q_resid, cos, sin)  # [B, heads, dim]
-        keys = cache.read_decode(layer, decode, "index_k")  # [B, C, dim]
-        scores = torch.bmm(q.float(), cast(keys, torch.float32).transpose(1, 2))  # [B, heads, C]
+        if cache.is_int8("index_k"):  # A8C8: INT8 queries against the INT8 key cache
+            keys, key_scale = cache.read_int8(layer, "index_k", decode=decode)  # [B, C, dim] int8, [B, C, 1]
+            scores = int8_scores(*quantize_tokens(self.rotate(q)), keys, key_scale)  # [B, heads, C]
+        else:
+            keys = cache.read_decode(layer, decode, "index_k")  # [B, C, dim]
+            scores = torch.bmm(q.float(), cast(keys, torch.float32).transpose(1, 2))  # [B, heads, C]
         index = self.index(scores, head_weights)
         return self.top(index if decode.valid is None else index.masked_fill(~decode.valid, float("-inf")))
 
@@ -256,7 +276,8 @@ class DeepseekV3:
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
-        x = cast(F.embedding(tokens, self.embed), self.dtype)
+        self.dist.start_step(tokens.shape[0])
+        x = cast(self.dist.embed(tokens, self.embed), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
@@ -279,12 +300,3 @@ def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
 def _is_mtp(name: str, cfg: V3Config) -> bool:
     parts = name.split(".")
     return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers
-
-
-def cache_fields(cfg: V3Config) -> dict[str, int]:
-    """What MLA caches per token and layer: the normalized latent and the rotated shared key (one row, as
-    vLLM's MLA cache keeps them), V3.2's index keys."""
-    fields = {"c_kv_k_pe": cfg.kv_lora_rank + cfg.qk_rope_head_dim}  # side by side: one gather per decode read
-    if cfg.has_indexer:
-        fields["index_k"] = cfg.index_head_dim
-    return fields

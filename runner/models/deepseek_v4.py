@@ -437,7 +437,8 @@ class DeepseekV4:
 
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
-        x = F.embedding(tokens, self.embed).to(self.dtype)  # [T, D]
+        self.dist.start_step(tokens.shape[0])
+        x = self.dist.embed(tokens, self.embed).to(self.dtype)  # [T, D]; embedding TP: an exchange
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
         for layer, block in enumerate(self.layers):
             streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])

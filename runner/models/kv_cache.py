@@ -8,6 +8,11 @@ field, `c_kv_k_pe`, so decode gathers a token's latent key with one read; V3.2 a
 as a view of the cache, and a step whose slots form one range writes into a view: no gather, no scatter, no
 copy of the context per layer and step; otherwise reads gather through the sequence's slots.
 
+Under --kv-cache-dtype int8 a field's leading `int8_dims` values (family.arch.CacheField: V3's latent, V3.2's
+indexer keys) are stored as INT8 with a float32 scale per token, in `<name>.int8` and `<name>.scale`, and the
+rest (V3's rope key) in `<name>.rest`, in the compute dtype; `read` returns them dequantized, `read_int8` as
+stored, for products that take INT8 (the indexer's A8C8 scoring).
+
 The cache allocates nothing: the scheduler's block pool (runner/engine/block_pool.py) chooses every sequence's
 blocks and each step's Batch carries its block tables and slot mapping, which `prepare_meta` turns into the
 step's metadata. DeepSeek-V4's state (window, compressors) is in v4_state.py, with the same two methods.
@@ -19,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dsconv.family.arch import CacheField
 from dsconv.kernels.attention import causal_mask
+from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast
 from dsconv.runner.models.batch import Batch, slots
 
@@ -111,13 +118,36 @@ def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 class LatentCache:
-    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, int], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
+                 dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):
+        """fields: name -> what a token keeps per layer; dtype: the entries' dtype (and that of dequantized
+        reads); rest_dtype: an INT8 field's unquantized part (default: dtype)."""
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
-        self.data = {name: torch.zeros(layers, num_blocks * block_size, dim, dtype=dtype, device=self.device)
-                     for name, dim in fields.items()}
+        self.fields, self.dtype = fields, dtype
+        slots_total = num_blocks * block_size
+
+        def zeros(dim: int, part_dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(layers, slots_total, dim, dtype=part_dtype, device=self.device)
+
+        self.data: dict[str, torch.Tensor] = {}
+        for name, field in fields.items():
+            if not field.int8_dims:
+                self.data[name] = zeros(field.dim, dtype)
+                continue
+            self.data[f"{name}.int8"] = zeros(field.int8_dims, torch.int8)
+            self.data[f"{name}.scale"] = zeros(field.scales, torch.float32)
+            if field.dim > field.int8_dims:
+                self.data[f"{name}.rest"] = zeros(field.dim - field.int8_dims, rest_dtype or dtype)
         self.lengths: dict[int, int] = {}  # seq_id -> tokens cached, as of its last step
         self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [length] the slots of its positions so far
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's entries take over every layer, from the tensors themselves."""
+        return sum(t.shape[0] * t.shape[2] * t.element_size() for t in self.data.values())
+
+    def is_int8(self, name: str) -> bool:
+        return self.fields[name].int8_dims > 0
 
     def prepare_meta(self, batch: Batch) -> StepMeta:
         """The step's metadata (positions, slots, each sequence's context and causal mask, the decode groups)
@@ -163,29 +193,76 @@ class LatentCache:
                           decodes[0].first_slot if len(decodes) == 1 else None)
 
     def write(self, layer: int, meta: StepMeta, **values: torch.Tensor) -> None:
-        """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype)."""
+        """values [T, dim] per field, stored at the step's slots (converted to the cache's dtype, or quantized)."""
         for name, value in values.items():
-            if meta.first_slot is not None:  # one range (every decode step of one sequence): a copy into a view
-                self.data[name][layer].narrow(0, meta.first_slot, value.shape[0]).copy_(value)
-            else:
-                self.data[name][layer].index_copy_(0, meta.slots, cast(value, self.data[name].dtype))
+            field = self.fields[name]
+            if not field.int8_dims:
+                self._store(name, layer, meta, value)
+                continue
+            tokens = value.shape[0]
+            q, scale = quantize_tokens(value[:, :field.int8_dims].reshape(tokens, field.scales, field.scale_tile))
+            self._store(f"{name}.int8", layer, meta, q.view(tokens, field.int8_dims))
+            self._store(f"{name}.scale", layer, meta, scale.view(tokens, field.scales))
+            if field.dim > field.int8_dims:
+                self._store(f"{name}.rest", layer, meta, value[:, field.int8_dims:])
+
+    def _store(self, part: str, layer: int, meta: StepMeta, value: torch.Tensor) -> None:
+        target = self.data[part][layer]
+        if meta.first_slot is not None:  # one range (every decode step of one sequence): a copy into a view
+            target.narrow(0, meta.first_slot, value.shape[0]).copy_(value)
+        else:
+            target.index_copy_(0, meta.slots, cast(value, target.dtype))
 
     def read(self, layer: int, seq: SeqStep, *names: str) -> list[torch.Tensor]:
         """The cached entries of the sequence's whole context, one [context_len, dim] tensor per name."""
-        if seq.first_slot is not None:  # consecutive blocks: a view, no gather (a single sequence's usual case)
-            return [self.data[name][layer].narrow(0, seq.first_slot, seq.context_len) for name in names]
-        # index_select: tensor[index]'s gather without advanced indexing's per-call setup
-        return [torch.index_select(self.data[name][layer], 0, seq.context_slots) for name in names]
+        # consecutive blocks: a view, no gather (a single sequence's usual case)
+        return [self._entries(layer, name, seq.first_slot, seq.context_len, seq.context_slots) for name in names]
 
     def read_decode(self, layer: int, decode: DecodeRows, name: str) -> torch.Tensor:
         """[B, max_context, dim]: the decode sequences' cached entries, padded (see decode.valid)."""
         if decode.first_slot is not None:
-            return self.data[name][layer].narrow(0, decode.first_slot, decode.max_context)[None]
+            return self._entries(layer, name, decode.first_slot, decode.max_context, None)[None]
         return self.read_slots(layer, name, decode.slots)
 
     def read_slots(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
         """[*slots.shape, dim]: the entries at these slots."""
-        return torch.index_select(self.data[name][layer], 0, slots.flatten()).view(*slots.shape, -1)
+        return self._entries(layer, name, None, 0, slots)
+
+    def read_int8(self, layer: int, name: str, seq: SeqStep | None = None,
+                  decode: DecodeRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An INT8 field as stored, (int8 [..., int8_dims], float32 scales [..., scales]: one per tile), for one
+        sequence's context ([C, ...]) or a decode group's ([B, max_context, ...])."""
+        if seq is not None:
+            return tuple(self._rows(self.data[f"{name}.{part}"][layer], seq.first_slot, seq.context_len,
+                                    seq.context_slots) for part in ("int8", "scale"))
+        if decode.first_slot is not None:
+            return tuple(self._rows(self.data[f"{name}.{part}"][layer], decode.first_slot, decode.max_context,
+                                    None)[None] for part in ("int8", "scale"))
+        return tuple(self._rows(self.data[f"{name}.{part}"][layer], None, 0, decode.slots)
+                     for part in ("int8", "scale"))
+
+    def _entries(self, layer: int, name: str, first_slot: int | None, count: int,
+                 slots: torch.Tensor | None) -> torch.Tensor:
+        """A field's entries at one range of slots (first_slot, count) or at `slots`, in the cache's dtype: as
+        stored, or dequantized from INT8 (a new tensor)."""
+        field = self.fields[name]
+        if not field.int8_dims:
+            return self._rows(self.data[name][layer], first_slot, count, slots)
+        q, scale = (self._rows(self.data[f"{name}.{part}"][layer], first_slot, count, slots)
+                    for part in ("int8", "scale"))
+        tiles = (*q.shape[:-1], field.scales, field.scale_tile)
+        values = dequantize_tokens(q.view(tiles), scale[..., None], self.dtype).view(*q.shape)
+        if field.dim == field.int8_dims:
+            return values
+        rest = self._rows(self.data[f"{name}.rest"][layer], first_slot, count, slots)
+        return torch.cat([values, cast(rest, self.dtype)], dim=-1)
+
+    @staticmethod
+    def _rows(stored: torch.Tensor, first_slot: int | None, count: int, slots: torch.Tensor | None) -> torch.Tensor:
+        if first_slot is not None:
+            return stored.narrow(0, first_slot, count)
+        # index_select: tensor[index]'s gather without advanced indexing's per-call setup
+        return torch.index_select(stored, 0, slots.flatten()).view(*slots.shape, -1)
 
     def release(self, seq_id: int) -> None:
         """Forgets a finished (or preempted) sequence; its blocks are the pool's to reuse."""

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dsconv.errors import InputError
-from dsconv.runner.models.deepseek_v3 import DeepseekV3, cache_fields
+from dsconv.family.deepseek_v3 import cache_fields
+from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
 from dsconv.runner.models.v4_state import V4Cache
@@ -17,21 +18,37 @@ from dsconv.runner.models.v4_state import V4Cache
 @dataclass(frozen=True)
 class ModelEntry:
     new_model: Callable[[Any, Any, Any, Any], Any]  # (config, RankWeights, Dist, dtype) -> model
-    new_cache: Callable[[Any, Any, int, Any], Any]  # (config, model, capacity_tokens, device) -> cache
+    # (config, model, capacity_tokens, device, kv_cache_dtype) -> cache; the dtype is one the family accepts
+    # (family.arch.check_kv_cache_dtype)
+    new_cache: Callable[[Any, Any, int, Any, str], Any]
+    # (config, model, kv_cache_dtype) -> the bytes one token's cache entries take, as the cache allocates them
+    bytes_per_token: Callable[[Any, Any, str], int]
 
 
-def _latent_cache(cfg, model, capacity_tokens: int, device):
-    return LatentCache(cfg.num_hidden_layers, -(-capacity_tokens // BLOCK_SIZE), BLOCK_SIZE, cache_fields(cfg),
-                       model.cache_dtype, device)
+def _latent_cache(cfg, model, capacity_tokens: int, device, kv_cache_dtype: str = "auto"):
+    # INT8 fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
+    return LatentCache(cfg.num_hidden_layers, -(-capacity_tokens // BLOCK_SIZE), BLOCK_SIZE,
+                       cache_fields(cfg, kv_cache_dtype), model.cache_dtype, device, rest_dtype=model.dtype)
 
 
-def _v4_state(cfg, model, capacity_tokens: int, device):
+def _latent_bytes_per_token(cfg, model, kv_cache_dtype: str) -> int:
+    return _latent_cache(cfg, model, 0, "meta", kv_cache_dtype).bytes_per_token
+
+
+def _v4_state(cfg, model, capacity_tokens: int, device, kv_cache_dtype: str = "auto"):
+    if kv_cache_dtype != "auto":  # the CLI refuses it first (family.arch.check_kv_cache_dtype)
+        raise InputError(f"--kv-cache-dtype {kv_cache_dtype} is not available for deepseek_v4")
     return V4Cache(cfg, capacity_tokens, model.dtype, device)  # compressor state in the model dtype
 
 
-V3 = ModelEntry(DeepseekV3, _latent_cache)
+def _v4_bytes_per_token(cfg, model, kv_cache_dtype: str) -> int:
+    raise InputError("a byte budget for the KV cache is not available for deepseek_v4 (its windows and compressor "
+                     "state are per sequence): size it with --cache-tokens")
+
+
+V3 = ModelEntry(DeepseekV3, _latent_cache, _latent_bytes_per_token)
 MODELS: dict[str, ModelEntry] = {"deepseek_v3": V3, "deepseek_v32": V3,
-                                 "deepseek_v4": ModelEntry(DeepseekV4, _v4_state)}
+                                 "deepseek_v4": ModelEntry(DeepseekV4, _v4_state, _v4_bytes_per_token)}
 
 
 def model_for(model_type: str) -> ModelEntry:
