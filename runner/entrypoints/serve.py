@@ -8,6 +8,7 @@ the job exits 0.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import threading
@@ -34,7 +35,8 @@ SERVER_START_S = 30.0  # how long uvicorn may take to bind before the server giv
 def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: str, host: str, port: int,
               model_name: str, tokenizer_path: str, max_num_seqs: int, max_num_batched_tokens: int,
               cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float,
-              kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None) -> None:
+              kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
+              api_key: str | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -56,7 +58,10 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
                           model_name=model_name, tokenizer=Tokenizer.from_file(tokenizer_path),
                           family=family_for(config), tokenizer_config=read_tokenizer_config(Path(tokenizer_path).parent),
                           bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"))
-    server, port, thread = _start_http(create_app(client, metrics.registry), host, port)
+    server, port, thread = _start_http(create_app(client, metrics.registry, api_key), host, port)
+    if api_key is None and not _loopback(host):
+        print(f"dsrun serve: WARNING: listening on {host} without --api-key: anyone who can reach the port can use "
+              f"the model", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: client.drain())
     try:
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
@@ -86,6 +91,15 @@ def _new_cache(new_cache, cache_tokens: int, kv_cache_dtype: str, memory_bytes: 
         if cache_tokens < 1:
             raise InputError(f"--kv-cache-memory-bytes {memory_bytes} holds less than one block of the KV cache")
     return new_cache(cache_tokens, kv_cache_dtype)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def _start_http(app, host: str, port: int):

@@ -18,7 +18,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default; SamplingParams' own de
 THINKING_KEYS = ("thinking", "enable_thinking")  # DeepSeek-V3.1's template reads the first, Qwen's the second
 
 # OpenAI SDKs map these names to exception classes
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
