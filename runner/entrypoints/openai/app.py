@@ -75,9 +75,9 @@ def create_app(engine: EngineClient, metrics_registry: prometheus_client.Collect
         if (body.prompt is None) == (body.messages is None):
             raise InputError("give either prompt or messages")
         if body.messages is not None:
-            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs)
-        elif body.chat_template_kwargs is not None:
-            raise InputError("chat_template_kwargs applies to messages only")
+            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, body.tools)
+        elif body.chat_template_kwargs is not None or body.tools is not None:
+            raise InputError("chat_template_kwargs and tools apply to messages only")
         elif body.add_special_tokens:
             ids = text_prompt(engine, body.prompt).ids
         else:

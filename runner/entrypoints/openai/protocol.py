@@ -75,12 +75,16 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # OpenAI function schemas: [{"type": "function", "function": {...}}]
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto" (the default with tools), "required", a name
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
+    tools: list[Any] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
