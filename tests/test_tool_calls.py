@@ -139,8 +139,12 @@ def test_openai_client_reads_the_calls_and_a_tool_result_round():
 
 
 @pytest.mark.parametrize("body,needle", [
-    ({"tool_choice": "required"}, "needs constrained decoding"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "needs constrained decoding"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "names no function of tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both hold the reply"),
+    ({"tools": None, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "cannot be compiled for constrained decoding"),
+    ({"tools": None, "response_format": {"type": "json_schema", "json_schema": {}}}, "needs json_schema.schema"),
+    ({"tools": None, "response_format": {"type": "yaml"}}, "response_format.type must be"),
     ({"tool_choice": "sometimes"}, "tool_choice must be"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls=false is not supported"),
     ({"tools": None, "tool_choice": "auto"}, "needs tools"),

@@ -19,6 +19,7 @@ from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, ch
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.family.chat import encode_chat_ids
 from dsconv.family.dsml import Dialect
+from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
 if TYPE_CHECKING:
     from dsconv.runner.engine.client import EngineClient
@@ -33,25 +34,49 @@ def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None,
     return ids, thinking
 
 
-def chat_tools(engine: EngineClient, body: ChatCompletionRequest) -> tuple[list | None, Dialect | None]:
-    """(tools to render, the dialect to parse the reply's calls with) from tools and tool_choice."""
+def chat_tools(engine: EngineClient, body: ChatCompletionRequest,
+               thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
+    """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
+    tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
+    calls block (one call or more, or one of that function) by constrained decoding."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
             raise InputError(f"tool_choice {choice!r} needs tools")
-        return None, None
+        return None, None, None
     if body.parallel_tool_calls is False:
         raise InputError("parallel_tool_calls=false is not supported: DeepSeek writes all of a turn's calls in one "
                          "block")
     if choice == "none":  # the model is not to call tools: they are left out of the prompt
-        return None, None
+        return None, None, None
+    dialect = engine.family.tool_dialect
     if choice in (None, "auto"):
-        return body.tools, engine.family.tool_dialect
+        return body.tools, dialect, None
     if choice == "required" or isinstance(choice, dict):
-        raise InputError(f"tool_choice {choice!r} needs constrained decoding, which this server does not do yet; "
-                         f"use \"auto\"")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
+                raise InputError(f"tool_choice {choice!r} names no function of tools")
+        if dialect is None:
+            raise InputError(f"tools are not supported for {engine.family.name}")
+        return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice, thinking)
     raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
                      f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
+
+
+def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec | None:
+    """response_format: "text" (none), "json_object" (any JSON object), "json_schema" ({"schema": ...})."""
+    fmt = body.response_format
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return json_spec({"type": "object"}, thinking)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InputError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return json_spec(schema, thinking)
+    raise InputError(f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}")
 
 
 async def chat_completions(engine: EngineClient, request: Request, body: ChatCompletionRequest,
@@ -59,7 +84,16 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
     check_common(body, engine.model_name, engine.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise InputError("top_logprobs needs logprobs=true")
-    tools, dialect = chat_tools(engine, body)
+    thinking = thinking_flag(body.chat_template_kwargs)
+    tools, dialect, grammar = chat_tools(engine, body, thinking)
+    json_grammar = response_grammar(body, thinking)
+    if grammar is not None and json_grammar is not None:
+        raise InputError(f"response_format and tool_choice {body.tool_choice!r} cannot both hold the reply")
+    grammar = grammar or json_grammar
+    if grammar is not None:
+        if engine.grammars is None:
+            raise InputError("this server has no constrained decoding")
+        engine.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
     prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever the context leaves
@@ -67,7 +101,8 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
         if max_tokens <= 0:
             raise InputError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room for a reply within "
                              f"max_model_len={engine.max_model_len}")
-    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                             grammar=grammar)
     response = ChatCompletion(engine, body, prompt_ids, thinking, dialect)
     requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, [response.choice], body.stream, params)
