@@ -148,7 +148,7 @@ def read_tokenizer_config(directory: Path) -> dict:
 
 def _with_tools(messages: Sequence[Message], tools: list) -> list[dict]:
     """Copies of the messages, the request's tools attached to a system message first."""
-    out = [dict(m) for m in messages]
+    out = [{**m, "content": m.get("content")} for m in messages]  # an assistant turn's content may be absent
     if tools:
         if not out or out[0]["role"] != "system":
             out.insert(0, {"role": "system", "content": ""})

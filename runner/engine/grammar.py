@@ -7,8 +7,9 @@ logits of every constrained row of the step in one call, samples, and advances e
 matcher that does not know a sequence's output (a new one, or one recomputed after a preemption) is rebuilt
 from it. Grammars are compiled once per spec and process (xgrammar caches them too).
 
-- `json`: a JSON schema, written without optional whitespace (vLLM's `disable-any-whitespace`: a weak model
-  otherwise emits spaces until max_tokens); with thinking, free reasoning up to `</think>` first.
+- `json`: a JSON schema, written without optional whitespace (vLLM's `disable-any-whitespace`: xgrammar's
+  any_whitespace=False, one space after each `,` and `:` and none elsewhere; a weak model otherwise emits
+  spaces until max_tokens); with thinking, free reasoning up to `</think>` first.
 - `tag`: an xgrammar structural tag (JSON), e.g. its DeepSeek-V3.2 / V4 tool-call formats for tool_choice
   "required" or a named function.
 Once a grammar is complete only the end-of-sentence token is allowed, so the request stops there.
@@ -37,7 +38,7 @@ class GrammarSpec:
 
 
 def json_spec(schema: dict, thinking: bool) -> GrammarSpec:
-    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False, sort_keys=True), thinking)
+    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), thinking)  # key order kept: it is the output's
 
 
 class Grammars:
@@ -130,10 +131,12 @@ def _reasoning(xgr):
 
 def tool_call_spec(model: str, tools: list[dict], tool_choice, thinking: bool) -> GrammarSpec:
     """xgrammar's own structural tag for a DeepSeek model's tool calls (`model`: its key, "deepseek_v3_2" or
-    "deepseek_v4"), tool_choice "required" (one call or more) or a named function (that one); JSON argument
-    values take at most one whitespace character between tokens (xgrammar refuses none)."""
+    "deepseek_v4"), tool_choice "required" or a named function: one call (the grammar ends after it, so a weak
+    model cannot go on calling until max_tokens); JSON argument values take at most one whitespace character
+    between tokens (xgrammar refuses none)."""
     import xgrammar
 
     tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice=tool_choice,
-                                            reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=1)
+                                            reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=1,
+                                            parallel_tool_calls=False)
     return GrammarSpec("tag", tag.model_dump_json())
