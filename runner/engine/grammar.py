@@ -56,11 +56,15 @@ class Grammars:
         import xgrammar
 
         if self._compiler is None:
-            from transformers import PreTrainedTokenizerFast
+            from tokenizers import Tokenizer
 
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=self.tokenizer_path)
+            # DeepSeek's tokenizer is byte-level BPE: its tokens as stored, by id (what xgrammar's from_huggingface
+            # reads from the same file through transformers)
+            tokenizer = Tokenizer.from_file(self.tokenizer_path)
+            vocab = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())]
             stops = [] if self.eos_token_id is None else [self.eos_token_id]
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
+            info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
+                                          stop_token_ids=stops, add_prefix_space=False)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return xgrammar
 
@@ -89,20 +93,30 @@ class Grammars:
         return self._compiled[spec]
 
     def constrain(self, logits: torch.Tensor, rows: list[tuple[int, int, GrammarSpec, tuple[int, ...]]]) -> None:
-        """Masks, in place, the rows of `logits` [N, vocab] given as (row, seq_id, spec, output so far)."""
-        xgr = self._xgr()
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, (_, seq_id, spec, output) in enumerate(rows):
-            self._matcher(seq_id, spec, output).fill_next_token_bitmask(bitmask, i)
+        """Masks, in place, the rows of `logits` [N, vocab] given as (row, seq_id, spec, output so far). A sequence
+        whose grammar is complete (and has taken its end-of-sentence, yet goes on: ignore_eos) may only repeat it."""
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, the grammar's vocabulary {self.vocab_size}")
+        xgr = self._xgr()
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        done = []
+        for i, (row, seq_id, spec, output) in enumerate(rows):
+            matcher = self._matcher(seq_id, spec, output)
+            if matcher.is_terminated():
+                done.append(row)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
         picked = logits[[row for row, *_ in rows]]
         xgr.apply_token_bitmask_inplace(picked, bitmask.to(picked.device))
         logits[[row for row, *_ in rows]] = picked
+        for row in done:
+            eos = logits[row, self.eos_token_id].clone()
+            logits[row] = float("-inf")
+            logits[row, self.eos_token_id] = eos
 
     def accept(self, seq_id: int, token: int) -> None:
         matcher, count = self._matchers[seq_id]
-        if not matcher.accept_token(token):
+        if not matcher.is_terminated() and not matcher.accept_token(token):
             raise RuntimeError(f"sequence {seq_id}: token {token} is outside the grammar that masked it")
         self._matchers[seq_id] = (matcher, count + 1)
 
@@ -114,7 +128,7 @@ class Grammars:
         if known is None or known[1] != len(output):  # new, or recomputed after a preemption: replay its output
             matcher = self._xgr().GrammarMatcher(self.compile(spec))
             for token in output:
-                if not matcher.accept_token(token):
+                if not matcher.is_terminated() and not matcher.accept_token(token):
                     raise RuntimeError(f"sequence {seq_id}: its output does not follow its grammar")
             known = self._matchers[seq_id] = (matcher, len(output))
         return known[0]
