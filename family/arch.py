@@ -158,11 +158,13 @@ class Family:
     kv_cache_bytes_per_token: Callable[[Any, int, str], dict[str, float]]
     kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
     tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
-    # family/chat.py's encoder: (messages, thinking, tokenizer_config.json) -> prompt text; None: no chat format
-    # (prompts are fed as raw text, dsrun --no-chat)
-    encode_chat: Callable[[Any, bool, Mapping], str] | None
+    # family/chat.py's encoder: (messages, thinking, tokenizer_config.json, tools) -> prompt text; None: no chat
+    # format (prompts are fed as raw text, dsrun --no-chat)
+    encode_chat: Callable[[Any, bool, Mapping, list], str] | None
     # why --kv-cache-dtype int8 is refused for this family; None: its caches have an INT8 form
     kv_cache_int8_refusal: str | None = None
+    # family.dsml.Dialect of its tool calls; None: the family takes no tools
+    tool_dialect: Any = None
 
 
 def check_kv_cache_dtype(family: Family, kv_cache_dtype: str) -> None:

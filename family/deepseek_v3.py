@@ -24,6 +24,7 @@ from typing import Iterator
 from dsconv.family.arch import ArchError, CacheField, Encoding, Family, Role, TensorSpec, register
 from dsconv.family.deepseek_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
+from dsconv.family import dsml
 from dsconv.family.chat import encode_v32, render_template
 
 __all__ = ["V3Config", "parse_config", "inventory", "tiny_config"]
@@ -247,4 +248,5 @@ for _model_type in ARCHITECTURES:
                     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
                     kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
                     tiny_config=functools.partial(tiny_config, _model_type),
-                    encode_chat=encode_v32 if _model_type == V32 else render_template))
+                    encode_chat=encode_v32 if _model_type == V32 else render_template,
+                    tool_dialect=dsml.V32 if _model_type == V32 else None))

@@ -24,6 +24,7 @@ from typing import Iterator
 from dsconv.family.arch import ArchError, Encoding, Family, Role, TensorSpec, register
 from dsconv.family.deepseek_v4_config import AttnType, MlpType, V4Config, attn_type_of, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
+from dsconv.family import dsml
 from dsconv.family.chat import encode_v4
 
 __all__ = ["AttnType", "MlpType", "V4Config", "attn_type_of", "parse_config", "inventory", "tiny_config", "FAMILY"]
@@ -349,5 +350,6 @@ FAMILY = register(
         tiny_config=tiny_config,
         encode_chat=encode_v4,
         kv_cache_int8_refusal=KV_CACHE_INT8_REFUSAL,
+        tool_dialect=dsml.V4,
     )
 )

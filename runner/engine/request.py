@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsconv.errors import InputError
+from dsconv.runner.engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
 
@@ -22,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False  # go on past EOS, to max_tokens
     logprobs: int | None = None  # per new token: its logprob and this many top entries (None: none)
     prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo + logprobs)
+    grammar: GrammarSpec | None = None  # hold the output to a JSON schema or tool-call format (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):

@@ -16,13 +16,15 @@ import math
 import numpy as np
 import torch
 
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult, TokenLogprob
 from dsconv.runner.models.batch import Batch, SampleSpec
 
 
-def step_results(batch: Batch, logits: torch.Tensor) -> list[SeqResult]:
+def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
-    row) -> per sequence its sampled token and logprobs."""
+    row) -> per sequence its sampled token and logprobs. Rows of sequences with a grammar are masked to the
+    tokens it allows first (in place), and their matchers take the tokens drawn."""
     draw_rows, score_rows, score_targets, score_tops = [], [], [], []
     at = 0
     for spec, scores in zip(batch.samples, batch.scores):
@@ -35,8 +37,16 @@ def step_results(batch: Batch, logits: torch.Tensor) -> list[SeqResult]:
             draw_rows.append(at)
             at += 1
     specs = [spec for spec in batch.samples if spec is not None]
+    drawing = [seq_id for seq_id, spec in zip(batch.seq_ids, batch.samples) if spec is not None]
+    constrained = [(row, seq_id, spec.grammar, spec.output)
+                   for row, seq_id, spec in zip(draw_rows, drawing, specs) if spec.grammar is not None]
+    if constrained:
+        grammars.constrain(logits, constrained)
     every_row = len(draw_rows) == logits.shape[0]  # a decode step: no copy of the logits
     tokens = sample(logits if every_row else logits[draw_rows], specs).tolist() if specs else []
+    for seq_id, token, spec in zip(drawing, tokens, specs):
+        if spec.grammar is not None:
+            grammars.accept(seq_id, token)
 
     # the scored prompt tokens' logprobs, then the sampled tokens' where the request asks for them
     asked = [(row, token, spec.logprobs) for row, token, spec in zip(draw_rows, tokens, specs)

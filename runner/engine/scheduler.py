@@ -172,7 +172,7 @@ class Scheduler:
         sample = None
         if stop == len(request.tokens) and params.max_tokens > 0:
             sample = SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
-                                params.logprobs)
+                                params.logprobs, params.grammar, tuple(request.output) if params.grammar else ())
         scores = None
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
             targets = request.prompt[start + 1:min(stop, len(request.prompt) - 1) + 1]

@@ -10,6 +10,7 @@ import torch
 
 from dsconv.family.arch import family_for
 from dsconv.kernels.device import flush_denormals
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.models.batch import Batch
@@ -90,8 +91,9 @@ def prepare_inputs(cache, batch: Batch) -> StepInputs:
 class Worker:
     """One rank's side of a step: its DP index's batch through the model and the sampler."""
 
-    def __init__(self, model, cache, dist, dp_index: int):
+    def __init__(self, model, cache, dist, dp_index: int, grammars: Grammars | None = None):
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
+        self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
 
     @torch.inference_mode()
@@ -99,8 +101,11 @@ class Worker:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
         others)."""
         inputs = prepare_inputs(self.cache, batch)
+        if self.grammars is not None:
+            for seq_id in batch.releases:
+                self.grammars.release(seq_id)
         self.dist.steps += 1
         logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
         if not self.reports:
             return None
-        return step_results(batch, logits)
+        return step_results(batch, logits, self.grammars)

@@ -8,6 +8,7 @@ the job exits 0.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.worker import start_rank
 from dsconv.runner.engine.client import EngineClient
 from dsconv.runner.engine.core import EngineCore, follow
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.worker import Worker
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.scheduler import Scheduler
@@ -34,13 +36,15 @@ SERVER_START_S = 30.0  # how long uvicorn may take to bind before the server giv
 def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: str, host: str, port: int,
               model_name: str, tokenizer_path: str, max_num_seqs: int, max_num_batched_tokens: int,
               cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float,
-              kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None) -> None:
+              kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
+              api_key: str | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
         cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
-        worker = Worker(model, cache, dist, dp_index=rank // manifest["layout"]["attn_tp"])
+        worker = Worker(model, cache, dist, dp_index=rank // manifest["layout"]["attn_tp"],
+                        grammars=_grammars(manifest, tokenizer_path))
         torch.distributed.barrier()  # every rank has loaded
         follow(worker)
         return
@@ -51,12 +55,17 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
     from tokenizers import Tokenizer
 
     metrics = ServeMetrics(model_name, layout["dp"])
+    grammars = _grammars(manifest, tokenizer_path)
     client = EngineClient(None, vocab_size=config["vocab_size"], max_model_len=config["max_position_embeddings"],
                           keepalive_s=timeout_s * KEEPALIVE_FRACTION, drain_timeout_s=drain_timeout_s,
                           model_name=model_name, tokenizer=Tokenizer.from_file(tokenizer_path),
                           family=family_for(config), tokenizer_config=read_tokenizer_config(Path(tokenizer_path).parent),
-                          bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"))
-    server, port, thread = _start_http(create_app(client, metrics.registry), host, port)
+                          bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
+                          grammars=grammars)
+    server, port, thread = _start_http(create_app(client, metrics.registry, api_key), host, port)
+    if api_key is None and not _loopback(host):
+        print(f"dsrun serve: WARNING: listening on {host} without --api-key: anyone who can reach the port can use "
+              f"the model", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: client.drain())
     try:
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
@@ -64,7 +73,8 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
         scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs, max_num_batched_tokens,
                               config.get("eos_token_id"), balancing)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0), world, layout["attn_tp"], metrics))
+        client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0, grammars=grammars), world,
+                                 layout["attn_tp"], metrics))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({world} ranks, "
@@ -78,6 +88,12 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
     print("dsrun serve: stopped", flush=True)
 
 
+def _grammars(manifest: dict, tokenizer_path: str) -> Grammars:
+    """This rank's constrained decoding (its tables are built on the first request that needs them)."""
+    config = manifest["model"]["config"]
+    return Grammars(tokenizer_path, config["vocab_size"], config.get("eos_token_id"))
+
+
 def _new_cache(new_cache, cache_tokens: int, kv_cache_dtype: str, memory_bytes: int | None):
     """The rank's cache: --cache-tokens tokens, or as many as --kv-cache-memory-bytes holds (every rank computes
     the same count from the same shapes, so the block pools agree)."""
@@ -86,6 +102,15 @@ def _new_cache(new_cache, cache_tokens: int, kv_cache_dtype: str, memory_bytes: 
         if cache_tokens < 1:
             raise InputError(f"--kv-cache-memory-bytes {memory_bytes} holds less than one block of the KV cache")
     return new_cache(cache_tokens, kv_cache_dtype)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def _start_http(app, host: str, port: int):

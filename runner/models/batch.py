@@ -22,6 +22,8 @@ class SampleSpec:
     seed: int
     index: int  # the drawn token's position in the request's output: the draw depends on (seed, index) only
     logprobs: int | None  # also return the drawn token's logprob and this many top entries
+    grammar: object = None  # engine.grammar.GrammarSpec the token must follow, or None
+    output: tuple[int, ...] = ()  # with a grammar: the request's output so far (a matcher rebuilt replays it)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,14 @@ EngineClient).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
 (chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
-{"error": {"message", "type", "code"}}: 400 for a bad request (checked here, before the engine sees it), 404 for
-an unknown model or route, 503 while the model loads or the server drains, 500 when the engine fails.
+{"error": {"message", "type", "code"}}: 400 for a bad request (checked here, before the engine sees it), 401 for a
+missing or wrong API key (--api-key), 404 for an unknown model or route, 503 while the model loads or the server
+drains, 500 when the engine fails.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from typing import TYPE_CHECKING
 
@@ -29,12 +31,18 @@ if TYPE_CHECKING:
     from dsconv.runner.engine.client import EngineClient
 
 DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests, debugging)
+# With --api-key, the routes that need `Authorization: Bearer KEY` (vLLM's server guards the same ones); /health
+# and /metrics stay open for load balancers and scrapers
+KEYED_PREFIX, KEYED_PATHS = "/v1/", ("/tokenize", "/detokenize")
 
 
-def create_app(engine: EngineClient, metrics_registry: prometheus_client.CollectorRegistry) -> FastAPI:
+def create_app(engine: EngineClient, metrics_registry: prometheus_client.CollectorRegistry,
+               api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="dsrun serve", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
     _add_error_handlers(app)
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -67,9 +75,9 @@ def create_app(engine: EngineClient, metrics_registry: prometheus_client.Collect
         if (body.prompt is None) == (body.messages is None):
             raise InputError("give either prompt or messages")
         if body.messages is not None:
-            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs)
-        elif body.chat_template_kwargs is not None:
-            raise InputError("chat_template_kwargs applies to messages only")
+            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, body.tools)
+        elif body.chat_template_kwargs is not None or body.tools is not None:
+            raise InputError("chat_template_kwargs and tools apply to messages only")
         elif body.add_special_tokens:
             ids = text_prompt(engine, body.prompt).ids
         else:
@@ -132,6 +140,20 @@ def _dp_rank(request: Request) -> int | None:
         return int(value)
     except ValueError:
         raise InputError(f"{DP_RANK_HEADER} must be an integer, got {value!r}") from None
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        path = request.url.path
+        if path.startswith(KEYED_PREFIX) or path in KEYED_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time: no timing hint of a key's prefix
+                error = APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+                return JSONResponse(error.body(), status_code=error.status)
+        return await call_next(request)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

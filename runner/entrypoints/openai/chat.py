@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions: messages -> the family's chat prompt (family/chat.py) -> a reply, streamed or whole.
-With thinking on (chat_template_kwargs {"thinking": true}) the reply's text before `</think>` is returned as
-`reasoning_content` and the rest as `content`, as vLLM's DeepSeek reasoning parser returns them."""
+"""POST /v1/chat/completions: messages (and tools) -> the family's chat prompt (family/chat.py) -> a reply, streamed
+or whole. With thinking on (chat_template_kwargs {"thinking": true}) the reply's text before `</think>` is returned
+as `reasoning_content` and the rest as `content`, as vLLM's DeepSeek reasoning parser returns them; with tools, a
+calls block at the end of the reply as `tool_calls` (tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,69 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
+from dsconv.runner.entrypoints.openai.tool_calls import Reply, call_deltas, sendable, split_calls
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, chat_messages, check_common,
                                       sampling_params, stop_strings, thinking_flag)
 from dsconv.family.chat import encode_chat_ids
+from dsconv.family.dsml import Dialect
+from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
 if TYPE_CHECKING:
     from dsconv.runner.engine.client import EngineClient
 
 
-def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None) -> tuple[list[int], bool]:
+def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None,
+                    tools: list | None = None) -> tuple[list[int], bool]:
     """(prompt ids, thinking); the rendered text carries BOS itself."""
     thinking = thinking_flag(kwargs)
-    ids = encode_chat_ids(engine.tokenizer, engine.family, chat_messages(messages), thinking, engine.tokenizer_config)
+    ids = encode_chat_ids(engine.tokenizer, engine.family, chat_messages(messages), thinking, engine.tokenizer_config,
+                          tools)
     return ids, thinking
+
+
+def chat_tools(engine: EngineClient, body: ChatCompletionRequest,
+               thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
+    """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
+    tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
+    calls block (one call or more, or one of that function) by constrained decoding."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InputError(f"tool_choice {choice!r} needs tools")
+        return None, None, None
+    if body.parallel_tool_calls is False:
+        raise InputError("parallel_tool_calls=false is not supported: DeepSeek writes all of a turn's calls in one "
+                         "block")
+    if choice == "none":  # the model is not to call tools: they are left out of the prompt
+        return None, None, None
+    dialect = engine.family.tool_dialect
+    if choice in (None, "auto"):
+        return body.tools, dialect, None
+    if choice == "required" or isinstance(choice, dict):
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
+                raise InputError(f"tool_choice {choice!r} names no function of tools")
+        if dialect is None:
+            raise InputError(f"tools are not supported for {engine.family.name}")
+        return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice, thinking)
+    raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                     f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
+
+
+def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec | None:
+    """response_format: "text" (none), "json_object" (any JSON object), "json_schema" ({"schema": ...})."""
+    fmt = body.response_format
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return json_spec({"type": "object"}, thinking)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InputError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return json_spec(schema, thinking)
+    raise InputError(f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}")
 
 
 async def chat_completions(engine: EngineClient, request: Request, body: ChatCompletionRequest,
@@ -33,28 +84,51 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
     check_common(body, engine.model_name, engine.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise InputError("top_logprobs needs logprobs=true")
-    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs)
+    thinking = thinking_flag(body.chat_template_kwargs)
+    tools, dialect, grammar = chat_tools(engine, body, thinking)
+    json_grammar = response_grammar(body, thinking)
+    if grammar is not None and json_grammar is not None:
+        raise InputError(f"response_format and tool_choice {body.tool_choice!r} cannot both hold the reply")
+    grammar = grammar or json_grammar
+    if grammar is not None:
+        if engine.grammars is None:
+            raise InputError("this server has no constrained decoding")
+        engine.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
+    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever the context leaves
         max_tokens = engine.max_model_len - len(prompt_ids)
         if max_tokens <= 0:
             raise InputError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room for a reply within "
                              f"max_model_len={engine.max_model_len}")
-    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    response = ChatCompletion(engine, body, prompt_ids, thinking)
+    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                             grammar=grammar)
+    response = ChatCompletion(engine, body, prompt_ids, thinking, dialect)
     requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, [response.choice], body.stream, params)
 
 
 class ChatCompletion(Envelope):
-    def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool):
+    def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
+                 dialect: Dialect | None = None):
         self.choice = Choice(0, prompt_ids, stop_strings(body), Detokenizer(engine.tokenizer, skip_special_tokens=True))
         super().__init__(engine, "chatcmpl", [self.choice])
-        self.body, self.thinking = body, thinking
+        self.body, self.thinking, self.dialect = body, thinking, dialect
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the reply text so far."""
-        return split_reasoning(text, final) if self.thinking else (None, text)
+        if not self.thinking:
+            return None, text
+        return split_reasoning(text, final, self.dialect.start if self.dialect else None)
+
+    def _reply(self, content: str | None, final: bool) -> Reply:
+        """The content that may be sent (all of it when final) and, when final, the calls."""
+        if self.dialect is None or content is None:
+            return Reply(content)
+        return split_calls(self.dialect, content) if final else Reply(sendable(self.dialect, content))
+
+    def _finish(self, reply: Reply) -> str | None:
+        return "tool_calls" if reply.calls else self.choice.finish_reason
 
     def _logprobs(self, first_token: int) -> dict | None:
         if not self.body.logprobs:
@@ -65,9 +139,12 @@ class ChatCompletion(Envelope):
 
     def response(self) -> dict:
         reasoning, content = self._split(self.choice.text, final=True)
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        reply = self._reply(content, final=True)
+        message = {"role": "assistant", "content": reply.content, "reasoning_content": reasoning}
+        if reply.calls:
+            message.update(content=reply.content or None, tool_calls=reply.calls)
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(0),
-                  "finish_reason": self.choice.finish_reason}
+                  "finish_reason": self._finish(reply)}
         return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
 
     async def chunks(self, requests: RequestGroup):
@@ -86,6 +163,8 @@ class ChatCompletion(Envelope):
     def _next_chunk(self) -> dict | None:
         choice = self.choice
         reasoning, content = self._split(choice.ready_text(), final=choice.done)
+        reply = self._reply(content, final=choice.done)
+        content = reply.content
         delta = {}
         if reasoning is not None and len(reasoning) > choice.sent_reasoning:
             delta["reasoning_content"] = reasoning[choice.sent_reasoning:]
@@ -93,9 +172,11 @@ class ChatCompletion(Envelope):
         if content is not None and len(content) > choice.sent_text:
             delta["content"] = content[choice.sent_text:]
             choice.sent_text = len(content)
+        if reply.calls:
+            delta["tool_calls"] = call_deltas(reply.calls)
         logprobs = self._logprobs(choice.sent_tokens) if len(choice.token_ids) > choice.sent_tokens else None
         choice.sent_tokens = len(choice.token_ids)
-        finish = choice.finish_reason if choice.done else None
+        finish = self._finish(reply) if choice.done else None
         if not delta and logprobs is None and finish is None:
             return None
         return self._chunk(delta, logprobs, finish)

