@@ -77,46 +77,23 @@ EXPECTED = [
 ]
 
 
-# Tool use: a request's tools (OpenAI function schemas), assistant turns with tool_calls (and reasoning), tool
-# results answering them (for V4 given out of call order, which its encoder sorts)
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                          "required": ["city"]}}}
-CLOCK = {"type": "function", "function": {"name": "now", "description": "Current time",
-         "parameters": {"type": "object", "properties": {}}}}
-CALLS = [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "巴黎", "days": 3}'}},
-         {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
-TOOL_CONVERSATIONS = {
-    "tools_user": ([WEATHER], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]),
-    "tools_no_system": ([WEATHER, CLOCK], [{"role": "user", "content": "Time?"}]),
-    "tool_results": ([WEATHER, CLOCK], [
-        {"role": "user", "content": "Weather in Paris, and the time?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Two tools.", "tool_calls": CALLS},
-        {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
-        {"role": "tool", "tool_call_id": "call_a", "content": "{\"sky\": \"clear\"}"}]),
-    "tool_results_answered": ([WEATHER, CLOCK], [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris, and the time?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two tools.", "tool_calls": CALLS},
-        {"role": "tool", "tool_call_id": "call_a", "content": "clear"},
-        {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
-        {"role": "assistant", "content": "Clear, 12:00.", "reasoning_content": "Both back."},
-        {"role": "user", "content": "Thanks. Tomorrow?"}]),
-}
-
-# (conversation, thinking, V3.2 prompt, V4 prompt) printed by the same encoders as EXPECTED, given the messages
+# Tool use (tests/data/chat_tools.json): a request's tools (OpenAI function schemas), assistant turns with tool_calls
+# (and reasoning), tool results answering them (for V4 given out of call order, which its encoder sorts), and the
+# (conversation, thinking, V3.2 prompt, V4 prompt) rows printed by the same encoders as EXPECTED, given the messages
 # with the tools attached as dsrun attaches them (to the first message when it is a system message, else to an
-# empty system message put first, as vLLM's DeepSeek wrappers do). From the repository root, with this block of
-# the file as /tmp/ref/tool_convs.py:
-#   python -c "import sys, json, copy; sys.path[:0] = ['/tmp/ref']; import encoding_dsv32 as a, encoding_dsv4 as b;
-#   from tool_convs import TOOL_CONVERSATIONS as C
-#   def attach(tools, m):
-#       m = copy.deepcopy(m); m[:0] = [] if m[0]['role'] == 'system' else [{'role': 'system', 'content': ''}]
-#       m[0]['tools'] = tools; return m
-#   print(json.dumps([(n, t, a.encode_messages(attach(*c), 'thinking' if t else 'chat'),
-#                      b.encode_messages(attach(*c), 'thinking' if t else 'chat'))
+# empty system message put first, as vLLM's DeepSeek wrappers do). With the file's conversations saved as
+# /tmp/ref/convs.json, from the repository root:
+#   python -c "import sys, json, copy; sys.path[:0] = ['/tmp/ref']; import encoding_dsv32 as a, encoding_dsv4 as b
+#   C = json.load(open('/tmp/ref/convs.json'))
+#   def attach(c):
+#       m = copy.deepcopy(c['messages']); m[:0] = [] if m[0]['role'] == 'system' else [{'role': 'system', 'content': ''}]
+#       m[0]['tools'] = c['tools']; return m
+#   print(json.dumps([(n, t, a.encode_messages(attach(c), 'thinking' if t else 'chat'),
+#                      b.encode_messages(attach(c), 'thinking' if t else 'chat'))
 #                     for n, c in C.items() for t in (False, True)], ensure_ascii=False))"
-TOOL_EXPECTED = json.loads((DATA / "chat_tools_expected.json").read_text())
+TOOLS_DATA = json.loads((DATA / "chat_tools.json").read_text())
+TOOL_CONVERSATIONS = {name: (c["tools"], c["messages"]) for name, c in TOOLS_DATA["conversations"].items()}
+TOOL_EXPECTED = TOOLS_DATA["expected"]
 
 
 @pytest.mark.parametrize("name,thinking,v32,v4", TOOL_EXPECTED)

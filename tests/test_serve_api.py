@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
 from dsconv.family.arch import families
+from dsconv.family.dsml import V4, V32
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai import app as api
 from dsconv.runner.entrypoints.openai.app import create_app
@@ -721,3 +722,106 @@ def test_which_hosts_count_as_loopback():
 
     assert all(map(_loopback, ["127.0.0.1", "127.0.0.5", "::1", "localhost"]))
     assert not any(map(_loopback, ["0.0.0.0", "::", "10.1.2.3", "myhost.example"]))
+
+
+# --- tool calls (family/dsml.py's blocks in a scripted reply) ----------------------------------------------------
+
+TOOLS_DATA = json.loads((Path(__file__).parent / "data" / "chat_tools.json").read_text())
+CALLS = TOOLS_DATA["calls"]
+WEATHER = TOOLS_DATA["conversations"]["tools_user"]["tools"][0]
+
+
+def calls_of(reply_calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply_calls]
+
+
+EXPECTED_CALLS = calls_of(CALLS)
+
+
+def chat_client_for(family, reply_text):
+    engine = FakeEngine(script=ids_of(reply_text) + [1])  # ends with EOS
+    engine.family = families()[family]
+    return make_client(engine)
+
+
+CASES = [("deepseek_v32", V32, False), ("deepseek_v32", V32, True), ("deepseek_v4", V4, False),
+         ("deepseek_v4", V4, True)]
+
+
+@pytest.mark.parametrize("family,dialect,thinking", CASES)
+def test_tool_calls_through_the_api_streamed_and_whole(family, dialect, thinking):
+    reply_text = ("Weighing it.</think>" if thinking else "") + "Let me check." + dialect.render_calls(CALLS)
+    client, engine = chat_client_for(family, reply_text)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris, and the time?"}],
+            "tools": [WEATHER, TOOLS_DATA["conversations"]["tool_results"]["tools"][1]], "max_tokens": 400,
+            "chat_template_kwargs": {"thinking": thinking}}
+    whole = client.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Let me check." and calls_of(message["tool_calls"]) == EXPECTED_CALLS
+    assert message["reasoning_content"] == ("Weighing it." if thinking else None)
+    prompt = engine.submitted[next(iter(engine.submitted))][0]
+    assert "get_weather" in engine.tokenizer.decode(prompt)  # the tools are in the prompt
+
+    chunks = [e for e in events(client.post("/v1/chat/completions", json={**body, "stream": True})) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "Let me check." and "DSML" not in json.dumps([c["choices"][0]["delta"].get("content")
+                                                                  for c in chunks])
+    streamed = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert calls_of(streamed) == EXPECTED_CALLS and [c["index"] for c in streamed] == [0, 1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_openai_client_reads_the_calls_and_a_tool_result_round():
+    client, engine = chat_client_for("deepseek_v4", "On it." + V4.render_calls(CALLS))
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    tools = TOOLS_DATA["conversations"]["tool_results"]["tools"]
+    messages = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    reply = api.chat.completions.create(model=MODEL, messages=messages, tools=tools)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == EXPECTED_CALLS
+    # stream accumulation, as the SDK's helper does it
+    with api.chat.completions.stream(model=MODEL, messages=messages, tools=tools) as stream:
+        final = stream.get_final_completion()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \
+        EXPECTED_CALLS
+    # the next turn: the calls and their results go back into the prompt as V4's encoder writes them
+    followup = messages + [reply.choices[0].message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": calls[1].id, "content": "12:00"},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "clear"}]
+    api.chat.completions.create(model=MODEL, messages=followup, tools=tools, max_tokens=1)
+    prompt = engine.tokenizer.decode(engine.submitted[list(engine.submitted)[-1]][0], skip_special_tokens=False)
+    assert prompt.endswith("<｜User｜><tool_result>clear</tool_result>\n\n<tool_result>12:00</tool_result>"
+                           "<｜Assistant｜></think>")
+    assert V4.render_calls([c.model_dump() for c in calls]) in prompt
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "names no function of tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both hold the reply"),
+    ({"tools": None, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "cannot be compiled for constrained decoding"),
+    ({"tools": None, "response_format": {"type": "json_schema", "json_schema": {}}}, "needs json_schema.schema"),
+    ({"tools": None, "response_format": {"type": "yaml"}}, "response_format.type must be"),
+    ({"tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls=false is not supported"),
+    ({"tools": None, "tool_choice": "auto"}, "needs tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0] must be"),
+])
+def test_tool_request_errors(body, needle):
+    client, _ = chat_client_for("deepseek_v32", "x")
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **body}
+    response = client.post("/v1/chat/completions", json=request)
+    assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+
+
+def test_tool_choice_none_leaves_tools_out():
+    client, engine = chat_client_for("deepseek_v32", "plain text")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+            "tool_choice": "none"}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["content"] == "plain text" and "tool_calls" not in message
+    assert "get_weather" not in engine.tokenizer.decode(engine.submitted[next(iter(engine.submitted))][0])
