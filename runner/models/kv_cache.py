@@ -232,14 +232,15 @@ class LatentCache:
                   decode: DecodeRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An INT8 field as stored, (int8 [..., int8_dims], float32 scales [..., scales]: one per tile), for one
         sequence's context ([C, ...]) or a decode group's ([B, max_context, ...])."""
+        one_range = False  # a decode group of one sequence whose context is one range: read as a view, batch of 1
         if seq is not None:
-            return tuple(self._rows(self.data[f"{name}.{part}"][layer], seq.first_slot, seq.context_len,
-                                    seq.context_slots) for part in ("int8", "scale"))
-        if decode.first_slot is not None:
-            return tuple(self._rows(self.data[f"{name}.{part}"][layer], decode.first_slot, decode.max_context,
-                                    None)[None] for part in ("int8", "scale"))
-        return tuple(self._rows(self.data[f"{name}.{part}"][layer], None, 0, decode.slots)
-                     for part in ("int8", "scale"))
+            where = (seq.first_slot, seq.context_len, seq.context_slots)
+        elif decode.first_slot is not None:
+            where, one_range = (decode.first_slot, decode.max_context, None), True
+        else:
+            where = (None, 0, decode.slots)
+        q, scale = (self._rows(self.data[f"{name}.{part}"][layer], *where) for part in ("int8", "scale"))
+        return (q[None], scale[None]) if one_range else (q, scale)
 
     def _entries(self, layer: int, name: str, first_slot: int | None, count: int,
                  slots: torch.Tensor | None) -> torch.Tensor:
