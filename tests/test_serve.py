@@ -279,7 +279,7 @@ def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
                   f"rank holds {cache_tokens} (--cache-tokens)"))
     cases.append(("/v1/completions", {**good, "max_tokens": max_model_len}, 400, too_long(3, max_model_len)))
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    roles = "supported roles: system, user, assistant"
+    roles = "supported roles: system, user, assistant, tool"
     for messages, message in (
             ([], "messages is empty: a conversation needs at least one user message"),
             (None, f"messages: {a_list}"), ("hi", f"messages: {a_list}"),
