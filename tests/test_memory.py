@@ -1,6 +1,7 @@
 """Memory is bounded by design: converting a >= 2 GB checkpoint keeps the converter's peak RSS under 1 GB."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -28,23 +29,28 @@ def peak_rss_of(cmd: list[str]) -> int:
     return maxrss_kib * 1024
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory):
-    src = make_tiny_checkpoint(tmp_path_factory.mktemp("big") / "src", "deepseek_v3",
+    """A >= 2 GB checkpoint, deleted when this module is done: the suite must not hold gigabytes of disk."""
+    root = tmp_path_factory.mktemp("big")
+    src = make_tiny_checkpoint(root / "src", "deepseek_v3",
                                config_overrides=BENCH_CONFIG, max_file_bytes=BENCH_FILE_BYTES)
     size = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     assert size >= MIN_CHECKPOINT_BYTES
-    return src
+    yield src
+    shutil.rmtree(root)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def big_w8a8(big_checkpoint, tmp_path_factory):
     """`dsconv quantize` of the big checkpoint, run once in a measured process -> (its W8A8 output, its peak RSS):
     the quantize test checks the RSS, the shard test reads the output, and either builds it when run alone."""
-    out = tmp_path_factory.mktemp("big-w8a8") / "out"
+    root = tmp_path_factory.mktemp("big-w8a8")
+    out = root / "out"
     rss = peak_rss_of([sys.executable, "-m", "dsconv.cli", "quantize", str(big_checkpoint), str(out)])
     assert (out / "quant_model_weights.safetensors.index.json").exists()
-    return out, rss
+    yield out, rss
+    shutil.rmtree(root)
 
 
 def test_quantize_peak_rss_under_1gb(big_checkpoint, big_w8a8):
@@ -65,3 +71,4 @@ def test_shard_peak_rss_under_1gb(big_w8a8, tmp_path):
           f"{seconds:.1f} s incl. start-up ({size / seconds / 1e9:.2f} GB/s)")
     assert rss < RSS_LIMIT_BYTES, f"peak RSS {rss / 2**20:.0f} MiB"
     assert (out / "manifest.json").exists()
+    shutil.rmtree(out)
