@@ -30,9 +30,20 @@ def scheduler(dp=1, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, bala
 
 
 def fake_results(step):
-    """A deterministic 'model': the next token is the last fed token + 1 (mod VOCAB)."""
-    return [[SeqResult((batch.input_ids[batch.query_start_loc[i + 1] - 1] + 1) % VOCAB if spec is not None else None,
-                       None) for i, spec in enumerate(batch.samples)] for batch in step.batches]
+    """A deterministic 'model': the next token is the last fed token + 1 (mod VOCAB); a sibling draw k (n > 1)
+    adds k more."""
+    results = []
+    for batch in step.batches:
+        rank = []
+        for i, spec in enumerate(batch.samples):
+            if spec is None:
+                rank.append(SeqResult(None, None))
+                continue
+            token = (batch.input_ids[batch.query_start_loc[i + 1] - 1] + 1) % VOCAB
+            rank.append(SeqResult(token, None, siblings=[((token + k) % VOCAB, None)
+                                                         for k in range(1, len(spec.siblings) + 1)]))
+        results.append(rank)
+    return results
 
 
 def run(s, on_step=None, max_steps=1000):
@@ -73,7 +84,7 @@ def test_batch_is_token_major_and_validates():
 @pytest.mark.parametrize("breaks,message", [
     (lambda b: b.slot_mapping.__setitem__(0, 99), "slot_mapping disagrees"),
     (lambda b: b.block_tables[1].__setitem__(1, 10), "outside"),
-    (lambda b: b.block_tables[1].__setitem__(0, 5), "shares a block"),
+    (lambda b: b.block_tables[1].__setitem__(0, 5), "writes a block another sequence holds"),
     (lambda b: b.context_lens.__setitem__(0, 2), "context 2 < query 3"),
     (lambda b: b.query_start_loc.__setitem__(1, 0), "feeds 0 tokens"),
     (lambda b: b.seq_ids.__setitem__(1, 0), "appears twice"),
@@ -105,7 +116,7 @@ def test_running_decodes_come_before_new_prompts():
     s.update(run_one, fake_results(run_one))
     s.add("new", list(range(10)), greedy(2), None)
     batch = s.schedule().batches[0]
-    assert batch.seq_ids == [s.requests["old"].seq_id, s.requests["new"].seq_id]
+    assert batch.seq_ids == [s.requests["old", 0].seq_id, s.requests["new", 0].seq_id]
     assert batch.query_start_loc == [0, 1, 6]  # the old request's one token, then 5 of the new prompt
 
 
@@ -173,10 +184,92 @@ def test_abort_frees_the_cache_and_tells_the_rank():
     s = scheduler()
     s.add("a", list(range(10)), greedy(5), None)
     s.update(step := s.schedule(), fake_results(step))
-    request, out = s.abort("a")
+    [(request, out)] = s.abort("a")
     assert out.finished and out.finish_reason == "abort" and len(s.pools[0].free) == 64
     assert s.schedule() is None and s.releases[0] == [request.seq_id]
-    assert s.abort("a") is None  # aborting twice is harmless
+    assert s.abort("a") == []  # aborting twice is harmless
+
+
+# -- n > 1: samples of one prefill ----------------------------------------------------------------------------
+
+def run_samples(s, on_step=None):
+    """Steps until every request has finished -> (request id, sample) -> output tokens."""
+    outputs = {}
+    while (step := s.schedule()) is not None:
+        if on_step is not None:
+            on_step(step)
+        for _, out in s.update(step, fake_results(step)):
+            outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    return outputs
+
+
+def test_samples_prefill_once_and_share_the_prompts_full_blocks():
+    s = scheduler(block_size=4)
+    s.add("r", list(range(1, 11)), SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=40), None)
+    step = s.schedule()
+    [batch] = step.batches
+    assert batch.num_tokens == 10 and batch.samples[0].seed == 40 and batch.samples[0].siblings == (41, 42)
+    outputs = s.update(step, fake_results(step))
+    assert [(out.index, out.new_token_ids) for _, out in outputs] == [(0, [11]), (1, [12]), (2, [13])]
+    parent = s.requests["r", 0]
+    children = [s.requests["r", i] for i in (1, 2)]
+    assert [c.seed for c in children] == [41, 42]
+    pool = s.pools[0]
+    table = pool.tables[parent.seq_id]
+    for child in children:  # 10 tokens: blocks 0 and 1 are full and shared, block 2 is copied
+        assert pool.tables[child.seq_id][:2] == table[:2] and pool.tables[child.seq_id][2] != table[2]
+    assert [pool.holders[b] for b in table] == [3, 3, 1]
+
+    step = s.schedule()
+    [batch] = step.batches
+    assert batch.input_ids == [11, 12, 13]  # one token per sample: the prompt is not fed again
+    assert [(f.parent, f.child, f.copies) for f in batch.forks] == \
+        [(parent.seq_id, c.seq_id, ((table[2], pool.tables[c.seq_id][2]),)) for c in children]
+    assert not s.forks[0]  # a fork goes to the ranks once
+    for _, out in s.update(step, fake_results(step)):
+        pass
+    outputs = run_samples(s)
+    assert outputs == {("r", 0): [13], ("r", 1): [14], ("r", 2): [15]}
+    assert len(pool.free) == pool.num_blocks and not any(pool.holders)
+
+
+def test_samples_without_room_to_fork_recompute_and_give_the_same_tokens():
+    def samples(num_blocks):
+        s = scheduler(num_blocks=num_blocks, block_size=4, budget=16)
+        s.add("a", list(range(1, 11)), SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=0), None)
+        s.add("b", list(range(20, 27)), SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=9), None)
+        forks = []
+        outputs = run_samples(s, lambda step: forks.extend(step.batches[0].forks))
+        pool = s.pools[0]
+        assert len(pool.free) == num_blocks and not any(pool.holders)
+        return outputs, len(forks), s.preemptions
+
+    ample, forks, preemptions = samples(64)
+    assert forks == 3 and preemptions == 0 and sorted(ample) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
+    for num_blocks in (5, 6, 8):  # 16 tokens of "a" need 4 blocks: forks fail, samples are preempted
+        tight, forks, preemptions = samples(num_blocks)
+        assert tight == ample and (forks < 3 or preemptions > 0)
+
+
+def test_aborting_samples():
+    s = scheduler()
+    s.add("r", [1, 2, 3], SamplingParams(max_tokens=5, n=3), None)
+    aborted = s.abort("r")  # before its samples are drawn: all n end
+    assert [(out.index, out.finish_reason) for _, out in aborted] == [(0, "abort"), (1, "abort"), (2, "abort")]
+    s.add("r", [1, 2, 3], SamplingParams(max_tokens=5, n=3), None)
+    s.update(step := s.schedule(), fake_results(step))
+    [(_, out)] = s.abort("r", 1)
+    assert out.index == 1 and sorted(s.requests) == [("r", 0), ("r", 2)]
+    assert sorted(run_samples(s)) == [("r", 0), ("r", 2)]
+
+
+def test_samples_count_against_max_num_seqs():
+    s = scheduler(max_num_seqs=3)
+    with pytest.raises(InputError, match="n=4 samples run at once as 4 sequences; a DP rank runs at most 3"):
+        s.add("r", [1], SamplingParams(max_tokens=1, n=4), None)
+    s.add("one", [1, 2], greedy(3), None)
+    s.add("three", [5, 6], SamplingParams(max_tokens=2, n=3), None)
+    assert s.schedule().batches[0].seq_ids == [s.requests["one", 0].seq_id]  # 1 + 3 sequences do not fit
 
 
 def test_prompt_scoring_without_generation():
@@ -220,6 +313,43 @@ def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_p
     alone = [generate(256, 256, [p])[0][0] for p in prompts]
     tight, s = generate(64, 7, prompts)  # 4 blocks of 16: 21 + 12 and 30 + 12 tokens do not fit together
     assert s.preemptions > 0 and tight == alone
+
+
+@pytest.mark.parametrize("family,kv_cache_dtype", [("deepseek_v32", "auto"), ("deepseek_v32", "int8"),
+                                                   ("deepseek_v4", "auto")])
+def test_model_samples_equal_requests_with_their_seeds(family, kv_cache_dtype, tiny_source, tmp_path):
+    """The real step function: the n samples of one prefill (forked caches, shared blocks) give the tokens of n
+    requests of one sample with seeds seed, seed + 1, ..., with room to fork and with a cache so small that
+    forks fail and samples are preempted."""
+    shards = tmp_path / "shards"
+    shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, model.embed.shape[0], (n,), generator=gen).tolist() for n in (21, 37)]
+
+    def params(n, seed):
+        return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, n=n)
+
+    def generate(cache_tokens, requests):
+        cache = new_cache(cache_tokens, kv_cache_dtype)
+        s = Scheduler(1, cache.num_blocks, cache.block_size, 8, 64, None, share_blocks=cache.paged)
+        core = EngineCore(s, Worker(model, cache, Dist(), 0))
+        outputs = {}
+        for request_id, prompt, p in requests:
+            s.add(request_id, prompt, p, None)
+        while s.has_work:
+            for _, out in core.step():
+                outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        return outputs, s.preemptions
+
+    alone = {(str(i), j): generate(256, [("x", p, params(1, 100 * i + j))])[0]["x", 0]
+             for i, p in enumerate(prompts) for j in range(3)}
+    assert len({tuple(tokens) for tokens in alone.values()}) > 1  # the seeds draw different samples
+    together = [(str(i), p, params(3, 100 * i)) for i, p in enumerate(prompts)]
+    ample, preemptions = generate(512, together)
+    assert ample == alone and preemptions == 0
+    tight, preemptions = generate(80, together)  # 5 blocks of 16 for 21 + 10 and 37 + 10 tokens, 3 samples each
+    assert tight == alone and preemptions > 0
 
 
 # -- sampling --------------------------------------------------------------------------------------------------

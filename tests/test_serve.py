@@ -174,6 +174,10 @@ def test_seeded_sampling_repeats_whatever_shares_the_batch(case):
         thread.join()
     other_seed = complete(server, ps[1], max_tokens=12, **{**SAMPLED, "seed": 4321})
     assert again == first and other_seed != first
+    # n samples of one prefill: sample j draws as a request with seed + j would, in one response
+    samples = complete(server, ps[1], max_tokens=12, n=3, **SAMPLED)
+    assert samples == first + [complete(server, ps[1], max_tokens=12, **{**SAMPLED, "seed": 1234 + j})[0]
+                               for j in (1, 2)]
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
@@ -247,9 +251,8 @@ def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
                   (1.5, "top_p must be in (0, 1], got 1.5"), ("x", f"top_p: {number}")],
         "top_k": [(-5, "top_k must be -1 or 0 (off) or positive, got -5"), (1.5, f"top_k: {integer}"),
                   ("k", f"top_k: {integer}")],
-        "n": [(2, "n=2 is not supported: one choice per prompt (n=1)"),
-              (0, "n=0 is not supported: one choice per prompt (n=1)"),
-              (-1, "n=-1 is not supported: one choice per prompt (n=1)"), ("2", f"n: {integer}")],
+        "n": [(129, "n must be between 1 and 128, got 129"), (0, "n must be between 1 and 128, got 0"),
+              (-1, "n must be between 1 and 128, got -1"), ("2", f"n: {integer}")],
         "logprobs": [(-1, f"{logprobs}-1"), (21, f"{logprobs}21"), (100, f"{logprobs}100"),
                      ("1", f"logprobs: {integer}"), (1.5, f"logprobs: {integer}")],
         "seed": [("s", f"seed: {integer}"), (1.5, f"seed: {integer}"), ([], f"seed: {integer}")],
@@ -293,7 +296,7 @@ def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
         cases.append(("/v1/chat/completions", {**chat, "messages": messages}, 400, message))
     for field, value, status, message in (
             ("max_tokens", -3, 400, f"{at_least_1}-3"),
-            ("n", 3, 400, "n=3 is not supported: one choice per prompt (n=1)"),
+            ("n", 0, 400, "n must be between 1 and 128, got 0"),
             ("temperature", -1, 400, "temperature must be in [0, 100], got -1.0"),
             ("model", "other", 404, f"The model `other` does not exist; this server serves `{model}`."),
             ("max_completion_tokens", -1, 400, f"{at_least_1}-1"),

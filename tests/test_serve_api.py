@@ -42,7 +42,8 @@ LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, an
 
 class FakeEngine:
     """EngineClient with a trivial model: it predicts `script[k]` for the k-th new token when given a script, else
-    the previous token + 1. Outputs come one token at a time from the engine's own thread."""
+    the previous token + 1; sample i of n > 1 starts i tokens further on. Outputs come one token at a time from
+    the engine's own thread."""
 
     def __init__(self, script=None, ready=True, max_model_len=4096, dp_size=2, fail_after=None):
         self.model_name = MODEL
@@ -56,7 +57,7 @@ class FakeEngine:
         self.ready, self.draining, self.paused = ready, False, False
         self.script, self.dp_size, self.fail_after = script, dp_size, fail_after
         self.submitted: dict[str, tuple] = {}  # id -> (prompt ids, params, dp_rank)
-        self.aborted: list[str] = []
+        self.aborted: list[tuple[str, int | None]] = []  # (request id, sample or None: all)
         self._ids = itertools.count()
         self._commands: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, daemon=True).start()
@@ -81,9 +82,9 @@ class FakeEngine:
         self._commands.put(("submit", request_id, list(prompt_ids), params, on_output))
         return request_id
 
-    def abort(self, request_id):
-        self.aborted.append(request_id)
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id, index=None):
+        self.aborted.append((request_id, index))
+        self._commands.put(("abort", request_id, index))
 
     def predict(self, tokens, generated):
         return self.script[generated % len(self.script)] if self.script else (tokens[-1] + 1) % self.vocab_size
@@ -100,37 +101,42 @@ class FakeEngine:
                 command = None
             if command and command[0] == "submit":
                 _, request_id, prompt, params, on_output = command
-                active[request_id] = [prompt, params, on_output, []]
+                for index in range(params.n):
+                    active[request_id, index] = [prompt, params, on_output, []]
                 if params.prompt_logprobs is not None or params.max_tokens == 0:
                     self._score_prompt(request_id, prompt, params, on_output, active)
                 continue
             if command and command[0] == "abort":
-                if command[1] in active:
-                    _, _, on_output, generated = active.pop(command[1])
-                    on_output(RequestOutput(command[1], 0, finished=True, finish_reason=FINISH_ABORT))
+                _, request_id, which = command
+                for key in [key for key in active if key[0] == request_id and which in (None, key[1])]:
+                    on_output = active.pop(key)[2]
+                    on_output(RequestOutput(request_id, 0, index=key[1], finished=True, finish_reason=FINISH_ABORT))
                 continue
             if self.paused:
                 continue
-            for request_id, (prompt, params, on_output, generated) in list(active.items()):
-                self._step(request_id, prompt, params, on_output, generated, active)
+            for (request_id, index), (prompt, params, on_output, generated) in list(active.items()):
+                self._step(request_id, index, prompt, params, on_output, generated, active)
 
     def _score_prompt(self, request_id, prompt, params, on_output, active):
         entries = [None] + [
             TokenLogprob(tok, LIKELY if tok == prev + 1 else UNLIKELY, self.top(prev + 1, params.prompt_logprobs))
             for prev, tok in zip(prompt, prompt[1:])]
         finished = params.max_tokens == 0
-        on_output(RequestOutput(request_id, len(prompt), prompt_logprobs=entries, finished=finished,
-                                finish_reason=FINISH_LENGTH if finished else None))
-        if finished:
-            del active[request_id]
+        for index in range(params.n):
+            on_output(RequestOutput(request_id, len(prompt), index=index, prompt_logprobs=entries, finished=finished,
+                                    finish_reason=FINISH_LENGTH if finished else None))
+            if finished:
+                del active[request_id, index]
 
-    def _step(self, request_id, prompt, params, on_output, generated, active):
+    def _step(self, request_id, index, prompt, params, on_output, generated, active):
         if self.fail_after is not None and len(generated) == self.fail_after:
-            del active[request_id]
-            on_output(RequestOutput(request_id, len(prompt), finished=True, finish_reason=FINISH_ABORT,
+            del active[request_id, index]
+            on_output(RequestOutput(request_id, len(prompt), index=index, finished=True, finish_reason=FINISH_ABORT,
                                     error="out of KV cache blocks"))
             return
         token = self.predict(prompt + generated, len(generated))
+        if not generated:
+            token = (token + index) % self.vocab_size
         generated.append(token)
         logprobs = None
         if params.logprobs is not None:
@@ -141,9 +147,9 @@ class FakeEngine:
         elif len(generated) == params.max_tokens:
             reason = FINISH_LENGTH
         if reason:
-            del active[request_id]
+            del active[request_id, index]
         on_output(RequestOutput(request_id, len(prompt), [token], logprobs, finished=reason is not None,
-                                finish_reason=reason))
+                                finish_reason=reason, index=index))
 
 
 def make_client(engine=None):
@@ -212,6 +218,63 @@ def test_completion_prompt_lists_are_indexed_choices(client):
         for choice, one in zip(choices, prompt):
             ids = [0] + ids_of(one) if isinstance(one, str) else one
             assert choice["text"] == decode(following(ids[-1], 3))
+
+
+def test_completion_samples_are_n_choices_per_prompt_from_one_engine_request():
+    client, engine = make_client()
+    prompts = [[5, 6], [100, 200, 300]]
+    request = {"prompt": prompts, "n": 2, "max_tokens": 3, "echo": True, "logprobs": 1, "seed": 7,
+               "temperature": 1.0}
+    with client:
+        whole = client.post("/v1/completions", json=request).json()
+        chunks = events(client.post("/v1/completions", json={**request, "stream": True,
+                                                              "stream_options": {"include_usage": True}}))
+    assert [params.n for _, params, _ in engine.submitted.values()] == [2, 2, 2, 2]  # one request per prompt
+    choices = whole["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for prompt_index, prompt in enumerate(prompts):
+        for sample in range(2):  # the fake model's sample j starts j tokens further on
+            choice = choices[prompt_index * 2 + sample]
+            generated = following(prompt[-1] + sample, 3)
+            assert choice["text"] == decode(prompt) + decode(generated)
+            assert len(choice["logprobs"]["tokens"]) == len(prompt) + 3
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"] == whole["usage"]
+    streamed = {}
+    for chunk in chunks[:-2]:
+        [delta] = chunk["choices"]
+        streamed[delta["index"]] = streamed.get(delta["index"], "") + delta["text"]
+    assert streamed == {c["index"]: c["text"] for c in choices}
+
+
+def test_a_stop_string_ends_only_its_own_sample():
+    client, engine = make_client()
+    generated = following(3000, 8)
+    stop = decode(generated[:2])[2:-1]  # within sample 0's first two tokens; sample 1 starts a token later
+    assert stop in decode(generated) and stop not in decode(following(3001, 8))
+    with client:
+        r = client.post("/v1/completions", json={"prompt": [3000], "n": 2, "max_tokens": 8, "stop": stop})
+    texts = [(c["text"], c["finish_reason"]) for c in r.json()["choices"]]
+    assert texts == [(decode(generated)[:decode(generated).find(stop)], "stop"),
+                     (decode(following(3001, 8)), "length")]
+    [request_id] = engine.submitted
+    assert engine.aborted == [(request_id, 0)]
+
+
+def test_openai_client_reads_chat_samples_streamed_and_whole():
+    client, _ = chat_client()
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    messages = [{"role": "user", "content": "2+2?"}]
+    whole = api.chat.completions.create(model=MODEL, messages=messages, n=3, seed=1, temperature=0.7)
+    contents = [c.message.content for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1, 2] and contents[0] == REPLY
+    assert len(set(contents)) == 3 and whole.usage.completion_tokens == 3 * (len(ids_of(REPLY)) + 1)
+    streamed = {}
+    for chunk in api.chat.completions.create(model=MODEL, messages=messages, n=3, seed=1, temperature=0.7,
+                                             stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == dict(enumerate(contents))
 
 
 def test_completion_echo_logprobs_as_lm_eval_reads_them(client):
@@ -535,7 +598,8 @@ BAD_COMPLETIONS = [
     {**GOOD, "top_k": -2}, {**GOOD, "seed": 2**64}, {**GOOD, "stop": ""}, {**GOOD, "stop": ["a", ""]},
     {**GOOD, "stop_token_ids": [VOCAB]}, {**GOOD, "stop_token_ids": [-1]}, {**GOOD, "logprobs": 21},
     {**GOOD, "logprobs": -1}, {**GOOD, "logprobs": True}, {**GOOD, "logprobs": "1"}, {**GOOD, "echo": "yes"},
-    {**GOOD, "n": 2}, {**GOOD, "n": 0}, {**GOOD, "best_of": 2}, {**GOOD, "presence_penalty": 0.5},
+    {**GOOD, "n": 129}, {**GOOD, "n": 0}, {**GOOD, "n": 2, "max_tokens": 0, "echo": True, "logprobs": 1},
+    {**GOOD, "best_of": 2}, {**GOOD, "presence_penalty": 0.5},
     {**GOOD, "frequency_penalty": -1.0}, {**GOOD, "model": "gpt-4"},
     {**GOOD, "stream_options": {"include_usage": True}},
     {**GOOD, "logit_bias": {"5": 1}}, {**GOOD, "suffix": "x"}, {**GOOD, "unknown_field": 1},
@@ -553,7 +617,7 @@ BAD_CHAT = [
     {**GOOD_CHAT, "chat_template_kwargs": {"other": True}}, {**GOOD_CHAT, "chat_template_kwargs": "thinking"},
     {**GOOD_CHAT, "chat_template_kwargs": {"thinking": True, "enable_thinking": False}},
     {**GOOD_CHAT, "logprobs": 1}, {**GOOD_CHAT, "top_logprobs": 2}, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
-    {**GOOD_CHAT, "max_completion_tokens": -5}, {**GOOD_CHAT, "max_tokens": 10**7}, {**GOOD_CHAT, "n": 3},
+    {**GOOD_CHAT, "max_completion_tokens": -5}, {**GOOD_CHAT, "max_tokens": 10**7}, {**GOOD_CHAT, "n": 200},
     {**GOOD_CHAT, "model": "x"}, {**GOOD_CHAT, "echo": True}, {**GOOD_CHAT, "temperature": "hot"},
     {"messages": [{"role": "user", "content": "hello " * 5000}]},  # the prompt alone is over max_model_len
 ]
@@ -590,7 +654,7 @@ def test_a_failed_submission_aborts_the_prompts_already_submitted():
     client, engine = make_client()
     engine.paused = True
     assert_error(client.post("/v1/completions", json={"prompt": [[5], [6] * 5000], "max_tokens": 1}), 400)
-    assert list(engine.submitted) == engine.aborted == ["req-0"]
+    assert list(engine.submitted) == ["req-0"] and engine.aborted == [("req-0", None)]
 
 
 # --- client disconnects --------------------------------------------------------------------------------------
@@ -629,7 +693,7 @@ def test_disconnect_aborts_the_engine_request(path, stream):
     body = {"max_tokens": 100, "stream": stream,
             **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})}
     asyncio.run(call_and_disconnect(app, engine, path, body))
-    assert engine.aborted == list(engine.submitted)
+    assert engine.aborted == [(request_id, None) for request_id in engine.submitted]
 
 
 def test_concurrent_requests_get_their_own_outputs():
@@ -705,13 +769,13 @@ def test_disconnect_under_uvicorn():
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as http:
             with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True}):
                 wait_for(lambda: len(engine.submitted) == 1)
-        wait_for(lambda: engine.aborted == ["req-0"])
+        wait_for(lambda: engine.aborted == [("req-0", None)])
         body = json.dumps({"prompt": "x", "max_tokens": 50}).encode()
         with socket.create_connection(("127.0.0.1", port)) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_for(lambda: len(engine.submitted) == 2)
-        wait_for(lambda: engine.aborted == ["req-0", "req-1"])
+        wait_for(lambda: engine.aborted == [("req-0", None), ("req-1", None)])
         engine.paused = False
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}).status_code == 200
 

@@ -54,8 +54,9 @@ class EngineClient:
         self._commands.put(("add", request_id, list(prompt_ids), params, on_output, dp_rank))
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Ends sample `index` of the request, or all of its samples."""
+        self._commands.put(("abort", request_id, index))
 
     def drain(self) -> None:
         """Stop admitting; the loop finishes what is in flight (aborting it after drain_timeout_s) and ends."""
@@ -81,8 +82,8 @@ class EngineClient:
                 if self._draining.is_set():
                     deadline = deadline or time.monotonic() + self.drain_timeout_s
                     if time.monotonic() > deadline:
-                        for request_id in list(scheduler.requests):
-                            self._apply(("abort", request_id))
+                        for request_id, index in list(scheduler.requests):
+                            self._apply(("abort", request_id, index))
                     if not scheduler.has_work:
                         return
                 if not scheduler.has_work:
@@ -114,14 +115,14 @@ class EngineClient:
         if kind == "add":
             request_id, prompt, params, on_output, dp_rank = args
             if self._draining.is_set():
-                _deliver(on_output, RequestOutput(request_id, len(prompt), finished=True, finish_reason="abort",
-                                                  error="the server is shutting down", unavailable=True))
+                for index in range(params.n):
+                    _deliver(on_output, RequestOutput(request_id, len(prompt), index=index, finished=True,
+                                                      finish_reason="abort", error="the server is shutting down",
+                                                      unavailable=True))
                 return
             self.core.scheduler.add(request_id, prompt, params, on_output, dp_rank)
         elif kind == "abort":
-            aborted = self.core.scheduler.abort(*args)
-            if aborted is not None:
-                request, out = aborted
+            for request, out in self.core.scheduler.abort(*args):
                 _deliver(request.on_output, out)
 
 

@@ -95,7 +95,7 @@ class EngineCore:
         for request, out in outputs:
             if out.new_token_ids:
                 m.model(m.generation_tokens).inc(len(out.new_token_ids))
-                if len(request.output) == 1:
+                if len(request.output) == 1 and request.index == 0:  # n > 1: drawn together, counted once
                     m.model(m.ttft).observe(now - request.arrival)
                 elif request.previous_token is not None:
                     m.model(m.itl).observe(now - request.previous_token)

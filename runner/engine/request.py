@@ -10,6 +10,7 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
+MAX_N = 128  # parallel samples a request may ask for (OpenAI's limit for n)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class SamplingParams:
     logprobs: int | None = None  # per new token: its logprob and this many top entries (None: none)
     prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo + logprobs)
     grammar: GrammarSpec | None = None  # hold the output to a JSON schema or tool-call format (engine/grammar.py)
+    n: int = 1  # parallel samples of one prefill; sample i draws with seed + i (scheduler.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -34,6 +36,10 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 1 <= self.n <= MAX_N:
+            raise InputError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.n > 1 and self.max_tokens == 0:
+            raise InputError("n > 1 needs max_tokens of at least 1: the samples differ only in what they generate")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -57,6 +63,7 @@ class SeqResult:
     token: int | None  # the sampled next token; None when the sequence only fed (part of) its prompt
     logprob: TokenLogprob | None  # the sampled token's, when the request asks for logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the step's scored prompt tokens, in order
+    siblings: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # SampleSpec.siblings' draws
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
@@ -68,8 +75,8 @@ class NotAccepting(RuntimeError):
 
 @dataclass
 class RequestOutput:
-    """One step's news about one request, delivered on rank 0 to the callback given at submission (called
-    from the engine's thread). The last output of a request has finished=True."""
+    """One step's news about one sample of a request, delivered on rank 0 to the callback given at submission
+    (called from the engine's thread). The last output of each sample has finished=True."""
     request_id: str
     prompt_tokens: int
     new_token_ids: list[int] = field(default_factory=list)  # tokens generated this step (0 or 1)
@@ -80,6 +87,7 @@ class RequestOutput:
     finish_reason: str | None = None  # FINISH_STOP (EOS or a stop token), FINISH_LENGTH, FINISH_ABORT
     error: str | None = None  # set when the engine gave up on the request (finish_reason FINISH_ABORT)
     unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)
+    index: int = 0  # which of the request's n samples
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

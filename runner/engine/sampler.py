@@ -11,6 +11,7 @@ first dimension and every reduction runs along the vocabulary, so no row's resul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,8 +24,9 @@ from dsconv.runner.models.batch import Batch, SampleSpec
 
 def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
-    row) -> per sequence its sampled token and logprobs. Rows of sequences with a grammar are masked to the
-    tokens it allows first (in place), and their matchers take the tokens drawn."""
+    row) -> per sequence its sampled token and logprobs, and its siblings' (n > 1: further draws from the same
+    row with their own seeds). Rows of sequences with a grammar are masked to the tokens it allows first (in
+    place, so the siblings' draws follow it too), and their matchers take the sequence's own token."""
     draw_rows, score_rows, score_targets, score_tops = [], [], [], []
     at = 0
     for spec, scores in zip(batch.samples, batch.scores):
@@ -42,18 +44,23 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
                    for row, seq_id, spec in zip(draw_rows, drawing, specs) if spec.grammar is not None]
     if constrained:
         grammars.constrain(logits, constrained)
-    every_row = len(draw_rows) == logits.shape[0]  # a decode step: no copy of the logits
-    tokens = sample(logits if every_row else logits[draw_rows], specs).tolist() if specs else []
+    # the siblings' draws follow the sequences' own: (row, spec) per draw
+    sibling_draws = [(row, dataclasses.replace(spec, seed=seed, siblings=()))
+                     for row, spec in zip(draw_rows, specs) for seed in spec.siblings]
+    rows = draw_rows + [row for row, _ in sibling_draws]
+    all_specs = specs + [spec for _, spec in sibling_draws]
+    every_row = rows == list(range(logits.shape[0]))  # a decode step: no copy of the logits
+    tokens = sample(logits if every_row else logits[rows], all_specs).tolist() if all_specs else []
     for seq_id, token, spec in zip(drawing, tokens, specs):
         if spec.grammar is not None:
             grammars.accept(seq_id, token)
 
-    # the scored prompt tokens' logprobs, then the sampled tokens' where the request asks for them
-    asked = [(row, token, spec.logprobs) for row, token, spec in zip(draw_rows, tokens, specs)
+    # the scored prompt tokens' logprobs, then the drawn tokens' where the request asks for them
+    asked = [(row, token, spec.logprobs) for row, token, spec in zip(rows, tokens, all_specs)
              if spec.logprobs is not None]
-    rows = score_rows + [row for row, _, _ in asked]
-    entries = token_logprobs(logits[rows], score_targets + [token for _, token, _ in asked],
-                             score_tops + [top for _, _, top in asked]) if rows else []
+    logprob_rows = score_rows + [row for row, _, _ in asked]
+    entries = token_logprobs(logits[logprob_rows], score_targets + [token for _, token, _ in asked],
+                             score_tops + [top for _, _, top in asked]) if logprob_rows else []
     scored, drawn = iter(entries[:len(score_rows)]), iter(entries[len(score_rows):])
 
     results, sampled = [], iter(tokens)
@@ -62,6 +69,9 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
         token = next(sampled) if spec is not None else None
         logprob = next(drawn) if spec is not None and spec.logprobs is not None else None
         results.append(SeqResult(token, logprob, prompt))
+    for result, spec in zip([r for r, spec in zip(results, batch.samples) if spec is not None], specs):
+        result.siblings.extend((next(sampled), next(drawn) if spec.logprobs is not None else None)
+                               for _ in spec.siblings)
     return results
 
 

@@ -9,6 +9,11 @@ running request needs a block and none is free, the newest running request of th
 blocks freed) and recomputed later from its prompt and the tokens it had generated. A request
 is placed on one DP rank at admission and stays there: the least-loaded one by queued and running work in
 tokens, ties broken by free blocks (or round-robin, for comparison); a request may also be pinned.
+
+A request for n > 1 samples is one sequence until its prompt is in the cache: the step that feeds the prompt's
+last token draws all n first tokens from that row (sample i with seed + i), and the n - 1 further samples start
+as sequences of their own on the same DP rank from a fork of its cache (block_pool.py: the prompt's full blocks
+are shared), so the prompt is prefilled once. Admission keeps room in max_num_seqs for all n.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.block_pool import BlockPool
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
-from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
+from dsconv.runner.models.batch import Batch, Fork, PromptScores, SampleSpec
 
 BALANCING = ("least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
@@ -39,6 +44,8 @@ class Request:
     seed: int
     on_output: Callable[[RequestOutput], None]
     dp_rank: int
+    index: int = 0  # which of the request's n samples
+    forked: bool = False  # its n samples are drawn (for index 0 of n > 1; the others start so)
     arrival: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of prompt + output in the cache
@@ -47,6 +54,15 @@ class Request:
     first_scheduled: float | None = None
     last_token: float | None = None
     previous_token: float | None = None  # the time of the token before the last, for inter-token latency
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
+
+    @property
+    def seqs(self) -> int:
+        """The sequences it will run as: n until its samples are drawn."""
+        return 1 if self.forked else self.params.n
 
     @property
     def tokens(self) -> list[int]:
@@ -71,7 +87,9 @@ class Step:
 
 class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, balancing: str = "least-loaded"):
+                 eos_token_id: int | None, balancing: str = "least-loaded", share_blocks: bool = True):
+        """share_blocks: forked samples share their full blocks (the cache's `paged`: False where the cache keeps
+        per-sequence state, which a fork copies whole, so the pool counts the copy's blocks too)."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -82,9 +100,11 @@ class Scheduler:
         self.pools = [BlockPool(num_blocks, block_size) for _ in range(dp)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp)]
         self.running: list[list[Request]] = [[] for _ in range(dp)]
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[tuple[str, int], Request] = {}  # (request id, sample index) -> its sequence
         self.by_seq: dict[int, Request] = {}  # the same requests by their sequence id (the ranks' name for them)
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
+        self.forks: list[list[Fork]] = [[] for _ in range(dp)]  # samples forked here, to copy on the ranks
+        self.share_blocks = share_blocks
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
         self.preemptions = 0  # in all, over every rank
 
@@ -99,14 +119,18 @@ class Scheduler:
                              f"KV cache; a DP rank holds {pool.capacity_tokens} (--cache-tokens)")
         if dp_rank is not None and not 0 <= dp_rank < self.dp:
             raise InputError(f"DP rank {dp_rank} is not between 0 and {self.dp - 1}")
+        if params.n > self.max_num_seqs:
+            raise InputError(f"n={params.n} samples run at once as {params.n} sequences; a DP rank runs at most "
+                             f"{self.max_num_seqs} (--max-num-seqs)")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None = None
             ) -> Request:
         self.check(len(prompt), params, dp_rank)
         rank = dp_rank if dp_rank is not None else self._place(params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(SEED_BITS)
-        request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank)
-        self.requests[request_id] = self.by_seq[request.seq_id] = request
+        request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank,
+                          forked=params.n == 1)
+        self.requests[request.key] = self.by_seq[request.seq_id] = request
         self.waiting[rank].append(request)
         return request
 
@@ -136,8 +160,8 @@ class Scheduler:
             return None
         batches, started, preempted = [], [], [0] * self.dp
         for rank in range(self.dp):
-            batch, budget = Batch(releases=self.releases[rank]), self.budget
-            self.releases[rank] = []
+            batch, budget = Batch(releases=self.releases[rank], forks=self.forks[rank]), self.budget
+            self.releases[rank], self.forks[rank] = [], []
             pool, running, scheduled = self.pools[rank], self.running[rank], 0
             while scheduled < len(running) and budget > 0:
                 request = running[scheduled]
@@ -151,7 +175,7 @@ class Scheduler:
                     budget -= self._feed(batch, pool, request, n)
                     scheduled += 1
             waiting = self.waiting[rank]
-            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            while waiting and budget > 0 and len(running) + waiting[0].seqs <= self.max_num_seqs:
                 request = waiting[0]
                 n = min(len(request.tokens) - request.num_computed, budget)
                 if pool.missing(request.seq_id, n) > len(pool.free):
@@ -171,8 +195,10 @@ class Scheduler:
         params = request.params
         sample = None
         if stop == len(request.tokens) and params.max_tokens > 0:
+            siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
             sample = SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
-                                params.logprobs, params.grammar, tuple(request.output) if params.grammar else ())
+                                params.logprobs, params.grammar, tuple(request.output) if params.grammar else (),
+                                siblings)
         scores = None
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
             targets = request.prompt[start + 1:min(stop, len(request.prompt) - 1) + 1]
@@ -201,7 +227,7 @@ class Scheduler:
                 request = self.by_seq.get(seq_id)
                 if request is None:  # aborted while the step ran
                     continue
-                out = RequestOutput(request.request_id, len(request.prompt))
+                out, samples = RequestOutput(request.request_id, len(request.prompt), index=request.index), []
                 request.prompt_logprobs.extend(result.prompt_logprobs)
                 if request.params.prompt_logprobs is not None and not request.prompt_delivered \
                         and not request.scoring and request.num_computed >= len(request.prompt):
@@ -213,6 +239,8 @@ class Scheduler:
                     out.new_token_ids = [result.token]
                     out.new_logprobs = [result.logprob] if result.logprob is not None else None
                     out.finish_reason = self._finish_reason(request, result.token)
+                    if result.siblings:  # before the parent may go: the samples fork its cache
+                        samples = self._start_samples(request, result.siblings, out.prompt_logprobs, now)
                 elif request.params.max_tokens == 0 and not request.scoring and \
                         request.num_computed == len(request.prompt):
                     out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated
@@ -221,6 +249,35 @@ class Scheduler:
                     self._remove(request)
                 if out.new_token_ids or out.prompt_logprobs is not None or out.finished:
                     outputs.append((request, out))
+                outputs += samples
+        return outputs
+
+    def _start_samples(self, parent: Request, drawn: list, prompt_logprobs, now: float) -> list[tuple]:
+        """Samples 1 .. n - 1 of `parent`, whose first tokens were drawn beside its own -> their first outputs.
+        Each continues from a fork of the parent's cache, or, when the free blocks do not suffice for a copy of
+        its last partial block, from scratch like a preempted request."""
+        parent.forked = True
+        rank, pool, outputs = parent.dp_rank, self.pools[parent.dp_rank], []
+        for index, (token, logprob) in enumerate(drawn, start=1):
+            child = Request(parent.request_id, next(self._seq_ids), parent.prompt, parent.params, parent.seed + index,
+                            parent.on_output, rank, index=index, forked=True, arrival=parent.arrival, output=[token],
+                            prompt_logprobs=list(parent.prompt_logprobs), prompt_delivered=True,
+                            first_scheduled=parent.first_scheduled, last_token=now)
+            out = RequestOutput(parent.request_id, len(parent.prompt), index=index, new_token_ids=[token],
+                                new_logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
+                                finish_reason=self._finish_reason(child, token))
+            out.finished = out.finish_reason is not None
+            outputs.append((child, out))
+            if out.finished:
+                continue
+            self.requests[child.key] = self.by_seq[child.seq_id] = child
+            copies = pool.fork(parent.seq_id, child.seq_id, parent.num_computed, self.share_blocks)
+            if copies is None:
+                self.waiting[rank].appendleft(child)
+                continue
+            child.num_computed = parent.num_computed
+            self.forks[rank].append(Fork(parent.seq_id, child.seq_id, tuple(copies)))
+            self.running[rank].append(child)
         return outputs
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -231,16 +288,21 @@ class Scheduler:
             return FINISH_LENGTH
         return None
 
-    def abort(self, request_id: str) -> tuple[Request, RequestOutput] | None:
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self._remove(request)
-        return request, RequestOutput(request_id, len(request.prompt), finished=True, finish_reason=FINISH_ABORT)
+    def abort(self, request_id: str, index: int | None = None) -> list[tuple[Request, RequestOutput]]:
+        """Ends one sample of a request, or (index None) all of them -> their final outputs; a request whose
+        samples are not drawn yet ends for all n."""
+        aborted = []
+        for key in [key for key in self.requests if key[0] == request_id and index in (None, key[1])]:
+            request = self.requests[key]
+            self._remove(request)
+            indices = [request.index] if request.forked else range(request.params.n)
+            aborted += [(request, RequestOutput(request_id, len(request.prompt), index=i, finished=True,
+                                                finish_reason=FINISH_ABORT)) for i in indices]
+        return aborted
 
     def _remove(self, request: Request) -> None:
         rank = request.dp_rank
-        del self.requests[request.request_id], self.by_seq[request.seq_id]
+        del self.requests[request.key], self.by_seq[request.seq_id]
         if request in self.running[rank]:
             self.running[rank].remove(request)
         elif request in self.waiting[rank]:

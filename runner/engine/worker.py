@@ -75,9 +75,12 @@ class StepInputs:
 
 def prepare_inputs(cache, batch: Batch) -> StepInputs:
     """One step's model inputs from its batch, on the cache's device: the batch checked as received (before
-    anything is written), the sequences finished, aborted or preempted since the last step released, the
-    step's metadata from the batch's block tables and slots, and the token ids."""
+    anything is written), the samples forked since the last step copied from their parents, the sequences
+    finished, aborted or preempted since then released, the step's metadata from the batch's block tables and
+    slots, and the token ids."""
     batch.validate(cache.block_size, cache.num_blocks)
+    for fork in batch.forks:
+        cache.fork(fork)
     for seq_id in batch.releases:
         cache.release(seq_id)
     meta = cache.prepare_meta(batch)

@@ -71,7 +71,7 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
         cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
         scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs, max_num_batched_tokens,
-                              config.get("eos_token_id"), balancing)
+                              config.get("eos_token_id"), balancing, share_blocks=cache.paged)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0, grammars=grammars), world,
                                  layout["attn_tp"], metrics))

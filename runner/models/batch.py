@@ -6,7 +6,11 @@ context_lens[i] - query_len .. context_lens[i] - 1; their cache entries go to sl
 block table gives (slot = block_tables[i][p // block_size] * block_size + p % block_size). The tables come
 from the scheduler's block pool (runner/engine/block_pool.py), the only allocator; a cache without paged
 storage (DeepSeek-V4's state) leaves the slots unused.
-"""
+
+A sample forked from another (n > 1) starts from a copy of that sequence's cache: `forks` names the pairs and the
+blocks whose contents to copy (the full blocks of their common prompt are shared, in both block tables; nobody
+writes them again). The ranks apply the forks before the releases, so a parent that finished in the step that
+forked it can still be copied from."""
 
 from __future__ import annotations
 
@@ -24,6 +28,16 @@ class SampleSpec:
     logprobs: int | None  # also return the drawn token's logprob and this many top entries
     grammar: object = None  # engine.grammar.GrammarSpec the token must follow, or None
     output: tuple[int, ...] = ()  # with a grammar: the request's output so far (a matcher rebuilt replays it)
+    siblings: tuple[int, ...] = ()  # seeds of further samples drawn from the same row at the same index (n > 1)
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Sequence `child` continues from `parent`'s cache: copy each (parent block, child block) pair's contents;
+    the blocks the two tables share need no copy."""
+    parent: int
+    child: int
+    copies: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class Batch:
     samples: list[SampleSpec | None] = field(default_factory=list)  # [S]
     scores: list[PromptScores | None] = field(default_factory=list)  # [S]
     releases: list[int] = field(default_factory=list)  # sequences whose cache is freed before this step
+    forks: list[Fork] = field(default_factory=list)  # sequences started from a copy of another's, before releases
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +104,13 @@ class Batch:
         _check(self.query_start_loc[-1] == len(self.input_ids) == len(self.slot_mapping),
                f"{self.query_start_loc[-1]} query tokens, {len(self.input_ids)} input ids, "
                f"{len(self.slot_mapping)} slots")
-        used: set[int] = set()
+        holders: dict[int, set[int]] = {}
+        for seq_id, table in zip(self.seq_ids, self.block_tables):
+            for block in table:
+                holders.setdefault(block, set()).add(seq_id)
+        for fork in self.forks:
+            _check(all(0 <= b < num_blocks for pair in fork.copies for b in pair),
+                   f"fork of sequence {fork.parent} into {fork.child}: a block outside 0..{num_blocks - 1}")
         for i, seq_id in enumerate(self.seq_ids):
             start, stop, context = self.span(i)
             query = stop - start
@@ -98,8 +119,9 @@ class Batch:
             _check(context >= query, f"sequence {seq_id}: context {context} < query {query}")
             _check(len(table) * block_size >= context, f"sequence {seq_id}: {len(table)} blocks for {context} tokens")
             _check(all(0 <= b < num_blocks for b in table), f"sequence {seq_id}: a block outside 0..{num_blocks - 1}")
-            _check(used.isdisjoint(table), f"sequence {seq_id} shares a block with another sequence")
-            used.update(table)
+            written = {slot // block_size for slot in self.slot_mapping[start:stop]}
+            _check(all(holders[block] == {seq_id} for block in written if block in holders),
+                   f"sequence {seq_id} writes a block another sequence holds")
             _check(self.slot_mapping[start:stop] == slots(table, block_size, context - query, context),
                    f"sequence {seq_id}: slot_mapping disagrees with its block table")
             scored = self.scores[i]

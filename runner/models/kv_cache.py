@@ -28,7 +28,7 @@ from dsconv.family.arch import CacheField
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast
-from dsconv.runner.models.batch import Batch, slots
+from dsconv.runner.models.batch import Batch, Fork, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
 # The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
@@ -118,6 +118,7 @@ def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 class LatentCache:
+    paged = True  # a token's entries sit in its block: samples forked from one prompt share its full blocks
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
                  dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):
         """fields: name -> what a token keeps per layer; dtype: the entries' dtype (and that of dequantized
@@ -264,6 +265,19 @@ class LatentCache:
             return stored.narrow(0, first_slot, count)
         # index_select: tensor[index]'s gather without advanced indexing's per-call setup
         return torch.index_select(stored, 0, slots.flatten()).view(*slots.shape, -1)
+
+    def fork(self, fork: Fork) -> None:
+        """A forked sequence's own blocks get the contents of its parent's (every field and layer); the blocks
+        they share hold them already. Its slots are read from its block table at its first step."""
+        if not fork.copies:
+            return
+        source = torch.tensor([p for p, _ in fork.copies], device=self.device)
+        target = torch.tensor([c for _, c in fork.copies], device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        source_slots = (source[:, None] * self.block_size + offsets).flatten()
+        target_slots = (target[:, None] * self.block_size + offsets).flatten()
+        for stored in self.data.values():
+            stored.index_copy_(1, target_slots, stored.index_select(1, source_slots))
 
     def release(self, seq_id: int) -> None:
         """Forgets a finished (or preempted) sequence; its blocks are the pool's to reuse."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.batch import Batch, Fork
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat
 
 
@@ -47,6 +47,13 @@ class CompressorState:
     @property
     def entries(self) -> torch.Tensor:
         return self.buffer[:self.count]
+
+    def copy(self) -> CompressorState:
+        def own(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone()
+
+        return CompressorState(self.entries.clone(), self.count, self.kv.clone(), self.gate.clone(),
+                               own(self.prev_kv), own(self.prev_gate))
 
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Adds entries [n, dim] -> every entry so far. The buffer doubles when full, so appending an entry
@@ -76,9 +83,14 @@ class LayerState:
             indexer = CompressorState.empty(cfg.csa_compress_rate, cfg.index_head_dim, True, dtype, device)
         return cls(torch.zeros(0, cfg.head_dim, dtype=dtype, device=device), compressor, indexer)
 
+    def copy(self) -> LayerState:
+        return LayerState(self.window.clone(), self.compressor and self.compressor.copy(),
+                          self.indexer and self.indexer.copy())
+
 
 class V4Cache:
     block_size = BLOCK_SIZE  # what the block pool accounts in; the state is per request, not paged
+    paged = False  # a fork copies the whole state: the pool gives the copy blocks of its own
 
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -108,6 +120,12 @@ class V4Cache:
     def layer(self, seq_id: int, layer: int) -> LayerState:
         return self.states[seq_id][layer]
 
+    def fork(self, fork: Fork) -> None:
+        """A forked sequence continues from a copy of its parent's state (the blocks are only the pool's count)."""
+        self.states[fork.child] = [state.copy() for state in self.states[fork.parent]]
+        self.lengths[fork.child] = self.lengths[fork.parent]
+
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
         self.lengths.pop(seq_id, None)
+

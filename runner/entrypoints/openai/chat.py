@@ -103,16 +103,17 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
                              f"max_model_len={engine.max_model_len}")
     params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              grammar=grammar)
-    response = ChatCompletion(engine, body, prompt_ids, thinking, dialect)
+    response = ChatCompletion(engine, body, prompt_ids, thinking, dialect, params.n)
     requests = RequestGroup(engine, request, dp_rank)
-    return await answer(requests, response, [response.choice], body.stream, params)
+    return await answer(requests, response, response.choices, body.stream, params)
 
 
 class ChatCompletion(Envelope):
     def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
-                 dialect: Dialect | None = None):
-        self.choice = Choice(0, prompt_ids, stop_strings(body), Detokenizer(engine.tokenizer, skip_special_tokens=True))
-        super().__init__(engine, "chatcmpl", [self.choice])
+                 dialect: Dialect | None = None, n: int = 1):
+        super().__init__(engine, "chatcmpl", [Choice(i, prompt_ids, stop_strings(body),
+                                                     Detokenizer(engine.tokenizer, skip_special_tokens=True), i)
+                                              for i in range(n)])
         self.body, self.thinking, self.dialect = body, thinking, dialect
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
@@ -127,41 +128,44 @@ class ChatCompletion(Envelope):
             return Reply(content)
         return split_calls(self.dialect, content) if final else Reply(sendable(self.dialect, content))
 
-    def _finish(self, reply: Reply) -> str | None:
-        return "tool_calls" if reply.calls else self.choice.finish_reason
+    @staticmethod
+    def _finish(choice: Choice, reply: Reply) -> str | None:
+        return "tool_calls" if reply.calls else choice.finish_reason
 
-    def _logprobs(self, first_token: int) -> dict | None:
+    def _logprobs(self, choice: Choice, first_token: int) -> dict | None:
         if not self.body.logprobs:
             return None
-        choice = self.choice
         return chat_logprobs(self.engine.tokenizer, choice.token_ids[first_token:], choice.logprobs[first_token:],
                              self.body.top_logprobs or 0, self.body.return_tokens_as_token_ids)
 
     def response(self) -> dict:
-        reasoning, content = self._split(self.choice.text, final=True)
+        return {**self.head("chat.completion"), "choices": [self._choice(choice) for choice in self.choices],
+                "usage": self.usage()}
+
+    def _choice(self, choice: Choice) -> dict:
+        reasoning, content = self._split(choice.text, final=True)
         reply = self._reply(content, final=True)
         message = {"role": "assistant", "content": reply.content, "reasoning_content": reasoning}
         if reply.calls:
             message.update(content=reply.content or None, tool_calls=reply.calls)
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(0),
-                  "finish_reason": self._finish(reply)}
-        return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice, 0),
+                "finish_reason": self._finish(choice, reply)}
 
     async def chunks(self, requests: RequestGroup):
-        yield self._chunk({"role": "assistant", "content": ""}, None, None)
-        async for _ in updates(requests, [self.choice]):
-            chunk = self._next_chunk()
+        for choice in self.choices:
+            yield self._chunk(choice, {"role": "assistant", "content": ""}, None, None)
+        async for choice in updates(requests, self.choices):
+            chunk = self._next_chunk(choice)
             if chunk is not None:
                 yield chunk
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield {**self.head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
 
-    def _chunk(self, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+    def _chunk(self, choice: Choice, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
         return {**self.head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
-    def _next_chunk(self) -> dict | None:
-        choice = self.choice
+    def _next_chunk(self, choice: Choice) -> dict | None:
         reasoning, content = self._split(choice.ready_text(), final=choice.done)
         reply = self._reply(content, final=choice.done)
         content = reply.content
@@ -174,9 +178,9 @@ class ChatCompletion(Envelope):
             choice.sent_text = len(content)
         if reply.calls:
             delta["tool_calls"] = call_deltas(reply.calls)
-        logprobs = self._logprobs(choice.sent_tokens) if len(choice.token_ids) > choice.sent_tokens else None
+        logprobs = self._logprobs(choice, choice.sent_tokens) if len(choice.token_ids) > choice.sent_tokens else None
         choice.sent_tokens = len(choice.token_ids)
-        finish = self._finish(reply) if choice.done else None
+        finish = self._finish(choice, reply) if choice.done else None
         if not delta and logprobs is None and finish is None:
             return None
-        return self._chunk(delta, logprobs, finish)
+        return self._chunk(choice, delta, logprobs, finish)

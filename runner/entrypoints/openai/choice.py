@@ -61,10 +61,11 @@ def split_reasoning(text: str, final: bool, call_start: str | None = None) -> tu
 
 @dataclass
 class Choice:
-    index: int
+    index: int  # in the response: prompt i's samples are choices i * n .. i * n + n - 1
     prompt_ids: list[int]
     stops: tuple[str, ...]
     detokenizer: Detokenizer
+    sample: int = 0  # which of its engine request's n samples
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     token_offsets: list[int] = field(default_factory=list)  # where each generated token starts in the text
@@ -172,6 +173,7 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
 
     def usage(self) -> dict:
-        prompt = sum(len(c.prompt_ids) for c in self.choices)
+        """As OpenAI counts: each prompt once however many samples it has, every sample's tokens."""
+        prompt = sum(len(c.prompt_ids) for c in self.choices if c.sample == 0)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

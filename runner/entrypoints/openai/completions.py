@@ -1,4 +1,4 @@
-"""POST /v1/completions: prompts (text or token ids, one choice each) -> text, streamed or whole, with echo and
+"""POST /v1/completions: prompts (text or token ids, n choices each) -> text, streamed or whole, with echo and
 logprobs shaped as lm-evaluation-harness reads them (prompt tokens first, the first one with logprob None)."""
 
 from __future__ import annotations
@@ -61,25 +61,25 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = sampling_params(body, max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo else None)
-    response = Completion(engine, body, inputs)
+    response = Completion(engine, body, inputs, params.n)
     requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, response.choices, body.stream, params)
 
 
 class Completion(Envelope):
-    def __init__(self, engine: EngineClient, body: CompletionRequest, inputs: list[Prompt]):
-        super().__init__(engine, "cmpl", [Choice(i, p.ids, stop_strings(body),
-                                                 Detokenizer(engine.tokenizer, skip_special_tokens=True))
-                                          for i, p in enumerate(inputs)])
-        self.body, self.inputs = body, inputs
-        self.echo_sent = [False] * len(inputs)
+    def __init__(self, engine: EngineClient, body: CompletionRequest, inputs: list[Prompt], n: int):
+        super().__init__(engine, "cmpl", [Choice(i * n + sample, p.ids, stop_strings(body),
+                                                 Detokenizer(engine.tokenizer, skip_special_tokens=True), sample)
+                                          for i, p in enumerate(inputs) for sample in range(n)])
+        self.body, self.inputs, self.n = body, inputs, n
+        self.echo_sent = [False] * len(self.choices)
 
     def response(self) -> dict:
         return {**self.head("text_completion"), "choices": [self._choice(c) for c in self.choices],
                 "usage": self.usage()}
 
     def _choice(self, choice: Choice) -> dict:
-        prompt = self.inputs[choice.index]
+        prompt = self.inputs[choice.index // self.n]
         logprobs = None
         if self.body.logprobs is not None:
             logprobs = self._logprobs(choice, 0, self.body.echo)
@@ -88,7 +88,7 @@ class Completion(Envelope):
 
     def _logprobs(self, choice: Choice, first_token: int, with_prompt: bool) -> dict:
         """Logprobs of the generated tokens from `first_token` on, after the prompt's when `with_prompt`."""
-        prompt = self.inputs[choice.index]
+        prompt = self.inputs[choice.index // self.n]
         base = len(prompt.text) if self.body.echo else 0  # generated text starts after the echoed prompt
         ids = choice.token_ids[first_token:]
         entries: list = choice.logprobs[first_token:]
@@ -117,7 +117,7 @@ class Completion(Envelope):
         if self.body.echo and not self.echo_sent[choice.index]:
             # the prompt goes first, with its logprobs once the engine has scored it
             if self.body.logprobs is None or choice.prompt_logprobs is not None:
-                echo, with_prompt = self.inputs[choice.index].text, self.body.logprobs is not None
+                echo, with_prompt = self.inputs[choice.index // self.n].text, self.body.logprobs is not None
                 self.echo_sent[choice.index] = True
         text = choice.ready_text()
         delta = echo + text[choice.sent_text:]

@@ -139,8 +139,6 @@ def check_common(body: _Sampling, model_name: str, vocab_size: int) -> None:
     """What the two generation routes refuse alike; SamplingParams checks the ranges it knows itself."""
     if body.model is not None and body.model != model_name:
         raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`.")
-    if body.n not in (None, 1):
-        raise InputError(f"n={body.n} is not supported: one choice per prompt (n=1)")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0.0):
             raise InputError(f"{name}={getattr(body, name)} is not supported: only 0")
@@ -180,6 +178,7 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        n=1 if body.n is None else body.n,
     )
 
 

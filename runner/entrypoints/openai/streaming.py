@@ -1,4 +1,5 @@
-"""The bridge between one HTTP request and its engine requests (one per prompt): outputs arrive on the engine's
+"""The bridge between one HTTP request and its engine requests (one per prompt, each with the n samples that are
+the prompt's choices): outputs arrive on the engine's
 thread and are handed to the event loop through a queue (one wake-up of the loop per engine step, not one per
 output); a client that goes away, an error or a stop string
 aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it in
@@ -70,23 +71,24 @@ class ClientGone(Exception):
 
 
 class RequestGroup:
-    """The engine requests of one HTTP request (one per prompt or choice), and the queue their outputs reach the
-    event loop through."""
+    """The engine requests of one HTTP request (one per prompt), and the queue their outputs reach the event loop
+    through; each sample of each request is one choice."""
 
     def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
         self.engine = engine
         self.dp_rank = dp_rank
         self.inbox = LoopInbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        self.running: set[str] = set()  # submitted, not finished, not aborted
+        self.running: set[tuple[str, int]] = set()  # (request id, sample) submitted, not finished, not aborted
         self.disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
 
     def submit(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
+        """Its samples are choices index .. index + params.n - 1."""
         def on_output(out: RequestOutput) -> None:  # on the engine's thread
-            self.inbox.post(self.queue, (index, out))
+            self.inbox.post(self.queue, (index + out.index, out))
 
         request_id = self.engine.submit(prompt_ids, params, on_output, dp_rank=self.dp_rank)
-        self.running.add(request_id)
+        self.running.update((request_id, sample) for sample in range(params.n))
         return request_id
 
     async def next(self) -> tuple[int, RequestOutput]:
@@ -106,18 +108,19 @@ class RequestGroup:
         else:  # already here (a step's outputs arrive together): no task, no wait
             index, out = self.queue.get_nowait()
         if out.finished:
-            self.running.discard(out.request_id)
+            self.running.discard((out.request_id, out.index))
         return index, out
 
-    def abort(self, request_id: str) -> None:
-        if request_id in self.running:
-            self.running.discard(request_id)
-            self.engine.abort(request_id)
+    def abort(self, request_id: str, sample: int) -> None:
+        if (request_id, sample) in self.running:
+            self.running.discard((request_id, sample))
+            self.engine.abort(request_id, sample)
 
     def close(self) -> None:
         self.disconnected.cancel()
-        for request_id in list(self.running):
-            self.abort(request_id)
+        for request_id in {request_id for request_id, _ in self.running}:
+            self.engine.abort(request_id)
+        self.running.clear()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -136,19 +139,21 @@ async def updates(requests: RequestGroup, choices: list[Choice]) -> AsyncIterato
             continue
         choice.consume(out)
         if choice.stopped_here:
-            requests.abort(choice.request_id)
+            requests.abort(choice.request_id, choice.sample)
         yield choice
 
 
 async def answer(requests: RequestGroup, response, choices: list[Choice], stream: bool,
                  params: SamplingParams) -> Response:
-    """Submits every choice's prompt, then returns the SSE stream or, once every choice is done, the whole
-    response (response: the route's Completion or ChatCompletion: `chunks`, `response`). The requests are
-    closed on every path out: by the stream when it ends, else here."""
+    """Submits each prompt once for its params.n choices (in order, sample 0 first), then returns the SSE stream
+    or, once every choice is done, the whole response (response: the route's Completion or ChatCompletion:
+    `chunks`, `response`). The requests are closed on every path out: by the stream when it ends, else here."""
     made = None
     try:
-        for choice in choices:
-            choice.request_id = requests.submit(choice.index, choice.prompt_ids, params)
+        for first in choices[::params.n]:
+            request_id = requests.submit(first.index, first.prompt_ids, params)
+            for choice in choices[first.index:first.index + params.n]:
+                choice.request_id = request_id
         if stream:
             made = EventStream(sse_events(response.chunks(requests)), requests)
             return made
