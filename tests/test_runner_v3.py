@@ -12,7 +12,7 @@ from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.layers import Proj
 from dsconv.family.deepseek_v3 import cache_fields
-from dsconv.runner.models.deepseek_v3 import DeepseekV3
+from dsconv.runner.models.deepseek_v3 import Attention, DeepseekV3
 from dsconv.runner.models.weights import load_manifest, load_rank
 from dsconv.family.layout import Layout
 from tests.helpers import Recorder, Steps, cosine, last_rows, shard
@@ -75,8 +75,13 @@ def test_prefill_hidden_states_and_logits(pair):
     assert cosine(logits, ref.logits[0]) >= COSINE_MIN
 
 
-def test_greedy_tokens_equal_transformers_generate(pair):
+@pytest.mark.parametrize("absorbed", [None, True, False])
+def test_greedy_tokens_equal_transformers_generate(pair, absorbed, monkeypatch):
+    """absorbed: V3.2's prefill past index_topk in the absorbed form (True) or expanded (False) whatever the
+    multiply-add count picks (None: as it picks, absorbed for the tiny shapes)."""
     ours, reference = pair
+    if absorbed is not None:
+        monkeypatch.setattr(Attention, "absorbed_is_cheaper", lambda self, queries, context: absorbed)
     model, cache, cfg = ours()
     ids = prompt(cfg.vocab_size, seed=1)
     with torch.no_grad():

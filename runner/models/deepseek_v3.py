@@ -20,7 +20,7 @@ from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.kv_cache import DecodeRows, LatentCache, StepMeta
+from dsconv.runner.models.kv_cache import DECODE_GATHER_ROWS, DecodeRows, LatentCache, StepMeta
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel
@@ -93,20 +93,54 @@ class Attention:
 
     def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
                 seq, scale: float) -> torch.Tensor:
-        """One sequence's chunk of S > 1 queries: the latent expanded into per-head keys and values -> [S, heads,
-        v], in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are emulated and
-        several times slower), rounded to the compute dtype once, at the end."""
-        cfg, heads, lora = self.cfg, self.heads, self.cfg.kv_lora_rank
-        (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
+        """One sequence's chunk of S > 1 queries -> [S, heads, v]. Without V3.2's indexer selecting (or where the
+        count below favours it), the latent is expanded into per-head keys and values over the whole context;
+        with it, each query may instead attend in the absorbed form over the latent of its own index_topk
+        positions, as decode does (`absorbed`)."""
+        cfg = self.cfg
         allowed = seq.causal  # [S, C] True where a query may look
         # V3.2's indexer keeps the top index_topk positions: a context no longer than that is kept whole (top-k
         # of C <= k scores picks all C), so the scoring is skipped. V3.2 uses 2048, longer than most prompts
-        if self.indexer is not None and seq.context_len > cfg.index_topk:
-            top = self.indexer.select(q_resid, index_k_w[1], step_rope.index_cos[rows], step_rope.index_sin[rows],
-                                      cache, layer, seq, allowed)
-            chosen = torch.zeros(top.shape[0], ctx.shape[0], dtype=torch.bool, device=ctx.device)
-            chosen.scatter_(-1, top, True)  # each query has its own choice: a mask over the whole context
-            allowed = allowed & chosen  # not in place: seq.causal is shared by every layer
+        if self.indexer is None or seq.context_len <= cfg.index_topk:
+            return self.expanded(q_nope, q_pe, cache, layer, seq, allowed, scale)
+        top = self.indexer.select(q_resid, index_k_w[1], step_rope.index_cos[rows], step_rope.index_sin[rows],
+                                  cache, layer, seq, allowed)  # [S, k]
+        if self.absorbed_is_cheaper(q_nope.shape[0], seq.context_len):
+            valid = allowed.gather(1, top)  # a query with fewer than k positions before it also picks later ones
+            slots = seq.context_slots[top]  # [S, k]
+            out = q_nope.new_empty(q_nope.shape[0], self.heads, cfg.v_head_dim)
+            per_chunk = max(1, DECODE_GATHER_ROWS // top.shape[1])  # the gathered latent stays bounded
+            for first in range(0, q_nope.shape[0], per_chunk):
+                part = slice(first, first + per_chunk)
+                ctx = cache.read_slots(layer, "c_kv_k_pe", slots[part])  # [chunk, k, lora + rope]
+                out[part] = self.absorbed(q_nope[part], q_pe[part], ctx, valid[part], scale)
+            return out
+        chosen = torch.zeros(top.shape[0], seq.context_len, dtype=torch.bool, device=top.device)
+        chosen.scatter_(-1, top, True)  # each query has its own choice: a mask over the whole context
+        return self.expanded(q_nope, q_pe, cache, layer, seq, allowed & chosen, scale)  # not in place: shared
+
+    def absorbed_is_cheaper(self, queries: int, context: int) -> bool:
+        """Multiply-adds of a prefill chunk's attention both ways, V3.2's indexer selecting k = index_topk
+        positions per query. Expanded: the context's latent through W_UK and W_UV (context x heads x lora x
+        (nope + v)), then every query against every position (queries x heads x context x (qk_head + v)): the
+        sparse mask saves nothing. Absorbed: W_UK into the queries and W_UV after (queries x heads x lora x
+        (nope + v)), then each query against its k latent rows (queries x heads x k x (lora + rope + lora)).
+        DeepSeek-V3.2 (k = 2048) at 4,096 tokens: expanded is cheaper; far beyond k, absorbed (see
+        docs/benchmarks.md for the CPU times of both)."""
+        cfg, heads, lora = self.cfg, self.heads, self.cfg.kv_lora_rank
+        qk_head, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        projections = heads * lora * (cfg.qk_nope_head_dim + v)
+        expanded = context * projections + queries * heads * context * (qk_head + v)
+        k = min(cfg.index_topk, context)
+        absorbed = queries * projections + queries * heads * k * (2 * lora + cfg.qk_rope_head_dim)
+        return absorbed < expanded
+
+    def expanded(self, q_nope, q_pe, cache: LatentCache, layer: int, seq, allowed, scale: float) -> torch.Tensor:
+        """The latent expanded into per-head keys and values, every query against the context where `allowed`
+        -> [S, heads, v], in the dtype decode multiplies in (float32 on CPU, where BF16 batched products are
+        emulated and several times slower), rounded to the compute dtype once, at the end."""
+        heads, lora = self.heads, self.cfg.kv_lora_rank
+        (ctx,) = cache.read(layer, seq, "c_kv_k_pe")  # [C, lora + rope]: the latent keys of the context
         product_dtype = self.w_uk_t.dtype
         ctx = cast(ctx, product_dtype)
         ctx_c = ctx[:, :lora]  # [C, lora]: the latent values
@@ -118,11 +152,9 @@ class Attention:
 
     def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
                decode: DecodeRows, scale: float) -> torch.Tensor:
-        """B one-token sequences at once (their rows of the step: `rows`): W_UK absorbed into the queries and W_UV
-        into the outputs, every head attending over the latent itself -> [B, heads, v]. In the dtype matmul
-        multiplies in (float32 on CPU, where the BF16 products are slow), rounded to the compute dtype once, at
-        the end."""
-        cfg, lora = self.cfg, self.cfg.kv_lora_rank
+        """B one-token sequences at once (their rows of the step: `rows`), each over its context or, for V3.2
+        past index_topk, over its chosen positions -> [B, heads, v] (`absorbed`)."""
+        cfg = self.cfg
         slots, valid = decode.slots, decode.valid  # [B, C]
         if self.indexer is not None and decode.max_context > cfg.index_topk:
             # V3.2: each query attends over its index_topk chosen positions only, [B, index_topk, lora + rope]
@@ -133,6 +165,14 @@ class Attention:
             ctx = cache.read_slots(layer, "c_kv_k_pe", slots)
         else:
             ctx = cache.read_decode(layer, decode, "c_kv_k_pe")  # [B, C, lora + rope]
+        return self.absorbed(q_nope, q_pe, ctx, valid, scale)
+
+    def absorbed(self, q_nope, q_pe, ctx, valid, scale: float) -> torch.Tensor:
+        """B queries, each over its own latent rows ctx [B, C, lora + rope] (valid [B, C] or None: all): W_UK
+        absorbed into the queries and W_UV into the outputs, every head attending over the latent itself -> [B,
+        heads, v]. In the dtype matmul multiplies in (float32 on CPU, where the BF16 products are slow), rounded
+        to the compute dtype once, at the end."""
+        lora = self.cfg.kv_lora_rank
         product_dtype = self.w_uk_t.dtype
         ctx = cast(ctx, product_dtype)
         q_lat = torch.bmm(self.w_uk_t, cast(q_nope, product_dtype).permute(1, 2, 0))  # [heads, lora, B]
