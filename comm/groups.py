@@ -1,5 +1,6 @@
 """The process groups of one layout: attention TP, attention DP, MoE EP, lm_head TP, o_proj and embedding TP, and
-the world.
+the world; and the runner's context-parallel prefill groups (`cp_size` consecutive attention-DP ranks, a choice
+made at run time, not in the shards).
 
 Membership comes from `family.layout.Layout.groups()`, the same table the shard writer used, so a rank reads
 exactly the shard its groups expect.
@@ -37,10 +38,22 @@ class Groups:
     tp: Group
     oproj_tp: Group
     embed_tp: Group
+    cp: Group
 
 
-def make_groups(layout: Layout | dict) -> Groups:
-    """Call on every rank, after init_process_group, with the same layout (the manifest's)."""
+def cp_members(layout: Layout, cp_size: int) -> list[list[int]]:
+    """The context-parallel groups: cp_size consecutive attention-DP ranks each (attention TP 1: a DP index is a
+    rank); with cp_size 1, every rank alone."""
+    if cp_size == 1:
+        return [[rank] for rank in range(layout.world_size)]
+    if layout.dp % cp_size or (cp_size > 1 and layout.attn_tp != 1):
+        raise ValueError(f"a context-parallel group of {cp_size} needs attention TP 1 and a size dividing the "
+                         f"attention-DP size; the layout has attention DP {layout.dp} x TP {layout.attn_tp}")
+    return [list(range(first, first + cp_size)) for first in range(0, layout.dp, cp_size)]
+
+
+def make_groups(layout: Layout | dict, cp_size: int = 1) -> Groups:
+    """Call on every rank, after init_process_group, with the same layout (the manifest's) and cp_size."""
     layout = _as_layout(layout)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size != layout.world_size:
@@ -54,7 +67,7 @@ def make_groups(layout: Layout | dict) -> Groups:
     handles: dict[tuple[int, ...], dist.ProcessGroup | None] = {
         world_ranks: dist.group.WORLD if world_size > 1 else None}
     mine: dict[str, Group] = {}
-    for name, member_lists in layout.groups().items():
+    for name, member_lists in [*layout.groups().items(), ("cp", cp_members(layout, cp_size))]:
         for members in map(tuple, member_lists):
             if list(members) != sorted(members):
                 raise ValueError(f"{name} group {members} is not sorted; torch would renumber its ranks")
@@ -63,7 +76,7 @@ def make_groups(layout: Layout | dict) -> Groups:
             if rank in members:
                 mine[name] = Group(name, members, members.index(rank), handles[members])
     return Groups(world=Group("world", world_ranks, rank, handles[world_ranks]),
-                  **{name: mine[name] for name in GROUP_NAMES})
+                  **{name: mine[name] for name in (*GROUP_NAMES, "cp")})
 
 
 def _as_layout(layout: Layout | dict) -> Layout:

@@ -165,13 +165,14 @@ def launch_ranks(entry, args: dict, shards, results) -> list[dict]:
 
 
 def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS,
-              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None, kv_cache_dtype="auto"):
+              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None, kv_cache_dtype="auto",
+              **extra):
     """Generation on every rank -> each prompt's generated tokens. entry: the ranks' function (rank_main's
     arguments), e.g. one that installs a test double first; its results directory is tmp_path / results_name
     (default: named after the shards)."""
     results = tmp_path / (results_name or f"results-{shards.name}")
     launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, "eos_id": None, "dtype": dtype,
-                         "cache_tokens": 256, "kv_cache_dtype": kv_cache_dtype}, shards, results)
+                         "cache_tokens": 256, "kv_cache_dtype": kv_cache_dtype, **extra}, shards, results)
     return collect(results, len(prompts))[0]
 
 

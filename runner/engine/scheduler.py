@@ -18,6 +18,7 @@ are shared), so the prompt is prefilled once. Admission keeps room in max_num_se
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -29,7 +30,7 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.block_pool import BlockPool
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
-from dsconv.runner.models.batch import Batch, Fork, PromptScores, SampleSpec
+from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, SampleSpec
 
 BALANCING = ("least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
@@ -87,9 +88,12 @@ class Step:
 
 class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, balancing: str = "least-loaded", share_blocks: bool = True):
+                 eos_token_id: int | None, balancing: str = "least-loaded", share_blocks: bool = True,
+                 cp_size: int = 1, cp_min_tokens: int | None = None):
         """share_blocks: forked samples share their full blocks (the cache's `paged`: False where the cache keeps
-        per-sequence state, which a fork copies whole, so the pool counts the copy's blocks too)."""
+        per-sequence state, which a fork copies whole, so the pool counts the copy's blocks too). cp_size > 1:
+        a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's group of cp_size
+        ranks in one step (context parallelism)."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -105,6 +109,11 @@ class Scheduler:
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
         self.forks: list[list[Fork]] = [[] for _ in range(dp)]  # samples forked here, to copy on the ranks
         self.share_blocks = share_blocks
+        if cp_size < 1 or dp % cp_size or (cp_size > 1 and (cp_min_tokens is None or cp_min_tokens < 1)):
+            raise InputError(f"--prefill-context-parallel-size {cp_size} must divide the attention-DP size {dp}, "
+                             f"with --prefill-cp-min-tokens at least 1")
+        self.cp_size, self.cp_min_tokens = cp_size, cp_min_tokens
+        self.cp_prefills = 0  # in all
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
         self.preemptions = 0  # in all, over every rank
 
@@ -159,10 +168,17 @@ class Scheduler:
         if not self.has_work:
             return None
         batches, started, preempted = [], [], [0] * self.dp
+        shares = self._context_parallel(started)
         for rank in range(self.dp):
             batch, budget = Batch(releases=self.releases[rank], forks=self.forks[rank]), self.budget
             self.releases[rank], self.forks[rank] = [], []
             pool, running, scheduled = self.pools[rank], self.running[rank], 0
+            if rank in shares:  # the rank gives this step to a context-parallel prefill
+                share, request = shares[rank]
+                batch.cp, batch.input_ids = share, [request.prompt[p] for p in share.positions]
+                batch.validate(pool.block_size, pool.num_blocks)
+                batches.append(batch)
+                continue
             while scheduled < len(running) and budget > 0:
                 request = running[scheduled]
                 n = min(len(request.tokens) - request.num_computed, budget)
@@ -189,16 +205,58 @@ class Scheduler:
             batches.append(batch)
         return Step(batches, started, preempted)
 
+    def _context_parallel(self, started: list[Request]) -> dict[int, tuple[CPShare, Request]]:
+        """This step's context-parallel prefills: in each group of cp_size DP ranks, the earliest of the waiting
+        requests at the head of a member's queue whose whole prompt (at least cp_min_tokens, none computed) fits
+        its rank's cache and sequence limit -> DP rank -> (its share, the request). The request is admitted on its
+        own rank (the owner) with the whole prompt computed in this step."""
+        shares: dict[int, tuple[CPShare, Request]] = {}
+        for first in range(0, self.dp if self.cp_size > 1 else 0, self.cp_size):
+            members = range(first, first + self.cp_size)
+            ready = [self.waiting[r][0] for r in members if self.waiting[r] and self._cp_ready(self.waiting[r][0])]
+            if not ready:
+                continue
+            request = min(ready, key=lambda r: r.arrival)
+            owner, length = request.dp_rank, len(request.prompt)
+            self.waiting[owner].popleft()
+            self.running[owner].append(request)
+            if request.first_scheduled is None:
+                request.first_scheduled = time.perf_counter()
+                started.append(request)
+            table = tuple(self.pools[owner].grow(request.seq_id, length))
+            request.num_computed = length
+            self.cp_prefills += 1
+            group = (owner, *[r for r in members if r != owner])
+            for member, rank in enumerate(group):
+                share = CPShare(request.seq_id, length, group, member)
+                scores = None
+                if request.scoring:  # each member scores its own rows (every position but the last)
+                    targets = [request.prompt[p + 1] for p in share.positions if p < length - 1]
+                    scores = PromptScores(targets, request.params.prompt_logprobs) if targets else None
+                owner_parts = {"block_table": table, "sample": self._sample_spec(request)} if member == 0 else {}
+                shares[rank] = dataclasses.replace(share, scores=scores, **owner_parts), request
+        return shares
+
+    def _cp_ready(self, request: Request) -> bool:
+        pool, rank = self.pools[request.dp_rank], request.dp_rank
+        return (request.num_computed == 0 and not request.output and len(request.prompt) >= self.cp_min_tokens
+                and pool.missing(request.seq_id, len(request.prompt)) <= len(pool.free)
+                and len(self.running[rank]) + request.seqs <= self.max_num_seqs)
+
+    def _sample_spec(self, request: Request) -> SampleSpec | None:
+        """What to draw once the request's tokens are all fed (None when it generates nothing)."""
+        params = request.params
+        if params.max_tokens == 0:
+            return None
+        siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
+        return SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
+                          params.logprobs, params.grammar, tuple(request.output) if params.grammar else (), siblings)
+
     def _feed(self, batch: Batch, pool: BlockPool, request: Request, n: int) -> int:
         start, stop = request.num_computed, request.num_computed + n
         table = pool.grow(request.seq_id, stop)
+        sample = self._sample_spec(request) if stop == len(request.tokens) else None
         params = request.params
-        sample = None
-        if stop == len(request.tokens) and params.max_tokens > 0:
-            siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
-            sample = SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
-                                params.logprobs, params.grammar, tuple(request.output) if params.grammar else (),
-                                siblings)
         scores = None
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
             targets = request.prompt[start + 1:min(stop, len(request.prompt) - 1) + 1]
@@ -220,37 +278,51 @@ class Scheduler:
 
     def update(self, step: Step, results: list[list[SeqResult]]) -> list[tuple[Request, RequestOutput]]:
         """results[rank][i]: the i-th sequence of that rank's batch -> the outputs to deliver (finished requests
-        are freed here)."""
+        are freed here). A context-parallel prefill's result is its owner's, with the members' scored prompt
+        tokens put in position order."""
         outputs, now = [], time.perf_counter()
+        parts: dict[int, list[tuple[CPShare, SeqResult]]] = {}  # context-parallel: seq_id -> the members' results
         for batch, rank_results in zip(step.batches, results, strict=True):
+            if batch.cp is not None:
+                parts.setdefault(batch.cp.seq_id, []).extend(zip([batch.cp], rank_results, strict=True))
+                continue
             for seq_id, result in zip(batch.seq_ids, rank_results, strict=True):
-                request = self.by_seq.get(seq_id)
-                if request is None:  # aborted while the step ran
-                    continue
-                out, samples = RequestOutput(request.request_id, len(request.prompt), index=request.index), []
-                request.prompt_logprobs.extend(result.prompt_logprobs)
-                if request.params.prompt_logprobs is not None and not request.prompt_delivered \
-                        and not request.scoring and request.num_computed >= len(request.prompt):
-                    out.prompt_logprobs = [None, *request.prompt_logprobs]
-                    request.prompt_delivered = True
-                if result.token is not None:
-                    request.output.append(result.token)
-                    request.previous_token, request.last_token = request.last_token, now
-                    out.new_token_ids = [result.token]
-                    out.new_logprobs = [result.logprob] if result.logprob is not None else None
-                    out.finish_reason = self._finish_reason(request, result.token)
-                    if result.siblings:  # before the parent may go: the samples fork its cache
-                        samples = self._start_samples(request, result.siblings, out.prompt_logprobs, now)
-                elif request.params.max_tokens == 0 and not request.scoring and \
-                        request.num_computed == len(request.prompt):
-                    out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated
-                if out.finish_reason is not None:
-                    out.finished = True
-                    self._remove(request)
-                if out.new_token_ids or out.prompt_logprobs is not None or out.finished:
-                    outputs.append((request, out))
-                outputs += samples
+                outputs += self._take(seq_id, result, now)
+        for seq_id, members in parts.items():
+            scored = sorted((p, entry) for share, result in members
+                            for p, entry in zip([p for p in share.positions if p < share.length - 1],
+                                                result.prompt_logprobs))
+            owner = next(result for share, result in members if share.member == 0)
+            outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
         return outputs
+
+    def _take(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
+        """One sequence's result -> the outputs it gives (its own, then any samples it starts)."""
+        request = self.by_seq.get(seq_id)
+        if request is None:  # aborted while the step ran
+            return []
+        out, samples = RequestOutput(request.request_id, len(request.prompt), index=request.index), []
+        request.prompt_logprobs.extend(result.prompt_logprobs)
+        if request.params.prompt_logprobs is not None and not request.prompt_delivered \
+                and not request.scoring and request.num_computed >= len(request.prompt):
+            out.prompt_logprobs = [None, *request.prompt_logprobs]
+            request.prompt_delivered = True
+        if result.token is not None:
+            request.output.append(result.token)
+            request.previous_token, request.last_token = request.last_token, now
+            out.new_token_ids = [result.token]
+            out.new_logprobs = [result.logprob] if result.logprob is not None else None
+            out.finish_reason = self._finish_reason(request, result.token)
+            if result.siblings:  # before the parent may go: the samples fork its cache
+                samples = self._start_samples(request, result.siblings, out.prompt_logprobs, now)
+        elif request.params.max_tokens == 0 and not request.scoring and \
+                request.num_computed == len(request.prompt):
+            out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated
+        if out.finish_reason is not None:
+            out.finished = True
+            self._remove(request)
+        emitted = [(request, out)] if out.new_token_ids or out.prompt_logprobs is not None or out.finished else []
+        return emitted + samples
 
     def _start_samples(self, parent: Request, drawn: list, prompt_logprobs, now: float) -> list[tuple]:
         """Samples 1 .. n - 1 of `parent`, whose first tokens were drawn beside its own -> their first outputs.

@@ -56,11 +56,12 @@ def rank_device(device: str) -> torch.device:
     return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
 
 
-def start_rank(shards: str, manifest: dict, dtype: str, device: str):
-    """On every rank, after the launcher's init_process_group: -> (rank, Dist, model, new_cache)."""
+def start_rank(shards: str, manifest: dict, dtype: str, device: str, cp_size: int = 1):
+    """On every rank, after the launcher's init_process_group: -> (rank, Dist, model, new_cache). cp_size: the
+    context-parallel prefill's group size."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    dist = Dist.from_layout(manifest["layout"], rank_device(device)) if torch.distributed.is_initialized() \
-        else Dist(device=rank_device(device))
+    dist = Dist.from_layout(manifest["layout"], rank_device(device), cp_size) \
+        if torch.distributed.is_initialized() else Dist(device=rank_device(device))
     model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
     return rank, dist, model, new_cache
 
@@ -111,4 +112,4 @@ class Worker:
         logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
         if not self.reports:
             return None
-        return step_results(batch, logits, self.grammars)
+        return step_results(batch.for_sampler(), logits, self.grammars)

@@ -41,6 +41,34 @@ class Fork:
 
 
 @dataclass(frozen=True)
+class CPShare:
+    """One DP rank's part of a context-parallel prefill: a prompt's tokens spread over a group of DP ranks, each
+    feeding its positions (`cp_positions`) in one step; the group gives that step to it (no other sequences).
+    The owner, group[0], keeps the whole prompt in its cache and draws the first token (the prompt's last
+    position is always the owner's)."""
+    seq_id: int  # the prompt's sequence, as its owner's cache knows it
+    length: int  # the prompt's tokens, positions 0 .. length - 1, none computed before
+    group: tuple[int, ...]  # the DP indices that share it, the owner first
+    member: int  # this rank's place in `group`
+    block_table: tuple[int, ...] = ()  # the owner's: where the prompt's entries go (empty elsewhere)
+    sample: SampleSpec | None = None  # the owner's: draw the first token from its last row
+    scores: PromptScores | None = None  # score this member's rows (each position but the prompt's last)
+
+    @property
+    def positions(self) -> list[int]:
+        return cp_positions(self.length, len(self.group), self.member)
+
+
+def cp_positions(length: int, size: int, member: int) -> list[int]:
+    """The positions member i of a group of `size` feeds: the prompt cut into 2 * size chunks (as even as whole
+    tokens allow), chunks i and 2 * size - 1 - i. Causal attention makes a late chunk's queries cost more than an
+    early one's; pairing them gives every member about the same work. Member 0 holds the last position."""
+    bounds = [j * length // (2 * size) for j in range(2 * size + 1)]
+    late = 2 * size - 1 - member
+    return list(range(bounds[member], bounds[member + 1])) + list(range(bounds[late], bounds[late + 1]))
+
+
+@dataclass(frozen=True)
 class PromptScores:
     """Score prompt tokens: rows 0 .. len(targets) - 1 of the sequence's chunk predict `targets`."""
     targets: list[int]
@@ -59,6 +87,7 @@ class Batch:
     scores: list[PromptScores | None] = field(default_factory=list)  # [S]
     releases: list[int] = field(default_factory=list)  # sequences whose cache is freed before this step
     forks: list[Fork] = field(default_factory=list)  # sequences started from a copy of another's, before releases
+    cp: CPShare | None = None  # this step is this rank's part of a context-parallel prefill (and nothing else)
 
     @property
     def num_tokens(self) -> int:
@@ -79,9 +108,20 @@ class Batch:
         """Sequence i's rows (start, stop) in the step and its context length once they are written."""
         return self.query_start_loc[i], self.query_start_loc[i + 1], self.context_lens[i]
 
+    def for_sampler(self) -> Batch:
+        """The batch as the sampler reads it: a context-parallel share as the one sequence of its rows."""
+        if self.cp is None:
+            return self
+        view = Batch(seq_ids=[self.cp.seq_id], input_ids=self.input_ids, samples=[self.cp.sample],
+                     scores=[self.cp.scores])
+        view.query_start_loc.append(len(self.input_ids))
+        return view
+
     def logit_rows(self) -> list[int]:
         """The rows whose logits this step needs, in order: each sequence's scored rows, then its last row
         when it samples."""
+        if self.cp is not None:
+            return self.for_sampler().logit_rows()
         rows = []
         for i in range(len(self.seq_ids)):
             start, stop = self.query_start_loc[i], self.query_start_loc[i + 1]
@@ -93,6 +133,9 @@ class Batch:
 
     def validate(self, block_size: int, num_blocks: int) -> None:
         """Raises ValueError naming the first broken invariant (a scheduler bug, never a user's)."""
+        if self.cp is not None:
+            self._validate_cp(block_size, num_blocks)
+            return
         n = len(self.seq_ids)
         lengths = {"context_lens": self.context_lens, "block_tables": self.block_tables, "samples": self.samples,
                    "scores": self.scores}
@@ -128,6 +171,24 @@ class Batch:
             if scored is not None:
                 room = query - (1 if self.samples[i] is not None else 0)
                 _check(len(scored.targets) <= room, f"sequence {seq_id}: {len(scored.targets)} scored rows of {query}")
+
+
+    def _validate_cp(self, block_size: int, num_blocks: int) -> None:
+        cp = self.cp
+        _check(not self.seq_ids and self.query_start_loc == [0] and not self.slot_mapping,
+               f"a context-parallel step carries other sequences: {self.seq_ids}")
+        _check(0 <= cp.member < len(cp.group) and len(set(cp.group)) == len(cp.group),
+               f"context-parallel member {cp.member} of group {cp.group}")
+        _check(len(self.input_ids) == len(cp.positions), f"context-parallel member {cp.member} feeds "
+               f"{len(self.input_ids)} tokens for {len(cp.positions)} positions")
+        owner = cp.member == 0
+        _check(owner == (len(cp.block_table) * block_size >= cp.length),
+               f"context-parallel block table of {len(cp.block_table)} blocks on member {cp.member}")
+        _check(all(0 <= b < num_blocks for b in cp.block_table), "a context-parallel block outside the cache")
+        _check(owner or cp.sample is None, f"context-parallel member {cp.member} samples")
+        scored = cp.scores
+        _check(scored is None or len(scored.targets) == len([p for p in cp.positions if p < cp.length - 1]),
+               f"context-parallel member {cp.member} scores {len(scored.targets) if scored else 0} rows")
 
 
 def slots(block_table: list[int], block_size: int, start: int, stop: int) -> list[int]:

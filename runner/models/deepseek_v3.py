@@ -73,12 +73,17 @@ class Attention:
         # one rope call for every head's q_pe and the one rope key k_pe they share: [T, heads + 1, rope]
         pe = apply_rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step_rope.cos, step_rope.sin, interleaved=True)
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
-        cache.write(layer, meta, c_kv_k_pe=torch.cat([self.kv_norm(c_kv), k_pe], dim=-1))  # [T, lora + rope]
+        entries = {"c_kv_k_pe": torch.cat([self.kv_norm(c_kv), k_pe], dim=-1)}  # [T, lora + rope]
         if self.indexer is not None:
-            self.indexer.write_keys(index_k_w[0], step_rope, cache, layer, meta)
+            entries["index_k"] = self.indexer.keys(index_k_w[0], step_rope, cache)
+        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
+        if meta.cp is not None:
+            self.context_parallel(out, q_nope, q_pe, q_resid, index_k_w, step_rope, entries, cache, layer,
+                                  meta.cp, scale)
+            return self.finish(out)
+        cache.write(layer, meta, **entries)
 
         # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
-        out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
         for seq in meta.seqs:
             if seq.query_len > 1:
                 rows = slice(seq.start, seq.stop)
@@ -88,8 +93,27 @@ class Attention:
             rows = decode.rows
             out[rows] = self.decode(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
                                     step_rope, rows, cache, layer, decode, scale)
-        o = self.dist.oproj(out.reshape(x.shape[0], heads * cfg.v_head_dim), self.wo)  # o_proj TP: an exchange
+        return self.finish(out)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, heads, v] -> o_proj's output [T, hidden]."""
+        o = self.dist.oproj(out.flatten(1), self.wo)  # o_proj TP: an exchange
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
+
+    def context_parallel(self, out, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, entries: dict,
+                         cache: LatentCache, layer: int, cp, scale: float) -> None:
+        """This rank's share of a context-parallel prefill: the group's new entries gathered into the whole
+        prompt's, in position order (a latent row and an indexer key per token: small under MLA), stored in a
+        scratch cache as the owner's cache stores them (the same rounding, INT8 included) and by the owner in
+        its cache; then this rank's queries attend over the whole prompt, causally by position, as one prefill
+        chunk does."""
+        whole = {name: self.dist.cp_gather(value, cp.most, cp.order) for name, value in entries.items()}
+        cp.scratch.write(0, cp.scratch_meta, **whole)
+        if cp.owner_meta is not None:
+            cache.write(layer, cp.owner_meta, **whole)
+        if out.shape[0]:
+            out[:] = self.prefill(q_nope, q_pe, q_resid, index_k_w, step_rope, slice(0, out.shape[0]), cp.scratch, 0,
+                                  cp.seq, scale)
 
     def prefill(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
                 seq, scale: float) -> torch.Tensor:
@@ -197,14 +221,13 @@ class Indexer:
         # an INT8 key cache stores keys rotated by H and scores queries rotated alike (same dot products)
         self.rotation = hadamard(cfg.index_head_dim, torch.float32, w.device)
 
-    def write_keys(self, k, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta) -> None:
-        """k [T, index_head_dim]: wk of the layer input, normed, rotated and cached here."""
+    def keys(self, k, step_rope: StepRope, cache: LatentCache) -> torch.Tensor:
+        """k [T, index_head_dim]: wk of the layer input -> the keys to cache: normed, with rope, and rotated
+        for an INT8 key cache."""
         cfg = self.cfg
         k = F.layer_norm(k, (cfg.index_head_dim,), self.k_norm_weight, self.k_norm_bias, INDEXER_K_NORM_EPS)
         k = apply_rope_prefix(k, step_rope.index_cos[:, 0], step_rope.index_sin[:, 0], cfg.qk_rope_head_dim)
-        if cache.is_int8("index_k"):
-            k = self.rotate(k)
-        cache.write(layer, meta, index_k=k)
+        return self.rotate(k) if cache.is_int8("index_k") else k
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] @ H, multiplied in float32 and returned in x's dtype: what the A8C8 path quantizes."""

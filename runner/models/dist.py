@@ -33,6 +33,7 @@ class Dist:
     tp: int = 1
     oproj_tp: int = 1
     embed_tp: int = 1
+    cp: int = 1  # context-parallel prefill group size
     device: torch.device = torch.device("cpu")  # where the collectives' buffers live (gloo: cpu)
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
@@ -41,14 +42,15 @@ class Dist:
     step_most: dict = field(default_factory=dict)
 
     @classmethod
-    def from_layout(cls, layout: dict, device: torch.device) -> "Dist":
-        """After init_process_group: this rank's groups from the manifest's layout (called on every rank)."""
+    def from_layout(cls, layout: dict, device: torch.device, cp_size: int = 1) -> "Dist":
+        """After init_process_group: this rank's groups from the manifest's layout and the context-parallel
+        prefill's group size (called on every rank)."""
         from dsconv.comm.groups import make_groups
 
-        groups = make_groups(layout)
+        groups = make_groups(layout, cp_size)
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
                    ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, oproj_tp=groups.oproj_tp.size,
-                   embed_tp=groups.embed_tp.size, device=device, groups=groups)
+                   embed_tp=groups.embed_tp.size, cp=groups.cp.size, device=device, groups=groups)
 
     @contextmanager
     def _timed(self):
@@ -79,6 +81,16 @@ class Dist:
             return share
         with self._timed():
             return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
+
+    def cp_gather(self, x: torch.Tensor, most: int, order: torch.Tensor) -> torch.Tensor:
+        """A context-parallel prefill's new rows: x [T, d], this member's positions -> [length, d], every
+        member's rows in position order (`order`: each position's row among the gathered, member after member,
+        each padded to `most`)."""
+        if self.cp == 1:
+            return x.index_select(0, order)
+        with self._timed():
+            everyone = all_gather_cat(F.pad(x, (0, 0, 0, most - x.shape[0])).contiguous(), self.groups.cp, dim=0)
+        return everyone.index_select(0, order)
 
     def ep_dispatch(self, columns: list[torch.Tensor], send_counts: torch.Tensor):
         """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows

@@ -28,7 +28,7 @@ from dsconv.family.arch import CacheField
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast
-from dsconv.runner.models.batch import Batch, Fork, slots
+from dsconv.runner.models.batch import Batch, CPShare, Fork, cp_positions, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
 # The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
@@ -79,6 +79,24 @@ class StepMeta:
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
     decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
+    cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
+
+
+@dataclass(frozen=True)
+class CPStep:
+    """This rank's share of a context-parallel prefill (runner/models/batch.py, CPShare): its rows are the
+    positions `positions` of a `length`-token prompt. Each layer gathers the group's new cache entries (every
+    member's rows, padded to `most`, member after member) and puts them in position order (`order`) into
+    `scratch`, a one-layer cache of the whole prompt that this rank's queries attend over as `seq`; the owner
+    also writes them into its own cache (`owner_meta`)."""
+    positions: torch.Tensor  # [T] this rank's positions, ascending
+    length: int
+    most: int  # the most positions any member feeds
+    order: torch.Tensor  # [length]: the gathered row of each position (the gather is in the members' rank order)
+    scratch: LatentCache
+    scratch_meta: StepMeta  # writes positions 0 .. length - 1 to the scratch
+    seq: SeqStep  # this rank's queries over the scratch (causal by position)
+    owner_meta: StepMeta | None  # the owner's: writes the prompt's entries to its cache
 
 
 def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -124,7 +142,7 @@ class LatentCache:
         """fields: name -> what a token keeps per layer; dtype: the entries' dtype (and that of dequantized
         reads); rest_dtype: an INT8 field's unquantized part (default: dtype)."""
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
-        self.fields, self.dtype = fields, dtype
+        self.fields, self.dtype, self.rest_dtype, self.layers = fields, dtype, rest_dtype, layers
         slots_total = num_blocks * block_size
 
         def zeros(dim: int, part_dtype: torch.dtype) -> torch.Tensor:
@@ -154,6 +172,8 @@ class LatentCache:
         """The step's metadata (positions, slots, each sequence's context and causal mask, the decode groups)
         from a batch whose block tables the scheduler chose; the token ids are not read, and the batch's releases
         are the caller's to apply first (the worker's prepare_inputs)."""
+        if batch.cp is not None:
+            return self._prepare_cp(batch.cp)
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
             row, stop, context = batch.span(i)
@@ -174,6 +194,29 @@ class LatentCache:
         step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
         return StepMeta(seqs, concat(positions, self.device), step_slots, _range_start(batch.slot_mapping),
                         self._decode_groups(seqs))
+
+    def _prepare_cp(self, cp: CPShare) -> StepMeta:
+        device, length, size = self.device, cp.length, len(cp.group)
+        shares = [cp_positions(length, size, member) for member in range(size)]
+        most = max(map(len, shares))
+        order = torch.empty(length, dtype=torch.long, device=device)
+        ranks = sorted(cp.group)  # the gather is in rank order; members are in group order, the owner first
+        for member, share in enumerate(shares):
+            order[share] = torch.arange(len(share), device=device) + ranks.index(cp.group[member]) * most
+        positions = torch.tensor(shares[cp.member], dtype=torch.long, device=device)
+        everything = torch.arange(length, device=device)
+        scratch = LatentCache(1, -(-length // self.block_size), self.block_size, self.fields, self.dtype, device,
+                              self.rest_dtype)
+        causal = positions[:, None] >= everything[None]  # [T, length]
+        seq = SeqStep(cp.seq_id, 0, len(shares[cp.member]), length, everything, causal, 0)
+        owner_meta = None
+        if cp.member == 0:
+            owner_slots = slots(list(cp.block_table), self.block_size, 0, length)
+            owner_meta = StepMeta([], everything, torch.tensor(owner_slots, dtype=torch.long, device=device),
+                                  _range_start(owner_slots))
+        step = CPStep(positions, length, most, order, scratch, StepMeta([], everything, everything, 0), seq,
+                      owner_meta)
+        return StepMeta([], positions, positions, None, (), step)
 
     def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
         """The one-token sequences in step order, in groups whose padded gather stays under DECODE_GATHER_ROWS."""

@@ -101,6 +101,8 @@ class V4Cache:
     def prepare_meta(self, batch: Batch) -> StepMeta:
         """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache). Each
         sequence's tokens continue its state, which a new sequence gets empty."""
+        if batch.cp is not None:
+            raise ValueError("invalid step batch: DeepSeek-V4 has no context-parallel prefill")
         seqs, positions = [], []
         for i, seq_id in enumerate(batch.seq_ids):
             row, stop, context = batch.span(i)
