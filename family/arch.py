@@ -163,6 +163,8 @@ class Family:
     encode_chat: Callable[[Any, bool, Mapping, list], str] | None
     # why --kv-cache-dtype int8 is refused for this family; None: its caches have an INT8 form
     kv_cache_int8_refusal: str | None = None
+    # why a context-parallel prefill (--prefill-context-parallel-size) is refused; None: the family has one
+    context_parallel_refusal: str | None = None
     # family.dsml.Dialect of its tool calls; None: the family takes no tools
     tool_dialect: Any = None
 
@@ -173,6 +175,22 @@ def check_kv_cache_dtype(family: Family, kv_cache_dtype: str) -> None:
         raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "int8" and family.kv_cache_int8_refusal is not None:
         raise InputError(f"--kv-cache-dtype int8 is not available for {family.name}: {family.kv_cache_int8_refusal}")
+
+
+def check_context_parallel(family: Family, layout: dict, cp_size: int, cp_min_tokens: int) -> None:
+    """Refuses, in one line, a context-parallel prefill the family or the layout cannot run: a group is cp_size
+    attention-DP ranks (attention TP 1), and cp_size divides the attention-DP size."""
+    if cp_size < 1 or cp_min_tokens < 1:
+        raise InputError(f"--prefill-context-parallel-size {cp_size} and --prefill-cp-min-tokens {cp_min_tokens} "
+                         f"must be at least 1")
+    if cp_size == 1:
+        return
+    if family.context_parallel_refusal is not None:
+        raise InputError(f"--prefill-context-parallel-size is not available for {family.name}: "
+                         f"{family.context_parallel_refusal}")
+    if layout["attn_tp"] != 1 or layout["dp"] % cp_size:
+        raise InputError(f"--prefill-context-parallel-size {cp_size} needs attention TP 1 and an attention-DP size "
+                         f"it divides; the shards have attention DP {layout['dp']} x TP {layout['attn_tp']}")
 
 
 # The families that ship with dsconv; each module registers its Family when imported.

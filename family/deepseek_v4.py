@@ -279,6 +279,10 @@ def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int, kv_cache_dtype: str =
 KV_CACHE_INT8_REFUSAL = ("dsrun keeps V4's compressed entries, sliding window and indexer keys in the compute dtype "
                          "(INT8 caches exist for V3 / V3.2's MLA latent and indexer keys only); use auto")
 
+CONTEXT_PARALLEL_REFUSAL = ("its compressed entries pool windows of 4 and 128 tokens and its sliding window reaches "
+                            "back across any cut of the prompt, so each rank would need its neighbours' partial "
+                            "windows and compressor state, which dsrun does not exchange; prefill V4 without it")
+
 
 def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
     csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
@@ -350,6 +354,7 @@ FAMILY = register(
         tiny_config=tiny_config,
         encode_chat=encode_v4,
         kv_cache_int8_refusal=KV_CACHE_INT8_REFUSAL,
+        context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
         tool_dialect=dsml.V4,
     )
 )

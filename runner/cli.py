@@ -53,9 +53,20 @@ KV_CACHE_DTYPE_HELP = ("KV cache entries (vLLM's flag): auto keeps them in the c
                        "and dequantizes the latent before attention. V4 takes auto only.")
 
 
-def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto") -> dict:
+CP_SIZE_HELP = ("Context-parallel prefill (vLLM's name): a prompt of at least --prefill-cp-min-tokens tokens is "
+                "prefilled in one step by a group of this many attention-DP ranks (its own and the next ones), "
+                "each feeding a causal-balanced share of its tokens; decode then continues on its own rank. "
+                "Divides the attention-DP size; attention TP 1; V3 / V3.2 only.")
+CP_MIN_TOKENS_HELP = "The shortest prompt a context-parallel group prefills (see --prefill-context-parallel-size)."
+# Below V3.2's index_topk (2048) the indexer keeps every key and a prompt's prefill is short: the group's step
+# and its per-layer gathers are worth giving for longer ones (docs/benchmarks.md: 4,096 tokens at CP 2).
+DEFAULT_CP_MIN_TOKENS = 2048
+
+
+def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto", cp_size: int = 1,
+                 cp_min_tokens: int = DEFAULT_CP_MIN_TOKENS) -> dict:
     """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
-    from dsconv.family.arch import check_kv_cache_dtype, family_for
+    from dsconv.family.arch import check_context_parallel, check_kv_cache_dtype, family_for
     from dsconv.runner.engine.worker import DTYPES
     from dsconv.runner.models.weights import load_manifest
 
@@ -63,6 +74,7 @@ def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtyp
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     manifest = load_manifest(shards)
     check_kv_cache_dtype(family_for(manifest["model"]["config"]), kv_cache_dtype)
+    check_context_parallel(family_for(manifest["model"]["config"]), manifest["layout"], cp_size, cp_min_tokens)
     world = manifest["layout"]["world_size"]
     if world_size is not None and world_size != world:
         raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
@@ -91,6 +103,8 @@ def generate(
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
+    prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
@@ -112,7 +126,8 @@ def generate(
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
                               "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
+                                prefill_cp_min_tokens)
         config = manifest["model"]["config"]
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
@@ -128,7 +143,9 @@ def generate(
         results = _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
             "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
             "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-            "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path)}, manifest, device, timeout)
+            "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path),
+            "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
+            timeout)
     except InputError as exc:
         fail(str(exc))
     if results is not None:
@@ -147,6 +164,8 @@ def perplexity(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (perplexity, tokens "
                                                              "scored, windows).")] = False,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
+    prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
@@ -155,7 +174,8 @@ def perplexity(
     from dsconv.runner.entrypoints.perplexity import summarize, windows
 
     try:
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
+                                prefill_cp_min_tokens)
         config = manifest["model"]["config"]
         if config.get("bos_token_id") is None:
             raise InputError(f"{shards}/config.json has no bos_token_id: the text's first window starts with BOS")
@@ -174,8 +194,8 @@ def perplexity(
         started = time.perf_counter()
         results = _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
             "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
-            "kv_cache_dtype": kv_cache_dtype}, manifest, device,
-            timeout)
+            "kv_cache_dtype": kv_cache_dtype, "cp_size": prefill_context_parallel_size,
+            "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout)
     except InputError as exc:
         fail(str(exc))
     if results is None:
@@ -204,6 +224,8 @@ def serve(
                                                               "prompts are prefilled in chunks.")] = 4096,
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 16384,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
+    prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
         help="KV cache size per attention-DP rank in bytes (vLLM's flag), instead of --cache-tokens: as many "
              "tokens as fit in it, in the cache's own layout (V3 / V3.2).")] = None,
@@ -243,7 +265,8 @@ def serve(
             shards = demo_shards()
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
             raise InputError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} must be at least 1")
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype)
+        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
+                                prefill_cp_min_tokens)
         if kv_cache_memory_bytes is not None and manifest["model"]["family"] == "deepseek_v4":
             raise InputError("--kv-cache-memory-bytes is not available for deepseek_v4 (its windows and compressor "
                              "state are per sequence): size its cache with --cache-tokens")
@@ -256,7 +279,8 @@ def serve(
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "cache_tokens": cache_tokens, "balancing": dp_balancing, "timeout_s": timeout,
             "drain_timeout_s": drain_timeout, "kv_cache_dtype": kv_cache_dtype, "api_key": api_key,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes}, manifest, device, timeout, sigterm_to_rank0=True)
+            "kv_cache_memory_bytes": kv_cache_memory_bytes, "cp_size": prefill_context_parallel_size,
+            "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))
 
@@ -298,7 +322,8 @@ def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: boo
         print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": outputs,
                           "text": [tokenizer.decode(o) for o in outputs],
                           "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
-                                      "wall_s": seconds}}, ensure_ascii=False))
+                                      "wall_s": seconds},
+                          "context_parallel_prefills": rank0.get("cp_prefills", 0)}, ensure_ascii=False))
         return
     for i, out in list(enumerate(outputs))[1:]:  # rank 0 streamed the first prompt; show the rest
         console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)

@@ -89,6 +89,10 @@ class EngineCore:
         for rank, count in enumerate(step.preempted):
             if count:
                 m.rank(m.preemptions, rank).inc(count)
+        for batch in step.batches:
+            if batch.cp is not None and batch.cp.member == 0:  # once per prefill, by its owner
+                m.model(m.cp_prefills).inc()
+                m.model(m.cp_prefill_tokens).inc(batch.cp.length)
         for request in step.started:
             m.model(m.prompt_tokens).inc(len(request.prompt))
             m.model(m.queue).observe(request.first_scheduled - request.arrival)

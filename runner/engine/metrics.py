@@ -33,6 +33,10 @@ class ServeMetrics:
         self.zero_token_steps = Counter("dsrun:zero_token_steps", "Steps a DP rank ran with no tokens while another "
                                         "rank had work (it still joins the MoE exchanges)", per_rank, registry=registry)
         self.steps = Counter("dsrun:engine_steps", "Engine steps run", per_model, registry=registry)
+        self.cp_prefills = Counter("dsrun:context_parallel_prefills", "Prompts prefilled by a context-parallel "
+                                   "group (--prefill-context-parallel-size)", per_model, registry=registry)
+        self.cp_prefill_tokens = Counter("dsrun:context_parallel_prefill_tokens", "Prompt tokens prefilled by "
+                                         "context-parallel groups", per_model, registry=registry)
 
         def histogram(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(name, doc, per_model, buckets=buckets, registry=registry)

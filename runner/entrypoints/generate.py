@@ -69,7 +69,7 @@ def _generate_on_rank0(worker: Worker, manifest: dict, prompts, max_new_tokens, 
         printer.close()
     first = stamps[0] if stamps else started
     return {"prompts": list(range(len(prompts))), "generated": generated, "prefill_s": first - started,
-            "decode_s": (stamps[-1] - first) if stamps else 0.0}
+            "decode_s": (stamps[-1] - first) if stamps else 0.0, "cp_prefills": scheduler.cp_prefills}
 
 
 class _Streamer:

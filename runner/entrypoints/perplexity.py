@@ -42,26 +42,29 @@ def windows(ids: list[int], context: int) -> list[list[int]]:
 
 
 def rank_main(shards: str, manifest: dict, windows: list[list[int]], dtype: str, result_dir: str,
-              device: str = "cpu", progress: bool = False, kv_cache_dtype: str = "auto") -> None:
-    rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
+              device: str = "cpu", progress: bool = False, kv_cache_dtype: str = "auto", cp_size: int = 1,
+              cp_min_tokens: int | None = None) -> None:
+    rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
     longest = max(map(len, windows))
     worker = Worker(model, new_cache(longest, kv_cache_dtype), dist, dp_index=rank // manifest["layout"]["attn_tp"])
     result = {"rank": rank, "nll": 0.0, "tokens": 0}
     started = time.perf_counter()
     if rank == 0:
-        result.update(_score_on_rank0(worker, manifest, windows, longest, progress))
+        result.update(_score_on_rank0(worker, manifest, windows, longest, progress, cp_size, cp_min_tokens))
     elif torch.distributed.is_initialized():
         follow(worker)
     result["seconds"] = time.perf_counter() - started
     gather_results(result, rank, result_dir)
 
 
-def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], longest: int, progress: bool
-                    ) -> dict:
-    """Every window through the engine -> {"nll": summed over the scored tokens, "tokens": their count}."""
+def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], longest: int, progress: bool,
+                    cp_size: int = 1, cp_min_tokens: int | None = None) -> dict:
+    """Every window through the engine -> {"nll": summed over the scored tokens, "tokens": their count, and how
+    many windows a context-parallel group prefilled}."""
     cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
     scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=1,
-                          max_num_batched_tokens=longest, eos_token_id=None)
+                          max_num_batched_tokens=longest, eos_token_id=None, cp_size=cp_size,
+                          cp_min_tokens=cp_min_tokens)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
                           max_model_len=config["max_position_embeddings"])
@@ -86,9 +89,10 @@ def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], lo
     expected = sum(len(window) - 1 for window in windows)
     if totals["tokens"] != expected:
         raise RuntimeError(f"the engine scored {totals['tokens']} of the windows' {expected} tokens")
-    return totals
+    return {**totals, "cp_prefills": scheduler.cp_prefills}
 
 
 def summarize(records: list[dict]) -> dict:
     nll, tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
-    return {"perplexity": math.exp(nll / tokens), "tokens": tokens, "nll": nll}
+    return {"perplexity": math.exp(nll / tokens), "tokens": tokens, "nll": nll,
+            "context_parallel_prefills": sum(r.get("cp_prefills", 0) for r in records)}

@@ -37,11 +37,11 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
               model_name: str, tokenizer_path: str, max_num_seqs: int, max_num_batched_tokens: int,
               cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float,
               kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
-              api_key: str | None = None) -> None:
+              api_key: str | None = None, cp_size: int = 1, cp_min_tokens: int | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
+        _, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
         cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
         worker = Worker(model, cache, dist, dp_index=rank // manifest["layout"]["attn_tp"],
                         grammars=_grammars(manifest, tokenizer_path))
@@ -68,10 +68,11 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
               f"the model", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: client.drain())
     try:
-        _, dist, model, new_cache = start_rank(shards, manifest, dtype, device)
+        _, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
         cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
         scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs, max_num_batched_tokens,
-                              config.get("eos_token_id"), balancing, share_blocks=cache.paged)
+                              config.get("eos_token_id"), balancing, share_blocks=cache.paged, cp_size=cp_size,
+                              cp_min_tokens=cp_min_tokens)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         client.attach(EngineCore(scheduler, Worker(model, cache, dist, dp_index=0, grammars=grammars), world,
                                  layout["attn_tp"], metrics))
