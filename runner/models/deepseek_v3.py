@@ -30,6 +30,12 @@ INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and t
 ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc)
 ROUTER_NORM_EPS = 1e-20
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# What a multiply-add of absorbed sparse prefill costs against one of the expanded form's fused attention
+# (torch's SDPA) on CPU: each query gathers its own k latent rows and multiplies them in small batched products.
+# scripts/bench_prefill.py at 4,096 tokens (docs/benchmarks.md): with k = 2048 the absorbed form does half the
+# expanded form's multiply-adds and its whole step takes 2.7x as long, so at least 5x per multiply-add (any
+# weight from 2 to 500 puts both measured regimes, k = 8 and k = 2048, on their faster form).
+ABSORBED_MAC_COST = 5
 
 
 class Attention:
@@ -144,19 +150,19 @@ class Attention:
         return self.expanded(q_nope, q_pe, cache, layer, seq, allowed & chosen, scale)  # not in place: shared
 
     def absorbed_is_cheaper(self, queries: int, context: int) -> bool:
-        """Multiply-adds of a prefill chunk's attention both ways, V3.2's indexer selecting k = index_topk
-        positions per query. Expanded: the context's latent through W_UK and W_UV (context x heads x lora x
-        (nope + v)), then every query against every position (queries x heads x context x (qk_head + v)): the
-        sparse mask saves nothing. Absorbed: W_UK into the queries and W_UV after (queries x heads x lora x
-        (nope + v)), then each query against its k latent rows (queries x heads x k x (lora + rope + lora)).
-        DeepSeek-V3.2 (k = 2048) at 4,096 tokens: expanded is cheaper; far beyond k, absorbed (see
-        docs/benchmarks.md for the CPU times of both)."""
+        """Whether the absorbed form should take a prefill chunk, V3.2's indexer selecting k = index_topk
+        positions per query, by multiply-adds. Expanded: the context's latent through W_UK and W_UV (context x
+        heads x lora x (nope + v)), then every query against every position (queries x heads x context x (qk_head
+        + v)): the sparse mask saves nothing. Absorbed: W_UK into the queries and W_UV after (queries x heads x
+        lora x (nope + v)), then each query against its k latent rows (queries x heads x k x (lora + rope +
+        lora)), each of those weighed ABSORBED_MAC_COST times. DeepSeek-V3.2 (k = 2048) at 4,096 tokens: expanded;
+        at tens of thousands, absorbed."""
         cfg, heads, lora = self.cfg, self.heads, self.cfg.kv_lora_rank
         qk_head, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         projections = heads * lora * (cfg.qk_nope_head_dim + v)
         expanded = context * projections + queries * heads * context * (qk_head + v)
         k = min(cfg.index_topk, context)
-        absorbed = queries * projections + queries * heads * k * (2 * lora + cfg.qk_rope_head_dim)
+        absorbed = queries * projections + ABSORBED_MAC_COST * queries * heads * k * (2 * lora + cfg.qk_rope_head_dim)
         return absorbed < expanded
 
     def expanded(self, q_nope, q_pe, cache: LatentCache, layer: int, seq, allowed, scale: float) -> torch.Tensor:
