@@ -43,8 +43,8 @@ def test_windows_cut_and_score_every_token_after_the_first():
 
 
 def test_summary_is_exp_of_the_mean_nll():
-    records = [{"nll": 3.0, "tokens": 2}, {"nll": 0.0, "tokens": 0}, {"nll": 1.0, "tokens": 2}]
-    assert summarize(records) == {"perplexity": math.exp(1.0), "tokens": 4, "nll": 4.0}
+    records = [{"nll": 3.0, "tokens": 2, "cp_prefills": 3}, {"nll": 0.0, "tokens": 0}, {"nll": 1.0, "tokens": 2}]
+    assert summarize(records) == {"perplexity": math.exp(1.0), "tokens": 4, "nll": 4.0, "context_parallel_prefills": 3}
 
 
 @pytest.mark.slow
