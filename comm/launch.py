@@ -59,8 +59,12 @@ def backend_for(device: str) -> str:
     if device == "npu":
         try:
             import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
-        except ImportError as e:
-            raise InputError(f"--device npu needs torch_npu, which is not importable here: {e}") from e
+        except ModuleNotFoundError as e:
+            raise InputError(f"--device npu needs torch_npu, which is not installed ({e}): on a machine with "
+                             f"Ascend's CANN toolkit, pip install -e \".[npu]\"") from e
+        except (ImportError, OSError) as e:  # installed, but its libraries do not load: CANN is missing
+            raise InputError(f"--device npu: torch_npu does not load ({type(e).__name__}: {e}); it needs Ascend's "
+                             f"CANN toolkit (libhccl.so and the Ascend runtime; source CANN's set_env.sh)") from e
         return "hccl"
     if device == "cuda":
         if not torch.cuda.is_available():

@@ -63,6 +63,25 @@ CP_MIN_TOKENS_HELP = "The shortest prompt a context-parallel group prefills (see
 DEFAULT_CP_MIN_TOKENS = 2048
 
 
+# torch loads installed device extensions when it is imported (its "torch.backends" entry points): torch_npu,
+# installed where Ascend's CANN toolkit is not, makes `import torch` itself fail (its libraries need libhccl.so).
+NO_CANN = ("importing torch failed because torch_npu is installed but cannot load ({cause}): torch_npu needs "
+           "Ascend's CANN toolkit (libhccl.so and the Ascend runtime; source CANN's set_env.sh). On a machine "
+           "without CANN, uninstall torch_npu or set TORCH_DEVICE_BACKEND_AUTOLOAD=0")
+
+
+def _import_torch() -> None:
+    """Imports torch first thing in a command: an installed torch_npu without CANN, which breaks the import, ends
+    the command with one line."""
+    try:
+        import torch  # noqa: F401
+    except RuntimeError as exc:
+        if "torch_npu" not in str(exc):
+            raise
+        cause = exc.__cause__ or exc
+        fail(NO_CANN.format(cause=f"{type(cause).__name__}: {cause}".replace("\n", " ")))
+
+
 def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto", cp_size: int = 1,
                  cp_min_tokens: int = DEFAULT_CP_MIN_TOKENS) -> dict:
     """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
@@ -108,6 +127,7 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
+    _import_torch()
     from dsconv.family.arch import family_for
     from dsconv.family.chat import read_tokenizer_config
     from dsconv.runner.engine.request import check_prompt
@@ -170,6 +190,7 @@ def perplexity(
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
     in consecutive windows of --context tokens spread over the attention-DP ranks."""
+    _import_torch()
     from dsconv.runner.engine.request import check_prompt
     from dsconv.runner.entrypoints.perplexity import summarize, windows
 
@@ -244,6 +265,7 @@ def serve(
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank."""
+    _import_torch()
     from dsconv.runner.engine.scheduler import BALANCING
 
     try:

@@ -242,3 +242,34 @@ def test_perplexity_bad_input(demo, tmp_path, make, args, needle):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+def fake_torch_npu_without_cann(root):
+    """A torch_npu as pip installs it where CANN is missing: registered under torch's "torch.backends" entry points
+    (torch loads it on import), its import failing as the real one does without libhccl.so."""
+    (root / "torch_npu").mkdir()
+    (root / "torch_npu" / "__init__.py").write_text(
+        'raise OSError("libhccl.so: cannot open shared object file: No such file or directory")\n'
+        "def _autoload():\n    pass\n")
+    info = root / "torch_npu-2.14.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.14.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+    return root
+
+
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_torch_npu_without_cann_is_one_line(tiny_shards, tmp_path, autoload):
+    """Installed where CANN is not, torch_npu breaks `import torch` itself (autoload) or, with
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0, only --device npu: either way one line saying what is missing."""
+    shards = tiny_shards("deepseek_v32")
+    site = fake_torch_npu_without_cann(tmp_path)
+    env = {**os.environ, "COLUMNS": "300", "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload,
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards),
+                           "--prompt", "hi", "--device", "npu"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "libhccl.so" in line and "CANN" in line
+    if autoload == "1":
+        assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in line
