@@ -23,6 +23,11 @@ EXACT_FLOAT32_K = 2**24 // INT8_MAX**2  # 1040
 # over TP or kept in BF16.
 NPU_QUANT_MATMUL_MAX_DIM = 65535
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# torch._int_mm on CUDA (cuBLASLt's INT8 GEMM, int32 out) takes more than 16 rows and K, N multiples of 8
+# (torch's checks in aten/src/ATen/native/cuda/Blas.cpp): a decode step's few rows are padded with zero rows.
+# DeepSeek-V3.2's and V4's projection and expert dimensions are all multiples of 8.
+INT_MM_MIN_ROWS = 17
+INT_MM_MULTIPLE = 8
 # A float32 projection of 2 to 16 rows (a decode step's batch) on CPU runs as (weight @ x.T).T: with the weight
 # out of cache, as in a model's step, CPU BLAS streams the weight once that way instead of once per row block
 # (docs/benchmarks.md, "Kernel choices"). One row is a matrix-vector product either way; from 32 rows on, the
@@ -147,16 +152,26 @@ def int8_matmul_reference(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch
 
 
 def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
-    """Same int32 result as the reference, from float32 GEMMs over K-slices short enough to be exact.
-
-    On CPU an int32 matmul is a plain loop, several times slower than these BLAS float32 GEMMs, and
-    torch._int_mm is slower still at more than a few rows; CUDA has no int32 matmul, so this path runs there too.
-    """
+    """Same int32 result as the reference. On CUDA, torch._int_mm (`int_mm_padded`) where the shapes allow;
+    otherwise float32 GEMMs over K-slices short enough to be exact: on CPU an int32 matmul is a plain loop,
+    several times slower than these BLAS float32 GEMMs, and torch._int_mm is slower still at more than a few
+    rows."""
+    if x_q.device.type == "cuda" and not x_q.shape[1] % INT_MM_MULTIPLE \
+            and not weight_int8.shape[0] % INT_MM_MULTIPLE:
+        return int_mm_padded(x_q, weight_int8)
     acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):
         cols = slice(start, start + EXACT_FLOAT32_K)
         acc += (x_q[:, cols].to(torch.float32) @ weight_int8[:, cols].to(torch.float32).T).to(torch.int32)
     return acc
+
+
+def int_mm_padded(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
+    """x_q [M, k] int8 @ weight_int8 [n, k].T -> int32 [M, n] by torch._int_mm, the rows padded with zero rows to
+    INT_MM_MIN_ROWS (their results dropped); k and n multiples of INT_MM_MULTIPLE."""
+    rows = x_q.shape[0]
+    padded = F.pad(x_q, (0, 0, 0, INT_MM_MIN_ROWS - rows)) if rows < INT_MM_MIN_ROWS else x_q
+    return torch._int_mm(padded.contiguous(), weight_int8.t())[:rows]
 
 
 def _dequantize(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,

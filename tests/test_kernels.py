@@ -17,7 +17,9 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from dsconv.kernels.attention import attention, attention_reference, causal_mask
 from dsconv.kernels.device import require_torch_npu
 from dsconv.kernels.int8 import INT8_MAX
-from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, int8_matmul, int8_matmul_reference, linear,
+from dsconv.kernels import linear as linear_module
+from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, INT_MM_MIN_ROWS, int8_matmul,
+                                   int8_matmul_reference, int_mm_padded, linear,
                                    linear_t, matmul, matmul_dtype, quantize_activations, w8a8_linear,
                                    w8a8_linear_reference)
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp, grouped_mlp_reference, swiglu, token_mlp
@@ -43,6 +45,33 @@ def test_int8_matmul_matches_int32_reference(m, k, n):
     gen = torch.Generator().manual_seed(m * 1000 + k)
     x_q, w = _int8(m, k, gen=gen), _int8(n, k, gen=gen)
     assert torch.equal(int8_matmul(x_q, w), int8_matmul_reference(x_q, w))
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, INT_MM_MIN_ROWS - 1, INT_MM_MIN_ROWS, 40])
+def test_int_mm_padded_equals_the_int32_reference(m):
+    """CUDA's INT8 GEMM path (torch._int_mm, rows padded to its minimum), run here on CPU's torch._int_mm: the
+    padding rows are dropped and the sums are exact, worst-case magnitudes included."""
+    gen = torch.Generator().manual_seed(m)
+    x_q, w = _int8(m, 1040, gen=gen), _int8(24, 1040, gen=gen)
+    if m:
+        x_q[0] = INT8_MAX
+        w[0] = INT8_MAX
+    acc = int_mm_padded(x_q, w)
+    assert acc.dtype == torch.int32 and torch.equal(acc, int8_matmul_reference(x_q, w))
+
+
+def test_w8a8_through_int_mm_equals_the_float_slices(monkeypatch):
+    """The whole W8A8 projection with int8_matmul routed to int_mm_padded, as on CUDA (the dequantization after
+    it unchanged), equals the CPU path's result bit for bit, decode's few rows and prefill's many."""
+    gen = torch.Generator().manual_seed(1)
+    w, w_scale = quantized_weight(32, 64, gen)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        expected = w8a8_linear(x, w, w_scale, out_dtype=torch.float32)
+        with monkeypatch.context() as patch:
+            patch.setattr(linear_module, "int8_matmul", int_mm_padded)
+            got = w8a8_linear(x, w, w_scale, out_dtype=torch.float32)
+        assert torch.equal(got, expected)
 
 
 def test_int8_matmul_exact_at_worst_case_sums():
