@@ -29,6 +29,7 @@ ranks started by comm.launch install it through `rank_main`, the launch entry "t
 from __future__ import annotations
 
 import json
+import sys
 import types
 from collections import Counter
 from pathlib import Path
@@ -265,6 +266,46 @@ def keep_cpu_attention(set_attribute=setattr) -> None:
 
 
 CALLS_NAME = "npu_calls_rank{rank}.json"
+SYNCS_NAME = "host_syncs_rank{rank}.json"
+# What reads a tensor's values on the host: on a device each waits for the device to finish (a host sync).
+SYNC_METHODS = ("item", "tolist", "__int__", "__index__", "__float__", "__bool__")
+
+
+class SyncCounter:
+    """Counts, per engine step, the host reads of tensor values (SYNC_METHODS) on this rank: under the double every
+    tensor stands for a device tensor. steps[i]: {method: calls} in the i-th step's Worker.execute (building the
+    inputs, the forward and the sampler); the step plan's broadcast, an object exchange, is not in it."""
+
+    def __init__(self):
+        self.steps: list[dict[str, int]] = []
+        self.current: dict[str, int] | None = None
+
+    def install(self) -> None:
+        import torch
+
+        from dsconv.runner.engine import worker
+
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, _name=name, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if self.current is not None and caller != __file__:  # the double's own checks are no sync
+                    self.current[_name] = self.current.get(_name, 0) + 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        execute = worker.Worker.execute
+
+        def counted_step(worker_self, batch):
+            self.current = {}
+            try:
+                return execute(worker_self, batch)
+            finally:
+                self.steps.append(self.current)
+                self.current = None
+
+        worker.Worker.execute = counted_step
 
 
 def rank_main(**kwargs) -> None:
@@ -277,6 +318,9 @@ def rank_main(**kwargs) -> None:
     double = install()
     forbid_cpu_int8_path()
     keep_cpu_attention()
+    syncs = SyncCounter()
+    syncs.install()
     engine_rank_main(**kwargs)
     rank = dist.get_rank() if dist.is_initialized() else 0
     (Path(kwargs["result_dir"]) / CALLS_NAME.format(rank=rank)).write_text(json.dumps(dict(double.calls)))
+    (Path(kwargs["result_dir"]) / SYNCS_NAME.format(rank=rank)).write_text(json.dumps(syncs.steps))

@@ -20,7 +20,7 @@ from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, random_experts, run_ranks, shard
-from tests.npu_double import CALLS_NAME, INT8_CACHE_NPU_OPS, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
+from tests.npu_double import CALLS_NAME, INT8_CACHE_NPU_OPS, SYNCS_NAME, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
 
 HIDDEN, INTER = 48, 64
 
@@ -239,6 +239,15 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, w8a8_sourc
     assert calls[0]["npu_quant_matmul"] > 0  # the one rank with a sequence runs its INT8 projections there
     assert all(c.get("npu_quant_matmul", 0) == 0 for c in calls[1:])  # idle ranks: no call on zero rows
     assert sum(c.get("npu_grouped_matmul", 0) for c in calls) > 0  # expert owners ran their groups there
+    # host syncs in each decode step (every step after the prefill), per rank: 2 per MoE layer (the EP all-to-all
+    # takes its split sizes as lists: the sent counts, and the received ones from the count exchange), 1 for
+    # lm_head TP (the most rows any rank holds), and on the rank that samples 1 for the drawn tokens
+    config = load_manifest(shards)["model"]["config"]
+    moe_layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)  # V4: every layer
+    for rank in range(16):
+        steps = json.loads((tmp_path / "npu" / SYNCS_NAME.format(rank=rank)).read_text())
+        decode = [sum(step.values()) for step in steps[1:]]
+        assert decode == [2 * moe_layers + 1 + (rank == 0)] * (NEW_TOKENS - 1), (rank, steps)
 
 
 def test_local_launch_refuses_more_ranks_than_devices(monkeypatch, tmp_path):

@@ -150,7 +150,8 @@ class Dist:
         outside = (local < 0) | (local >= table.shape[0])
         partial = F.embedding(local.clamp(0, table.shape[0] - 1), table).masked_fill_(outside[:, None], 0)
         with self._timed():
-            mine, _ = all_to_all_variable(partial, [most] * group.size, group)  # my rows' partial, from each rank
+            # every member sends `most` rows to each, so the counts need no exchange (nor a host sync)
+            mine, _ = all_to_all_variable(partial, [most] * group.size, group, recv_counts=[most] * group.size)
         return mine.view(group.size, most, -1).sum(0)[:tokens.shape[0]]
 
     def oproj(self, x: torch.Tensor, proj: "Proj") -> torch.Tensor:
@@ -180,7 +181,9 @@ class Dist:
         """sliced [size * most, n / size]: this rank's output columns of every member's rows (padded to `most`)
         -> [rows, n], this rank's rows with every member's columns, in group-rank order."""
         with self._timed():
-            mine, _ = all_to_all_variable(sliced.contiguous(), [most] * group.size, group)  # slice i, from rank i
+            # slice i, from rank i: `most` rows from each, known here, so no exchange of counts
+            mine, _ = all_to_all_variable(sliced.contiguous(), [most] * group.size, group,
+                                          recv_counts=[most] * group.size)
         return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:rows]
 
     def lm_head_logits(self, h: torch.Tensor, head: Proj) -> torch.Tensor:
