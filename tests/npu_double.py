@@ -67,6 +67,9 @@ class TorchNpuDouble(types.ModuleType):
         _require(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype} [dq]")
         _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()} [dq]")
         _require(x.numel() > 0, "npu_dynamic_quant: empty x is not documented as supported [assumed]")
+        # [dq] scale = row_max(abs(x)) / 127, y = round(x / scale): no floor, so an all-zero row divides 0 by 0
+        _require(bool((x.reshape(-1, x.shape[-1]) != 0).any(dim=-1).all()),
+                 "npu_dynamic_quant: an all-zero row has scale 0 in the documented formula (0 / 0) [dq]")
         if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
             raise NotImplementedError("the double models npu_dynamic_quant's plain INT8 form only")
         q, scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]).to(torch.float32))

@@ -250,6 +250,20 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, w8a8_sourc
         assert decode == [2 * moe_layers + 1 + (rank == 0)] * (NEW_TOKENS - 1), (rank, steps)
 
 
+@pytest.mark.slow
+def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(w8a8_source, tmp_path):
+    """V3.2 at attention DP2 x TP8: the 8 ranks of a group each route a share of the group's rows through the
+    MoE. A share padded with zero rows would reach npu_dynamic_quant, whose documented formula divides 0 by 0
+    for an all-zero row (the double refuses it): the shares are unpadded, and the tokens are the CPU path's."""
+    shards = tmp_path / "dp2tp8"
+    shard(w8a8_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
+    prompts = [PROMPTS[1], PROMPTS[2]]  # 37 and 20 rows: shares of 5 and 3, the last ones shorter or empty
+    want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
+    got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
+                    results_name="npu")
+    assert got == want
+
+
 def test_local_launch_refuses_more_ranks_than_devices(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch_npu", TorchNpuDouble())  # backend_for imports it
     monkeypatch.setattr(launch_module, "visible_devices", lambda device: 8)

@@ -68,19 +68,24 @@ class Dist:
             return all_reduce_sum(x.contiguous(), self.groups.attn_tp)
 
     def attn_tp_share(self, x: torch.Tensor) -> torch.Tensor:
-        """Under attention TP every rank of the group holds the same rows: each takes an equal share (padded
-        with zero rows so all shares match in size for the gather)."""
+        """Under attention TP every rank of the group holds the same rows: each takes its share, rows
+        [rank * per, (rank + 1) * per) with per = ceil(rows / size) (the last shares may be shorter or empty). No
+        padding rows: an all-zero row would reach the MoE's quantizer, whose documented NPU formula (no floor
+        on the scale) divides 0 by 0."""
         if self.attn_tp == 1:
             return x
         per = -(-x.shape[0] // self.attn_tp)
-        padded = F.pad(x, (0, 0, 0, per * self.attn_tp - x.shape[0]))
-        return padded[self.attn_tp_rank * per:(self.attn_tp_rank + 1) * per]
+        return x[self.attn_tp_rank * per:(self.attn_tp_rank + 1) * per]
 
     def attn_tp_unshare(self, share: torch.Tensor, rows: int) -> torch.Tensor:
+        """The group's shares of `rows` rows gathered back into all of them (each padded to an equal size for
+        the gather only)."""
         if self.attn_tp == 1:
             return share
+        per = -(-rows // self.attn_tp)
         with self._timed():
-            return all_gather_cat(share.contiguous(), self.groups.attn_tp, dim=0)[:rows]
+            padded = F.pad(share, (0, 0, 0, per - share.shape[0])).contiguous()
+            return all_gather_cat(padded, self.groups.attn_tp, dim=0)[:rows]
 
     def cp_gather(self, x: torch.Tensor, most: int, order: torch.Tensor) -> torch.Tensor:
         """A context-parallel prefill's new rows: x [T, d], this member's positions -> [length, d], every
