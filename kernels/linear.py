@@ -211,7 +211,9 @@ def _quantize_npu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:  # an idle rank's step: nothing to quantize
         return (torch.empty(x.shape, dtype=torch.int8, device=x.device),
                 torch.empty(0, 1, dtype=torch.float32, device=x.device))
-    x_q, x_scale = require_torch_npu().npu_dynamic_quant(cast(x, npu_half(x.dtype)))  # int8 [M, k], float32 [M]
+    # contiguous rows: a column slice (the INT8 part of a cache row) or a stride-0 expand is not a documented x
+    x_in = cast(x, npu_half(x.dtype)).contiguous()
+    x_q, x_scale = require_torch_npu().npu_dynamic_quant(x_in)  # int8 [M, k], float32 [M]
     return x_q, x_scale[:, None]
 
 

@@ -108,8 +108,9 @@ def token_mlp(x: torch.Tensor, expert_ids: list[int], experts: ExpertWeights, x_
         counts = [0] * experts.experts
         for e in expert_ids:
             counts[e] += 1
-        rows = x.expand(len(expert_ids), -1)
-        scales = None if x_scale is None else x_scale.expand(len(expert_ids), -1)
+        # the token's row repeated as real rows: a stride-0 expand is not a documented x of the grouped matmul
+        rows = x.expand(len(expert_ids), -1).contiguous()
+        scales = None if x_scale is None else x_scale.expand(len(expert_ids), -1).contiguous()
         out = _grouped_mlp_npu(rows, torch.tensor(counts, device=x.device), experts, scales,
                                x.dtype if x_scale is None else out_dtype, limit)  # row j: expert_ids[order[j]]
         position = [0] * len(order)

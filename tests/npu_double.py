@@ -67,6 +67,8 @@ class TorchNpuDouble(types.ModuleType):
         _require(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype} [dq]")
         _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()} [dq]")
         _require(x.numel() > 0, "npu_dynamic_quant: empty x is not documented as supported [assumed]")
+        _require(x.is_contiguous() and 0 not in x.stride(),
+                 f"npu_dynamic_quant: x must be contiguous, got strides {x.stride()} [assumed]")
         # [dq] scale = row_max(abs(x)) / 127, y = round(x / scale): no floor, so an all-zero row divides 0 by 0
         _require(bool((x.reshape(-1, x.shape[-1]) != 0).any(dim=-1).all()),
                  "npu_dynamic_quant: an all-zero row has scale 0 in the documented formula (0 / 0) [dq]")
@@ -132,6 +134,12 @@ class TorchNpuDouble(types.ModuleType):
                  f"{tuple(group_list.shape)} [gmm]")
         _require(rows.dim() == 2 and w.dim() == 3, f"npu_grouped_matmul: single-single-single takes a 2-D x and a "
                  f"3-D weight, got {tuple(rows.shape)}, {tuple(w.shape)} [gmm]")
+        # [gmm] x may not be transposed; strides other than a contiguous row-major x (a stride-0 expand among
+        # them) are not documented
+        _require(rows.is_contiguous() and 0 not in rows.stride(),
+                 f"npu_grouped_matmul: x must be contiguous, got strides {rows.stride()} [gmm]")
+        _require(per_token_scale is None or all(t.is_contiguous() and 0 not in t.stride() for t in per_token_scale),
+                 "npu_grouped_matmul: per_token_scale must be contiguous [gmm]")
         groups, k, n = w.shape
         m = rows.shape[0]
         _require(rows.shape[1] == k, f"npu_grouped_matmul: x {tuple(rows.shape)} against weight {tuple(w.shape)}")
