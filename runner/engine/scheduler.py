@@ -231,7 +231,7 @@ class Scheduler:
                 share = CPShare(request.seq_id, length, group, member)
                 scores = None
                 if request.scoring:  # each member scores its own rows (every position but the last)
-                    targets = [request.prompt[p + 1] for p in share.positions if p < length - 1]
+                    targets = [request.prompt[p + 1] for p in share.scored_positions]
                     scores = PromptScores(targets, request.params.prompt_logprobs) if targets else None
                 owner_parts = {"block_table": table, "sample": self._sample_spec(request)} if member == 0 else {}
                 shares[rank] = dataclasses.replace(share, scores=scores, **owner_parts), request
@@ -289,9 +289,9 @@ class Scheduler:
             for seq_id, result in zip(batch.seq_ids, rank_results, strict=True):
                 outputs += self._take(seq_id, result, now)
         for seq_id, members in parts.items():
-            scored = sorted((p, entry) for share, result in members
-                            for p, entry in zip([p for p in share.positions if p < share.length - 1],
-                                                result.prompt_logprobs))
+            scored = sorted(((p, entry) for share, result in members
+                             for p, entry in zip(share.scored_positions, result.prompt_logprobs)),
+                            key=lambda pair: pair[0])
             owner = next(result for share, result in members if share.member == 0)
             outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
         return outputs

@@ -58,6 +58,11 @@ class CPShare:
     def positions(self) -> list[int]:
         return cp_positions(self.length, len(self.group), self.member)
 
+    @property
+    def scored_positions(self) -> list[int]:
+        """The positions whose rows predict a prompt token: all of this member's but the prompt's last."""
+        return [p for p in self.positions if p < self.length - 1]
+
 
 def cp_positions(length: int, size: int, member: int) -> list[int]:
     """The positions member i of a group of `size` feeds: the prompt cut into 2 * size chunks (as even as whole
@@ -187,7 +192,7 @@ class Batch:
         _check(all(0 <= b < num_blocks for b in cp.block_table), "a context-parallel block outside the cache")
         _check(owner or cp.sample is None, f"context-parallel member {cp.member} samples")
         scored = cp.scores
-        _check(scored is None or len(scored.targets) == len([p for p in cp.positions if p < cp.length - 1]),
+        _check(scored is None or len(scored.targets) == len(cp.scored_positions),
                f"context-parallel member {cp.member} scores {len(scored.targets) if scored else 0} rows")
 
 
