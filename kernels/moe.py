@@ -10,7 +10,7 @@ formula of kernels.linear). The rows may arrive already quantized by their sende
 as W8A8 experts behind the EP all-to-all receive them. The projections run per expert group, the activation
 once over all rows, and under W8A8 the down projection's input is quantized once for all rows: a decode token's
 k experts make one activation call, not k. On NPU each projection is one npu_grouped_matmul over all local
-experts, with the counts kept on the device.
+experts, with the counts kept on the device, in the form vllm-ascend runs W8A8_DYNAMIC experts in (NpuExperts).
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from dsconv.kernels.device import cast, is_npu, require_torch_npu
 from dsconv.kernels.linear import (FloatWeight, linear, quantize_activations, w8a8_linear_quantized,
                                    w8a8_linear_reference)
+
+# torch_npu's aclFormat number of FRACTAL_NZ, the blocked layout its matmul kernels read weights in. vllm-ascend
+# casts every INT8 expert weight to it at load (vllm_ascend/quantization/w8a8_dynamic.py,
+# process_weights_after_loading: npu_format_cast_(weight, 29)).
+ACL_FORMAT_FRACTAL_NZ = 29
 
 
 def swiglu(gate_or_gate_up: torch.Tensor, up: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
@@ -56,12 +61,34 @@ class ExpertWeights:
                                  f"{tuple(scale.shape)}")
         self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
         self.experts, self.hidden = experts, hidden
+        self.npu: NpuExperts | None = None
+        if self.int8 and is_npu(w13):  # the device's form only: the CPU forms below are never used on an NPU
+            self.npu = NpuExperts(w13, w13_scale, w2, w2_scale)
+            self.w13 = self.w2 = self.w13_scale = self.w2_scale = None
+            return
         # each expert's projection operands, made once (views; float ones as kernels.linear.FloatWeight holds
         # them, with a float32 copy on CPU for BF16): a list index per group instead of tensor selects
         if self.int8:
             self._w13, self._w2 = list(zip(w13.unbind(), w13_scale.unbind())), list(zip(w2.unbind(), w2_scale.unbind()))
         else:
             self._w13, self._w2 = FloatWeight.stacked(w13), FloatWeight.stacked(w2)
+
+
+class NpuExperts:
+    """INT8 experts in the form vllm-ascend's W8A8_DYNAMIC MoE hands torch_npu's grouped matmul
+    (vllm_ascend/quantization/w8a8_dynamic.py: process_weights_after_loading, apply_mlp):
+    - w13 [E, H, 2I] and w2 [E, I, H]: each expert's weight as the op's [k, n], made contiguous and cast to
+      FRACTAL_NZ once, at load;
+    - w13_scale [E, 2I] and w2_scale [E, H] in BF16: torch_npu's dtype table for the per-token form gives BF16
+      out for a BF16 scale (a float32 scale gives float16 out). Rounding a channel's float32 scale to BF16 moves
+      that channel's outputs by at most 2^-9 of their value, against kernels.linear's float32 scales."""
+
+    def __init__(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor):
+        torch_npu = require_torch_npu()
+        self.w13 = torch_npu.npu_format_cast(w13.transpose(1, 2).contiguous(), ACL_FORMAT_FRACTAL_NZ)
+        self.w2 = torch_npu.npu_format_cast(w2.transpose(1, 2).contiguous(), ACL_FORMAT_FRACTAL_NZ)
+        self.w13_scale = w13_scale[:, :, 0].to(torch.bfloat16)
+        self.w2_scale = w2_scale[:, :, 0].to(torch.bfloat16)
 
 
 def grouped_mlp(x: torch.Tensor, counts: torch.Tensor | list[int], experts: ExpertWeights,
@@ -176,31 +203,32 @@ def _grouped_mlp_npu(x, counts, experts: ExpertWeights, x_scale, out_dtype, limi
     """Every local expert's rows in one npu_grouped_matmul per projection, whatever the number of experts.
 
     group_list_type 0 (cumulative row counts) accepts one expert too; type 1 (per-group counts) refuses a
-    one-entry list. INT8 projections return the exact int32 sums (output_dtype int32, no scales), dequantized
-    here in float32 by kernels.linear's formula, so the NPU path keeps the weight scales in float32 where the
-    fused per-token form would take them in BF16.
+    one-entry list. INT8 projections take vllm-ascend's W8A8_DYNAMIC form (apply_mlp): INT8 rows with their
+    per-token scales, the NZ weights with their BF16 channel scales, BF16 out, widened to out_dtype.
     """
     if x.shape[0] == 0:  # an idle rank's step: no rows, no kernel call
         return torch.empty(0, experts.hidden, dtype=out_dtype, device=x.device)
     torch_npu = require_torch_npu()
     group_list = counts.to(torch.int64).cumsum(0)  # [E] end row of each expert's group
-    row_expert = None
-    if experts.int8:  # each row's expert [N], to pick its weight scales; output_size: no host sync
-        row_expert = torch.repeat_interleave(torch.arange(experts.experts, device=x.device), counts,
-                                             output_size=x.shape[0])
-
-    def project(rows, row_scale, w, w_scale):
-        if w_scale is None:  # float experts: the weights' dtype in and out
+    if not experts.int8:  # float experts: the weights' dtype in and out, weights as [E, k, n] views
+        def project(rows, w):
             (y,) = torch_npu.npu_grouped_matmul([cast(rows, w.dtype)], [w.transpose(1, 2)], group_list=group_list,
                                                 split_item=2, group_type=0, group_list_type=0)
             return cast(y, out_dtype)
+
+        return project(swiglu(project(x, experts.w13), limit=limit), experts.w2)
+    if experts.npu is None:
+        raise RuntimeError("INT8 experts built from non-NPU tensors reached the NPU branch: ExpertWeights casts "
+                           "them to the device's form when it is given NPU tensors")
+
+    def project_int8(rows, row_scale, w, w_scale):
         if row_scale is None:
             rows, row_scale = quantize_activations(rows)  # npu_dynamic_quant: int8 [N, k], float32 [N, 1]
-        (acc,) = torch_npu.npu_grouped_matmul([rows], [w.transpose(1, 2)],  # weight as [E, k, n], a view
-                                              group_list=group_list, split_item=2, group_type=0, group_list_type=0,
-                                              output_dtype=torch.int32)
-        # acc [N, n] int32; per token times per output channel of the row's expert, as kernels.linear dequantizes
-        return (acc.to(torch.float32) * row_scale * w_scale[:, :, 0][row_expert]).to(out_dtype)
+        (y,) = torch_npu.npu_grouped_matmul([rows], [w], scale=[w_scale], per_token_scale=[row_scale.reshape(-1)],
+                                            group_list=group_list, split_item=2, group_type=0, group_list_type=0,
+                                            output_dtype=torch.bfloat16)
+        return cast(y, out_dtype)
 
-    hidden = swiglu(project(x, x_scale, experts.w13, experts.w13_scale), limit=limit)
-    return project(hidden, None, experts.w2, experts.w2_scale)
+    device_form = experts.npu
+    hidden = swiglu(project_int8(x, x_scale, device_form.w13, device_form.w13_scale), limit=limit)
+    return project_int8(hidden, None, device_form.w2, device_form.w2_scale)

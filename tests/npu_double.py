@@ -2,25 +2,30 @@
 module name): it runs nothing on an NPU and proves nothing about NPU numerics.
 
 What it is for: the runner's NPU branches (kernels.device dispatch) run against it on CPU, so a call that the
-real API refuses fails a test here instead of on an Ascend server. Each op takes the real schema's arguments
-(positional, then keyword-only, as torch_npu 2.14.0's op-plugin registers them), refuses what the
-documentation refuses, and computes its result with the torch reference formula (kernels.int8's quantizer,
-exact integer sums), so tokens through it can be compared with the CPU path's. Each refusal cites the text it
-comes from:
+real API refuses fails a test here instead of on an Ascend server.
+- **Signatures are torch_npu's own.** Every op of torch_npu 2.14.0's schema file (tests/npu_schemas.py: fetched
+  from the wheel, about 1,450 schemas that CPU torch accepts) is defined in the `npu` namespace of the process,
+  and `double.<op>(...)` calls `torch.ops.npu.<op>`: the dispatcher binds each call against the real schema
+  (names, positional / keyword-only, types) before any kernel runs. An op the double does not model binds and
+  then raises NotImplementedError; a name torch_npu does not have is an AttributeError.
+- **Constraints are the documented ones.** The modelled ops refuse what the documentation refuses (dtype tables,
+  layouts, contiguity, empty inputs) and compute with the torch reference formula (kernels.int8's quantizer
+  without its floor, exact integer sums), so tokens through it can be compared with the CPU path's. Each refusal
+  cites its source:
 
-    [schema]  op-plugin's registered schemas (torch_npu 2.14.0 / op-plugin master), e.g.
-              npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None,
-              Tensor? pertoken_scale=None, Tensor? bias=None, ScalarType? output_dtype=None, ...)
-    [dq]      op-plugin docs/context/torch_npu-npu_dynamic_quant.md
-    [qmm]     op-plugin docs/context/torch_npu-npu_quant_matmul.md ("Constraints" and "Table 2", Atlas A2/A3)
-    [gmm]     op-plugin docs/context/torch_npu-npu_grouped_matmul.md (parameters, "Table 2", scenario table for
-              group_type 0 "single-single-single")
+    [schema]  torch_npu 2.14.0's npu_native_functions_by_codegen.yaml (bound by the dispatcher)
+    [dq]      torch_npu 2.14.0's docstring of npu_dynamic_quant (torch_npu/_op_plugin_docs.py)
+    [qmm]     the same for npu_quant_matmul ("Constraints" and its dtype table, Atlas A2/A3)
+    [gmm]     the same for npu_grouped_matmul (parameters, dtype table for group_list as a Tensor, scenario
+              "single-single-single" for group_type 0)
     [aclnn]   CANN aclnnQuantMatmulV5: empty tensors are not supported
-    [usage]   vllm-ascend's W8A8 MoE (npu_grouped_matmul with output_dtype=torch.int32 and no scales before
-              npu_dequant_swiglu_quant): evidence of a form the tables list only under tuning_config
+    [usage]   vllm-ascend's W8A8_DYNAMIC MoE (vllm_ascend/quantization/w8a8_dynamic.py: experts transposed to
+              [E, k, n], made contiguous and cast to FRACTAL_NZ with npu_format_cast_ at load; apply_mlp's
+              npu_grouped_matmul with scale [E, n] and per_token_scale, output_dtype the scale's dtype)
+    [assumed] a conservative choice the documentation does not state
 
 What it does not model is refused too (NotImplementedError), never guessed: other group_list_types, bias,
-offset, smoothing, INT4. A conservative choice not in the documentation is marked [assumed].
+offset, smoothing, INT4.
 
 Install it in a process with `install()` (kernels.device.route_to_npu_path: CPU tensors take the NPU branches);
 ranks started by comm.launch install it through `rank_main`, the launch entry "tests.npu_double:rank_main".
@@ -32,17 +37,22 @@ import json
 import sys
 import types
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from dsconv.kernels.int8 import quantize_rows_reference
+from dsconv.kernels.int8 import INT8_MAX
+from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ
+from tests.npu_schemas import TORCH_NPU_VERSION, registered, scalar_type_codes
 
 IS_CONTRACT_DOUBLE = True
-CHECKED_AGAINST = "torch_npu 2.14.0 (op-plugin docs and schemas), CANN aclnn docs"
+CHECKED_AGAINST = f"torch_npu {TORCH_NPU_VERSION} (its schema file and op docstrings), CANN aclnn docs"
 QUANT_MATMUL_MAX_DIM = 65535  # [qmm] "x1 and x2's last dimension cannot exceed 65535"
 GROUPED_INNER_LIMIT = 65536  # [gmm] "InnerLimit 65536": each tensor's last dim must be below it
 GROUPED_MAX_GROUPS = 1024  # [gmm] group_type 0, single weight tensor: "at most 1024 groups"
+ACL_FORMAT_ND = 2  # torch_npu's aclFormat numbering: 2 ND (a plain tensor's), 29 FRACTAL_NZ
+FORMAT_ATTRIBUTE = "_npu_double_format"  # the format npu_format_cast gave a tensor (the double's bookkeeping)
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -55,152 +65,241 @@ def _require(ok: bool, message: str) -> None:
         raise ContractError(message)
 
 
+def npu_format(tensor: torch.Tensor) -> int:
+    """The double's stand-in for torch_npu.get_npu_format: FRACTAL_NZ for what npu_format_cast made NZ (that
+    tensor object, not a view of it), ND for anything else."""
+    return getattr(tensor, FORMAT_ATTRIBUTE, ACL_FORMAT_ND)
+
+
+def _dtype(code: int | None) -> torch.dtype | None:
+    """A dtype argument as the dispatcher hands it over (an int, c10's ScalarType number) back as a dtype."""
+    return None if code is None else scalar_type_codes()[code]
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and 0 not in tensor.stride()
+
+
+_active: list["TorchNpuDouble"] = []  # the double whose call is running: the kernels count on it
+
+
 class TorchNpuDouble(types.ModuleType):
-    """The three torch_npu ops the runner calls, checked against their documentation; `calls` counts them."""
+    """torch_npu as the runner sees it: `double.<op>` binds against the real schema and runs the double's kernel;
+    `calls` counts each op's calls."""
 
     def __init__(self):
         super().__init__("tests.npu_double (contract double, not torch_npu)")
         self.calls: Counter = Counter()
+        _kernels()
 
-    def npu_dynamic_quant(self, x, *, smooth_scales=None, group_index=None, dst_type=None):
-        self.calls["npu_dynamic_quant"] += 1
-        _require(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype} [dq]")
-        _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()} [dq]")
-        _require(x.numel() > 0, "npu_dynamic_quant: empty x is not documented as supported [assumed]")
-        _require(x.is_contiguous() and 0 not in x.stride(),
-                 f"npu_dynamic_quant: x must be contiguous, got strides {x.stride()} [assumed]")
-        # [dq] scale = row_max(abs(x)) / 127, y = round(x / scale): no floor, so an all-zero row divides 0 by 0
-        _require(bool((x.reshape(-1, x.shape[-1]) != 0).any(dim=-1).all()),
-                 "npu_dynamic_quant: an all-zero row has scale 0 in the documented formula (0 / 0) [dq]")
-        if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
-            raise NotImplementedError("the double models npu_dynamic_quant's plain INT8 form only")
-        q, scale = quantize_rows_reference(x.reshape(-1, x.shape[-1]).to(torch.float32))
-        # [dq] y: int8, x's shape; scale: float32, x's shape without the last dimension
-        return q.reshape(x.shape), scale.reshape(x.shape[:-1])
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name not in registered().defined:
+            raise AttributeError(f"torch_npu {TORCH_NPU_VERSION} has no op {name!r} [schema]")
+        op = getattr(torch.ops.npu, name)
 
-    def npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
-                         group_sizes=None):
-        self.calls["npu_quant_matmul"] += 1
-        _require(x1.dtype == torch.int8 and x2.dtype == torch.int8,
-                 f"npu_quant_matmul: x1, x2 must both be int8 here, got {x1.dtype}, {x2.dtype} [qmm]")
-        _require(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1, x2 take 2 to 6 dimensions [qmm]")
-        _require(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0,
-                 f"npu_quant_matmul: x1 {tuple(x1.shape)}, x2, scale must not be empty [qmm] [aclnn]")
-        if x1.dim() != 2 or x2.dim() != 2:
-            raise NotImplementedError("the double models 2-D x1 and x2 only")
-        (m, k), (k2, n) = x1.shape, x2.shape
-        _require(k == k2, f"npu_quant_matmul: x1 {tuple(x1.shape)} @ x2 {tuple(x2.shape)}: inner sizes differ")
-        _require(k <= QUANT_MATMUL_MAX_DIM and n <= QUANT_MATMUL_MAX_DIM,
-                 f"npu_quant_matmul: last dimensions must not exceed {QUANT_MATMUL_MAX_DIM}, got k={k}, n={n} [qmm]")
-        _require(scale.dim() == 1 and scale.shape[0] in (1, n),
-                 f"npu_quant_matmul: scale must be 1-D (1,) or ({n},), got {tuple(scale.shape)} [qmm]")
-        if pertoken_scale is not None:
-            _require(pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,),
-                     f"npu_quant_matmul: pertoken_scale must be float32 ({m},), got {pertoken_scale.dtype} "
-                     f"{tuple(pertoken_scale.shape)} [qmm]")
-        # [qmm] Table 2 rows with int8 inputs and a per-token scale: bfloat16 out takes a float32 or bfloat16
-        # scale, float16 out a float32 one. float32 is never an output dtype.
-        allowed = {torch.bfloat16: (torch.float32, torch.bfloat16), torch.float16: (torch.float32,)}
-        _require(output_dtype in (None, torch.int8, torch.float16, torch.bfloat16, torch.int32),
-                 f"npu_quant_matmul: output_dtype {output_dtype} is not one of int8, float16, bfloat16, int32 [qmm]")
-        if pertoken_scale is None or output_dtype not in allowed or offset is not None or bias is not None \
-                or group_sizes is not None:
-            raise NotImplementedError("the double models the per-token form with float16/bfloat16 output only")
-        _require(scale.dtype in allowed[output_dtype],
-                 f"npu_quant_matmul: {output_dtype} output with a per-token scale takes a scale in "
-                 f"{allowed[output_dtype]}, got {scale.dtype} [qmm]")
-        acc = x1.to(torch.int32) @ x2.to(torch.int32)  # exact sums
-        return (acc.to(torch.float32) * pertoken_scale[:, None] * scale.to(torch.float32)[None, :]).to(output_dtype)
+        def call(*args, **kwargs):
+            _active.append(self)
+            try:
+                return op(*args, **kwargs)
+            finally:
+                _active.pop()
 
-    def npu_grouped_matmul(self, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                           antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                           activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                           group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
-        self.calls["npu_grouped_matmul"] += 1
-        _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)),
-                 "npu_grouped_matmul: x and weight are lists of tensors [schema]")
-        if len(x) != 1 or len(weight) != 1 or group_type != 0 or split_item not in (2, 3):
-            raise NotImplementedError("the double models group_type 0 with one x, one 3-D weight (single-single-"
-                                      "single, split_item 2 or 3) only")
-        if any(a is not None for a in (bias, offset, antiquant_scale, antiquant_offset, activation_input,
-                                       activation_quant_scale, activation_quant_offset)) or act_type != 0:
-            raise NotImplementedError("the double models no bias, offset, antiquant or activation inputs")
-        (rows,), (w,) = x, weight
-        _require(torch.is_tensor(group_list),
-                 f"npu_grouped_matmul: group_list is a {type(group_list).__name__}; group_list_type, scale in "
-                 "float32/bfloat16 and per_token_scale need group_list as a Tensor [gmm]")
-        _require(group_list.dtype == torch.int64 and group_list.dim() == 1,
-                 f"npu_grouped_matmul: group_list must be a 1-D int64 tensor, got {group_list.dtype} "
-                 f"{tuple(group_list.shape)} [gmm]")
-        _require(rows.dim() == 2 and w.dim() == 3, f"npu_grouped_matmul: single-single-single takes a 2-D x and a "
-                 f"3-D weight, got {tuple(rows.shape)}, {tuple(w.shape)} [gmm]")
-        # [gmm] x may not be transposed; strides other than a contiguous row-major x (a stride-0 expand among
-        # them) are not documented
-        _require(rows.is_contiguous() and 0 not in rows.stride(),
-                 f"npu_grouped_matmul: x must be contiguous, got strides {rows.stride()} [gmm]")
-        _require(per_token_scale is None or all(t.is_contiguous() and 0 not in t.stride() for t in per_token_scale),
-                 "npu_grouped_matmul: per_token_scale must be contiguous [gmm]")
-        groups, k, n = w.shape
-        m = rows.shape[0]
-        _require(rows.shape[1] == k, f"npu_grouped_matmul: x {tuple(rows.shape)} against weight {tuple(w.shape)}")
-        _require(k < GROUPED_INNER_LIMIT and n < GROUPED_INNER_LIMIT,
-                 f"npu_grouped_matmul: last dimensions must be below {GROUPED_INNER_LIMIT} [gmm]")
-        _require(group_list.shape[0] == groups and groups <= GROUPED_MAX_GROUPS,
-                 f"npu_grouped_matmul: group_list has {group_list.shape[0]} entries for {groups} weight groups "
-                 f"(at most {GROUPED_MAX_GROUPS}) [gmm]")
-        _require(m > 0, "npu_grouped_matmul: empty x is not documented as supported [assumed]")
-        values = group_list.tolist()
-        _require(min(values) >= 0, f"npu_grouped_matmul: group_list {values} has a negative entry [gmm]")
-        if group_list_type == 0:  # [gmm] cumulative sums: non-decreasing, the last equal to x's rows
-            _require(all(a <= b for a, b in zip(values, values[1:])) and values[-1] == m,
-                     f"npu_grouped_matmul: group_list_type 0 takes non-decreasing cumulative sums ending at "
-                     f"{m}, got {values} [gmm]")
-            ends = values
-        elif group_list_type == 1:  # [gmm] per-group sizes, "and its length cannot be 1", summing to x's rows
-            _require(len(values) != 1, "npu_grouped_matmul: group_list_type 1 refuses a one-entry group_list [gmm]")
-            _require(sum(values) == m, f"npu_grouped_matmul: group sizes {values} must sum to {m} [gmm]")
-            ends = torch.tensor(values).cumsum(0).tolist()
-        else:
-            raise NotImplementedError(f"the double models group_list_type 0 and 1, not {group_list_type}")
-        if rows.dtype in (*HALF, torch.float32):  # [gmm] Table 2, not quantized: x, weight, y in one dtype
-            _require(w.dtype == rows.dtype and output_dtype in (None, rows.dtype) and scale is None
-                     and per_token_scale is None,
-                     f"npu_grouped_matmul: float x {rows.dtype} needs weight in {rows.dtype}, output_dtype None "
-                     f"or {rows.dtype}, no scales [gmm]")
-            return [self._grouped(rows, w, ends, rows.dtype)]
-        _require(rows.dtype == torch.int8 and w.dtype == torch.int8,
-                 f"npu_grouped_matmul: quantized x and weight must be int8, got {rows.dtype}, {w.dtype} [gmm]")
-        if output_dtype == torch.int32:  # [gmm] tuning_config table (int8, int8 -> int32); [usage]
-            _require(scale is None and per_token_scale is None,
-                     "npu_grouped_matmul: int32 output takes no scale or per_token_scale [usage]")
-            return [self._grouped(rows, w, ends, torch.int32)]
-        # [gmm] Table 2, per-token: scale bfloat16 -> bfloat16 out, scale float32 -> float16 out; per_token_scale
-        # float32 1-D [m]
-        allowed = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
-        _require(output_dtype in allowed and scale is not None and per_token_scale is not None,
-                 f"npu_grouped_matmul: int8 x with output_dtype {output_dtype} is not a Table 2 form [gmm]")
-        (w_scale,), (t_scale,) = scale, per_token_scale
-        _require(w_scale.dtype == allowed[output_dtype] and tuple(w_scale.shape) == (groups, n),
-                 f"npu_grouped_matmul: scale must be {allowed[output_dtype]} [{groups}, {n}] for {output_dtype} "
-                 f"output, got {w_scale.dtype} {tuple(w_scale.shape)} [gmm] [usage]")
-        _require(t_scale.dtype == torch.float32 and tuple(t_scale.shape) == (m,),
-                 f"npu_grouped_matmul: per_token_scale must be float32 ({m},), got {t_scale.dtype} "
-                 f"{tuple(t_scale.shape)} [gmm]")
-        acc = self._grouped(rows, w, ends, torch.int32).to(torch.float32)
-        row_group = torch.repeat_interleave(torch.arange(groups), torch.tensor(ends).diff(prepend=torch.tensor([0])))
-        return [(acc * t_scale[:, None] * w_scale.to(torch.float32)[row_group]).to(output_dtype)]
+        return call
 
-    @staticmethod
-    def _grouped(rows, w, ends, out_dtype):
-        out, start = torch.empty(rows.shape[0], w.shape[2], dtype=out_dtype), 0
-        for g, end in enumerate(ends):
-            if end > start:
-                if out_dtype == torch.int32:
-                    out[start:end] = rows[start:end].to(torch.int32) @ w[g].to(torch.int32)  # exact sums
-                else:
-                    out[start:end] = rows[start:end] @ w[g]
-            start = end
-        return out
+
+def _count(name: str) -> None:
+    _active[-1].calls[name] += 1
+
+
+# --- the modelled ops: CPU kernels behind torch_npu's schemas (arguments arrive as the dispatcher binds them) ---
+def _dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                   dst_type_max=0.0):
+    _count("npu_dynamic_quant")
+    x = input
+    _require(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype} [dq]")
+    _require(x.dim() > 1, f"npu_dynamic_quant: x must have more than one dimension, got {x.dim()} [dq]")
+    _require(x.numel() > 0, "npu_dynamic_quant: empty x is not documented as supported [assumed]")
+    _require(_dense(x), f"npu_dynamic_quant: x must be contiguous, got strides {x.stride()} [assumed]")
+    if smooth_scales is not None or group_index is not None or _dtype(dst_type) not in (None, torch.int8) \
+            or quant_mode != "pertoken" or dst_type_max != 0.0:
+        raise NotImplementedError("the double models npu_dynamic_quant's plain per-token INT8 form only")
+    # [dq] scale = row_max(abs(x)) / 127, y = round(x / scale): no floor, so an all-zero row divides 0 by 0
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    _require(bool((amax > 0).all()),
+             "npu_dynamic_quant: an all-zero row has scale 0 in the documented formula (0 / 0) [dq]")
+    scale = amax / INT8_MAX
+    q = torch.clamp(torch.round(rows / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
+    # [dq] y: int8, x's shape; scale: float32, x's shape without the last dimension
+    return q.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+def _quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, x1_dtype=None,
+                  x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None, y_scale=None):
+    _count("npu_quant_matmul")
+    output_dtype = _dtype(output_dtype)
+    _require(x1.dtype == torch.int8 and x2.dtype == torch.int8,
+             f"npu_quant_matmul: x1, x2 must both be int8 here, got {x1.dtype}, {x2.dtype} [qmm]")
+    _require(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1, x2 take 2 to 6 dimensions [qmm]")
+    _require(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0,
+             f"npu_quant_matmul: x1 {tuple(x1.shape)}, x2, scale must not be empty [qmm] [aclnn]")
+    if x1.dim() != 2 or x2.dim() != 2:
+        raise NotImplementedError("the double models 2-D x1 and x2 only")
+    (m, k), (k2, n) = x1.shape, x2.shape
+    _require(k == k2, f"npu_quant_matmul: x1 {tuple(x1.shape)} @ x2 {tuple(x2.shape)}: inner sizes differ")
+    _require(k <= QUANT_MATMUL_MAX_DIM and n <= QUANT_MATMUL_MAX_DIM,
+             f"npu_quant_matmul: last dimensions must not exceed {QUANT_MATMUL_MAX_DIM}, got k={k}, n={n} [qmm]")
+    _require(scale.dim() == 1 and scale.shape[0] in (1, n),
+             f"npu_quant_matmul: scale must be 1-D (1,) or ({n},), got {tuple(scale.shape)} [qmm]")
+    if pertoken_scale is not None:
+        _require(pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,),
+                 f"npu_quant_matmul: pertoken_scale must be float32 ({m},), got {pertoken_scale.dtype} "
+                 f"{tuple(pertoken_scale.shape)} [qmm]")
+    # [qmm] dtype table rows with int8 inputs and a per-token scale: bfloat16 out takes a float32 or bfloat16
+    # scale, float16 out a float32 one. float32 is never an output dtype.
+    allowed = {torch.bfloat16: (torch.float32, torch.bfloat16), torch.float16: (torch.float32,)}
+    _require(output_dtype in (None, torch.int8, torch.float16, torch.bfloat16, torch.int32),
+             f"npu_quant_matmul: output_dtype {output_dtype} is not one of int8, float16, bfloat16, int32 [qmm]")
+    if pertoken_scale is None or output_dtype not in allowed or any(
+            a is not None for a in (offset, bias, group_sizes, y_scale, x1_dtype, x2_dtype, pertoken_scale_dtype,
+                                    scale_dtype)):
+        raise NotImplementedError("the double models the per-token form with float16/bfloat16 output only")
+    _require(scale.dtype in allowed[output_dtype],
+             f"npu_quant_matmul: {output_dtype} output with a per-token scale takes a scale in "
+             f"{allowed[output_dtype]}, got {scale.dtype} [qmm]")
+    acc = x1.to(torch.int32) @ x2.to(torch.int32)  # exact sums
+    return (acc.to(torch.float32) * pertoken_scale[:, None] * scale.to(torch.float32)[None, :]).to(output_dtype)
+
+
+def _grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                    per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+                    activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                    tuning_config=None, output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
+                    per_token_scale_dtype=None):
+    _count("npu_grouped_matmul")
+    output_dtype = _dtype(output_dtype)
+    if len(x) != 1 or len(weight) != 1 or group_type != 0 or split_item not in (2, 3):
+        raise NotImplementedError("the double models group_type 0 with one x, one 3-D weight (single-single-"
+                                  "single, split_item 2 or 3) only")
+    if any(a is not None for a in (bias, offset, antiquant_scale, antiquant_offset, activation_input,
+                                   activation_quant_scale, activation_quant_offset, tuning_config, x_dtype,
+                                   weight_dtype, scale_dtype, per_token_scale_dtype)) or act_type != 0:
+        raise NotImplementedError("the double models no bias, offset, antiquant, activation or dtype-override inputs")
+    (rows,), (w,) = x, weight
+    _require(group_list is not None, "npu_grouped_matmul: group_type 0 needs a group_list [gmm]")
+    _require(group_list.dtype == torch.int64 and group_list.dim() == 1,
+             f"npu_grouped_matmul: group_list must be a 1-D int64 tensor, got {group_list.dtype} "
+             f"{tuple(group_list.shape)} [gmm]")
+    _require(rows.dim() == 2 and w.dim() == 3, f"npu_grouped_matmul: single-single-single takes a 2-D x and a "
+             f"3-D weight, got {tuple(rows.shape)}, {tuple(w.shape)} [gmm]")
+    # [gmm] x may not be transposed; strides other than a contiguous row-major x (a stride-0 expand among them)
+    # are not documented
+    _require(_dense(rows), f"npu_grouped_matmul: x must be contiguous, got strides {rows.stride()} [gmm]")
+    _require(per_token_scale is None or all(_dense(t) for t in per_token_scale),
+             "npu_grouped_matmul: per_token_scale must be contiguous [gmm]")
+    groups, k, n = w.shape
+    m = rows.shape[0]
+    _require(rows.shape[1] == k, f"npu_grouped_matmul: x {tuple(rows.shape)} against weight {tuple(w.shape)}")
+    _require(k < GROUPED_INNER_LIMIT and n < GROUPED_INNER_LIMIT,
+             f"npu_grouped_matmul: last dimensions must be below {GROUPED_INNER_LIMIT} [gmm]")
+    _require(group_list.shape[0] == groups and groups <= GROUPED_MAX_GROUPS,
+             f"npu_grouped_matmul: group_list has {group_list.shape[0]} entries for {groups} weight groups "
+             f"(at most {GROUPED_MAX_GROUPS}) [gmm]")
+    _require(m > 0, "npu_grouped_matmul: empty x is not documented as supported [assumed]")
+    values = group_list.tolist()
+    _require(min(values) >= 0, f"npu_grouped_matmul: group_list {values} has a negative entry [gmm]")
+    if group_list_type == 0:  # [gmm] cumulative sums: non-decreasing, the last equal to x's rows
+        _require(all(a <= b for a, b in zip(values, values[1:])) and values[-1] == m,
+                 f"npu_grouped_matmul: group_list_type 0 takes non-decreasing cumulative sums ending at {m}, got "
+                 f"{values} [gmm]")
+        ends = values
+    elif group_list_type == 1:  # [gmm] per-group sizes, "and its length cannot be 1", summing to x's rows
+        _require(len(values) != 1, "npu_grouped_matmul: group_list_type 1 refuses a one-entry group_list [gmm]")
+        _require(sum(values) == m, f"npu_grouped_matmul: group sizes {values} must sum to {m} [gmm]")
+        ends = torch.tensor(values).cumsum(0).tolist()
+    else:
+        raise NotImplementedError(f"the double models group_list_type 0 and 1, not {group_list_type}")
+    if rows.dtype in (*HALF, torch.float32):  # [gmm] dtype table, not quantized: x, weight, y in one dtype
+        _require(w.dtype == rows.dtype and output_dtype in (None, rows.dtype) and scale is None
+                 and per_token_scale is None,
+                 f"npu_grouped_matmul: float x {rows.dtype} needs weight in {rows.dtype}, output_dtype None or "
+                 f"{rows.dtype}, no scales [gmm]")
+        return [_grouped(rows, w, ends, rows.dtype)]
+    _require(rows.dtype == torch.int8 and w.dtype == torch.int8,
+             f"npu_grouped_matmul: quantized x and weight must be int8, got {rows.dtype}, {w.dtype} [gmm]")
+    # [usage] INT8 experts go to the op as npu_format_cast made them: [E, k, n], contiguous, FRACTAL_NZ. The
+    # documentation also lists ND weights; the double holds the code to the form vllm-ascend runs.
+    _require(npu_format(w) == ACL_FORMAT_FRACTAL_NZ,
+             "npu_grouped_matmul: INT8 expert weights must be the FRACTAL_NZ tensor npu_format_cast returned "
+             "(not ND, not a view of it) [usage]")
+    # [gmm] dtype table, per-token quantization: scale bfloat16 -> bfloat16 out, scale float32 -> float16 out;
+    # per_token_scale float32 1-D [m]. The int32-output form is listed only under tuning_config: not modelled.
+    allowed = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
+    _require(output_dtype in allowed and scale is not None and per_token_scale is not None,
+             f"npu_grouped_matmul: int8 x with output_dtype {output_dtype}, scale and per_token_scale "
+             f"{'given' if scale is not None and per_token_scale is not None else 'missing'} is not a per-token "
+             "form of the dtype table [gmm]")
+    (w_scale,), (t_scale,) = scale, per_token_scale
+    _require(w_scale.dtype == allowed[output_dtype] and tuple(w_scale.shape) == (groups, n),
+             f"npu_grouped_matmul: scale must be {allowed[output_dtype]} [{groups}, {n}] for {output_dtype} output, "
+             f"got {w_scale.dtype} {tuple(w_scale.shape)} [gmm] [usage]")
+    _require(t_scale.dtype == torch.float32 and tuple(t_scale.shape) == (m,),
+             f"npu_grouped_matmul: per_token_scale must be float32 ({m},), got {t_scale.dtype} "
+             f"{tuple(t_scale.shape)} [gmm]")
+    acc = _grouped(rows, w, ends, torch.int32).to(torch.float32)
+    row_group = torch.repeat_interleave(torch.arange(groups), torch.tensor(ends).diff(prepend=torch.tensor([0])))
+    # kernels.linear's dequantization order: (sums x per-token scale) x channel scale, in float32
+    return [(acc * t_scale[:, None] * w_scale.to(torch.float32)[row_group]).to(output_dtype)]
+
+
+def _grouped(rows, w, ends, out_dtype):
+    out, start = torch.empty(rows.shape[0], w.shape[2], dtype=out_dtype), 0
+    for g, end in enumerate(ends):
+        if end > start:
+            if out_dtype == torch.int32:
+                out[start:end] = rows[start:end].to(torch.int32) @ w[g].to(torch.int32)  # exact sums
+            else:
+                out[start:end] = rows[start:end] @ w[g]
+        start = end
+    return out
+
+
+def _grouped_matmul_list(x, weight, **kwargs):
+    _count("npu_grouped_matmul")
+    raise ContractError("npu_grouped_matmul: group_list as a list of ints takes no per_token_scale and only int64 "
+                        "scales; the runner passes it as a Tensor [gmm]")
+
+
+def _format_cast(self, acl_format, *, customize_dtype=None, input_dtype=None):
+    _count("npu_format_cast")
+    if customize_dtype is not None or input_dtype is not None or acl_format not in (ACL_FORMAT_ND,
+                                                                                  ACL_FORMAT_FRACTAL_NZ):
+        raise NotImplementedError("the double models casts to ND and FRACTAL_NZ only")
+    _require(_dense(self), f"npu_format_cast: cast a contiguous tensor, got strides {self.stride()} [usage]")
+    _require(self.numel() > 0, "npu_format_cast: empty tensor [assumed]")
+    out = self.clone()  # the values, held ND on CPU: the format is bookkeeping
+    setattr(out, FORMAT_ATTRIBUTE, acl_format)
+    return out
+
+
+MODELLED = {"npu_dynamic_quant": _dynamic_quant, "npu_quant_matmul": _quant_matmul,
+            "npu_grouped_matmul": _grouped_matmul, "npu_grouped_matmul.List": _grouped_matmul_list,
+            "npu_format_cast": _format_cast}
+
+
+@cache
+def _kernels() -> None:
+    """Every torch_npu op gets a CPU kernel once per process: the modelled ones theirs, the others a refusal
+    (after the dispatcher has bound the call)."""
+    schemas = registered()
+    for name in schemas.defined:
+        kernel = MODELLED.get(name)
+        if kernel is None:
+            def kernel(*args, _name=name, **kwargs):
+                raise NotImplementedError(f"the contract double does not model torch_npu.{_name}")
+        schemas.implement(name, kernel)
 
 
 # --- --kv-cache-dtype int8 on an NPU -------------------------------------------------------------------------------

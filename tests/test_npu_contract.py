@@ -1,9 +1,13 @@
 """The NPU path (kernels.device dispatch) against the torch_npu contract double (tests/npu_double.py) on CPU: every
 call it makes must be one the real API documents as accepted, and its tokens must equal the CPU path's."""
 
+import inspect
 import json
+import re
+import shutil
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +17,30 @@ from dsconv.comm.launch import TORCHRUN_ENV, launch
 from dsconv.errors import InputError
 from dsconv.kernels.device import reset_npu_path
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
-from dsconv.kernels.moe import grouped_mlp, token_mlp
+from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp, token_mlp
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.worker import build_model
 from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
-from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, random_experts, run_ranks, shard
-from tests.npu_double import CALLS_NAME, INT8_CACHE_NPU_OPS, SYNCS_NAME, ContractError, TorchNpuDouble, forbid_cpu_int8_path, install, keep_cpu_attention
+from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, run_ranks, shard
+from tests.npu_double import (CALLS_NAME, INT8_CACHE_NPU_OPS, MODELLED, SYNCS_NAME, ContractError, TorchNpuDouble,
+                              forbid_cpu_int8_path, install, keep_cpu_attention)
+from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered
+
+PACKAGE = Path(__file__).resolve().parent.parent
 
 HIDDEN, INTER = 48, 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def torch_npu_schemas():
+    """The double binds every call against torch_npu's own schemas, fetched from its wheel once into the dsconv
+    cache: without them there is nothing to check against, and the module says so in one line."""
+    try:
+        return registered()
+    except SchemasUnavailable as e:
+        pytest.skip(f"torch_npu {TORCH_NPU_VERSION}'s schemas are unavailable: {e}")
 
 
 @pytest.fixture
@@ -45,8 +63,56 @@ def on_npu(monkeypatch):
     return installed
 
 
+def _expert_tensors(n_experts, seed, int8=True):
+    """Stacked random experts' (w13, w2[, w13_scale, w2_scale]): BF16, or INT8 with channel scales that BF16
+    holds exactly, so the NPU form's BF16 scales (kernels.moe.NpuExperts) are the CPU path's values."""
+    gen = torch.Generator().manual_seed(seed)
+    if not int8:
+        return (torch.randn(n_experts, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
+                torch.randn(n_experts, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
+    w13, s13 = zip(*(quantized_weight(2 * INTER, HIDDEN, gen) for _ in range(n_experts)))
+    w2, s2 = zip(*(quantized_weight(HIDDEN, INTER, gen) for _ in range(n_experts)))
+    return torch.stack(w13), torch.stack(w2), bf16_exact(torch.stack(s13)), bf16_exact(torch.stack(s2))
+
+
+def bf16_exact(scale: torch.Tensor) -> torch.Tensor:
+    return scale.to(torch.bfloat16).to(torch.float32)
+
+
 def _experts(n_experts, seed, int8=True):
-    return random_experts(n_experts, HIDDEN, INTER, seed, int8)
+    """ExpertWeights built where they are called: on the CPU path, or, inside on_npu, in the device's form."""
+    return ExpertWeights(*_expert_tensors(n_experts, seed, int8))
+
+
+@pytest.fixture(scope="module")
+def npu_source(w8a8_source, tmp_path_factory):
+    """npu_source(family): the family's W8A8 checkpoint with its routed experts' channel scales rounded to values
+    BF16 holds exactly. The NPU form takes those scales in BF16 (kernels.moe.NpuExperts), the CPU path in
+    float32: with these values both compute the same numbers, so their tokens compare exactly."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            source, out = w8a8_source(family), tmp_path_factory.mktemp(f"{family}-npu") / "w8a8"
+            shutil.copytree(source, out)
+            rounded = 0
+            for path in out.glob("*.safetensors"):
+                with safe_open(path, "pt") as f:
+                    metadata = f.metadata()
+                tensors = load_file(path)
+                for name, tensor in tensors.items():
+                    if ".experts." in name and name.endswith("weight_scale"):
+                        tensors[name] = bf16_exact(tensor)
+                        rounded += 1
+                save_file(tensors, path, metadata=metadata)
+            assert rounded, f"no routed expert scales found in {source}"
+            built[family] = out
+        return built[family]
+
+    return build
 
 
 # --- the double refuses what the real API refuses ----------------------------------------------------------------
@@ -71,27 +137,99 @@ def test_double_rejects_float32_quantize_input_and_float32_output():
     x_q, x_scale = double.npu_dynamic_quant(torch.randn(2, 16).to(torch.bfloat16))
     with pytest.raises(ContractError, match="output_dtype"):
         double.npu_quant_matmul(x_q, w.T, s.view(-1), pertoken_scale=x_scale, output_dtype=torch.float32)
-    with pytest.raises(TypeError):  # pertoken_scale is keyword-only in the schema
+    with pytest.raises(RuntimeError, match="takes 3 positional"):  # pertoken_scale is keyword-only in the schema
         double.npu_quant_matmul(x_q, w.T, s.view(-1), None, x_scale)
 
 
 def test_double_rejects_wrong_group_list_type_and_form():
-    double, experts = TorchNpuDouble(), _experts(2, seed=1)
-    x_q = torch.ones(5, HIDDEN, dtype=torch.int8)
-    call = dict(split_item=2, group_type=0, output_dtype=torch.int32)
-    weight = [experts.w13.transpose(1, 2)]
-    with pytest.raises(ContractError, match="group_list is a list"):
-        double.npu_grouped_matmul([x_q], weight, group_list=[2, 5], group_list_type=0, **call)
+    double = TorchNpuDouble()
+    w13 = _expert_tensors(2, seed=1)[0]  # [2, 2I, H]
+    x_q, x_scale = double.npu_dynamic_quant(torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+                                            .to(torch.bfloat16))
+    nz = double.npu_format_cast(w13.transpose(1, 2).contiguous(), ACL_FORMAT_FRACTAL_NZ)  # [2, H, 2I]
+    scale = torch.ones(2, 2 * INTER, dtype=torch.bfloat16)
+    call = dict(split_item=2, group_type=0, scale=[scale], per_token_scale=[x_scale], output_dtype=torch.bfloat16)
+    with pytest.raises(ContractError, match="list of ints"):
+        double.npu_grouped_matmul([x_q], [nz], group_list=[2, 5], group_list_type=0, **call)
     with pytest.raises(ContractError, match="int64"):
-        double.npu_grouped_matmul([x_q], weight, group_list=torch.tensor([2, 5], dtype=torch.int32), **call)
+        double.npu_grouped_matmul([x_q], [nz], group_list=torch.tensor([2, 5], dtype=torch.int32), **call)
     with pytest.raises(ContractError, match="non-decreasing cumulative"):
-        double.npu_grouped_matmul([x_q], weight, group_list=torch.tensor([2, 3]), group_list_type=0, **call)
-    one = _experts(1, seed=1)
+        double.npu_grouped_matmul([x_q], [nz], group_list=torch.tensor([2, 3]), group_list_type=0, **call)
+    with pytest.raises(ContractError, match="FRACTAL_NZ"):  # ND, or a view of the NZ tensor
+        double.npu_grouped_matmul([x_q], [w13.transpose(1, 2).contiguous()], group_list=torch.tensor([2, 5]), **call)
+    with pytest.raises(ContractError, match="FRACTAL_NZ"):
+        double.npu_grouped_matmul([x_q], [nz[:, :, :]], group_list=torch.tensor([2, 5]), **call)
+    with pytest.raises(ContractError, match="scale must be torch.bfloat16"):  # float32 scales give float16 out
+        double.npu_grouped_matmul([x_q], [nz], group_list=torch.tensor([2, 5]),
+                                  **{**call, "scale": [scale.float()]})
+    with pytest.raises(ContractError, match="per-token form"):  # int32 out: listed only under tuning_config
+        double.npu_grouped_matmul([x_q], [nz], group_list=torch.tensor([2, 5]), split_item=2, group_type=0,
+                                  output_dtype=torch.int32)
+    one = double.npu_format_cast(w13[:1].transpose(1, 2).contiguous(), ACL_FORMAT_FRACTAL_NZ)
     with pytest.raises(ContractError, match="one-entry"):
-        double.npu_grouped_matmul([x_q], [one.w13.transpose(1, 2)], group_list=torch.tensor([5]), group_list_type=1,
-                                  **call)
-    (y,) = double.npu_grouped_matmul([x_q], weight, group_list=torch.tensor([2, 5]), group_list_type=0, **call)
-    assert y.dtype == torch.int32 and y.shape == (5, 2 * INTER)
+        double.npu_grouped_matmul([x_q], [one], group_list=torch.tensor([5]), group_list_type=1,
+                                  **{**call, "scale": [scale[:1]]})
+    (y,) = double.npu_grouped_matmul([x_q], [nz], group_list=torch.tensor([2, 5]), group_list_type=0, **call)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 2 * INTER)
+
+
+def test_double_refuses_an_all_zero_row_and_an_empty_or_strided_x():
+    double = TorchNpuDouble()
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with pytest.raises(ContractError, match="all-zero row"):
+        double.npu_dynamic_quant(torch.cat([x, torch.zeros(1, HIDDEN, dtype=torch.bfloat16)]))
+    with pytest.raises(ContractError, match="empty"):
+        double.npu_dynamic_quant(x[:0])
+    with pytest.raises(ContractError, match="contiguous"):
+        double.npu_dynamic_quant(x[:1].expand(4, -1))
+    q, scale = double.npu_dynamic_quant(x)
+    want_q, want_scale = quantize_activations(x)  # the CPU path's formula: the same values where no row is zero
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale.view(-1))
+
+
+# --- torch_npu's own schemas -------------------------------------------------------------------------------------
+def torch_npu_calls() -> set[str]:
+    """Every torch_npu op the package's code calls, read from its source: `torch_npu.<op>(` where a module bound
+    the name torch_npu, and `require_torch_npu().<op>(`."""
+    calls = set()
+    for path in PACKAGE.glob("*/**/*.py"):
+        if path.parts[len(PACKAGE.parts)] in ("tests", "scripts", ".venv") or ".venv" in path.parts:
+            continue
+        calls |= set(re.findall(r"(?:\btorch_npu|require_torch_npu\(\))\.(npu_\w+)\(", path.read_text()))
+    return calls
+
+
+def test_every_torch_npu_call_binds_to_the_real_schema(torch_npu_schemas):
+    schemas = torch_npu_schemas
+    assert len(schemas.defined) > 1400  # the schema file's entries that CPU torch defines (1,453 of 1,488)
+    called = torch_npu_calls()
+    assert {"npu_dynamic_quant", "npu_quant_matmul", "npu_grouped_matmul", "npu_format_cast"} <= called
+    assert called <= set(schemas.defined), called - set(schemas.defined)
+    assert called <= set(MODELLED)  # each one runs through a modelled kernel in the tests below
+    # the double's kernels take exactly the schema's arguments, keyword-only where the schema says so
+    for name, kernel in MODELLED.items():
+        schema = torch._C.parse_schema(f"npu::{schemas.schema(name)}")
+        params = inspect.signature(kernel).parameters
+        if name.endswith(".List"):
+            continue  # a refusal taking whatever the overload binds
+        assert [a.name for a in schema.arguments] == list(params), name
+        assert [a.kwarg_only for a in schema.arguments] == [
+            p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values()], name
+
+
+def test_the_dispatcher_binds_calls_against_the_schema():
+    double = TorchNpuDouble()
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="missing value for argument 'input'"):  # the schema names it `input`
+        double.npu_dynamic_quant(x=x)
+    x_q, x_scale = double.npu_dynamic_quant(x)
+    w, s = quantized_weight(8, HIDDEN, torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match="takes 3 positional"):  # pertoken_scale is keyword-only
+        double.npu_quant_matmul(x_q, w.T, s.view(-1), None, x_scale)
+    with pytest.raises(AttributeError, match="has no op"):
+        double.npu_grouped_matmul_v9
+    with pytest.raises(NotImplementedError, match="does not model torch_npu.npu_swiglu"):
+        double.npu_swiglu(x)  # a real op, bound, but not modelled
 
 
 # --- kernels through the NPU branch ------------------------------------------------------------------------------
@@ -128,9 +266,11 @@ def test_grouped_mlp_one_grouped_call_per_projection(counts, prequantized, on_np
     x_q, x_scale = quantize_activations(x) if prequantized else (x, None)
     want = grouped_mlp(x_q, torch.tensor(counts), experts, x_scale, out_dtype, limit=7.0)
     with on_npu() as double:
+        experts = _experts(len(counts), seed=len(counts))  # cast to FRACTAL_NZ with BF16 scales
         x_q, x_scale = quantize_activations(x) if prequantized else (x, None)
         got = grouped_mlp(x_q, torch.tensor(counts), experts, x_scale, out_dtype, limit=7.0)
     assert torch.equal(got, want)
+    assert double.calls["npu_format_cast"] == 2  # w13 and w2, once at load
     assert double.calls["npu_grouped_matmul"] == (2 if sum(counts) else 0)  # gate_up and down, all experts
 
 
@@ -139,6 +279,7 @@ def test_grouped_float_experts_and_token_mlp(on_npu):
     x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     want, want_token = grouped_mlp(x, [1, 0, 3], experts), token_mlp(x[:1], [2, 0], int8_experts)
     with on_npu() as double:
+        int8_experts = _experts(3, seed=9)
         got, token = grouped_mlp(x, [1, 0, 3], experts), token_mlp(x[:1], [2, 0], int8_experts)
     assert torch.equal(got, want) and torch.equal(token, want_token)
     assert double.calls["npu_grouped_matmul"] == 4
@@ -146,40 +287,46 @@ def test_grouped_float_experts_and_token_mlp(on_npu):
 
 # --- whole models ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
-def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, w8a8_source, tmp_path, on_npu, monkeypatch):
+def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, npu_source, tmp_path, on_npu, monkeypatch):
     shards = tmp_path / "w1"
-    shard(w8a8_source(family), shards, Layout(1, 1, 1, 1))
+    shard(npu_source(family), shards, Layout(1, 1, 1, 1))
     manifest = load_manifest(shards)
     model, _, new_cache = build_model(shards, manifest, 0, Dist(), torch.bfloat16)
     want = greedy(model, new_cache(256), PROMPTS, NEW_TOKENS, eos_id=None)
     model32, _, new_cache32 = build_model(shards, manifest, 0, Dist(), torch.float32)
-    with on_npu() as double:
-        got = greedy(model, new_cache(256), PROMPTS, NEW_TOKENS, eos_id=None)
-        # --dtype float32 on NPU runs through the BF16 route (the double refuses float32 INT8 inputs)
-        tokens32, logits32 = greedy_logits(model32, new_cache32(256))
     with monkeypatch.context() as patch:
         bfloat16_route_on_cpu(patch.setattr)
         want32, want_logits32 = greedy_logits(model32, new_cache32(256))
+    with on_npu() as double:  # models loaded with the double installed: experts in the device's form
+        model, _, new_cache = build_model(shards, manifest, 0, Dist(), torch.bfloat16)
+        got = greedy(model, new_cache(256), PROMPTS, NEW_TOKENS, eos_id=None)
+        # --dtype float32 on NPU runs through the BF16 route (the double refuses float32 INT8 inputs)
+        model32, _, new_cache32 = build_model(shards, manifest, 0, Dist(), torch.float32)
+        tokens32, logits32 = greedy_logits(model32, new_cache32(256))
     assert got == want
     assert tokens32 == want32
     # Float projections of 2 to 16 rows (kernels.linear.linear_t) and a lone decode token's expert sum
-    # (runner.moe.expert_parallel) take other GEMM forms on the NPU branches, so their sums round otherwise: the
-    # logits agree to float32 rounding (1.4e-6 at most, measured), where the plain float32 CPU path's are 3e-2 or
-    # more away from the first step on.
+    # (runner.moe.expert_parallel) take other GEMM forms on the NPU branches, so their sums round otherwise (by
+    # float32 rounding), and the experts' outputs are BF16 on both sides: a float32-rounding difference that
+    # moves one of them across a BF16 rounding boundary changes it by 2^-8 of its value. The logits agree within
+    # 1e-2 (at most 3.8e-3 measured, V4 step 4; V3.2 within 3e-6), where the plain float32 CPU path's are
+    # 3e-2 or more away from the first step on.
     for step, (got_step, want_step) in enumerate(zip(logits32, want_logits32, strict=True)):
-        torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-2, msg=lambda m: f"step {step}: {m}")
     assert double.calls["npu_quant_matmul"] > 0 and double.calls["npu_grouped_matmul"] > 0
+    assert double.calls["npu_format_cast"] > 0
 
 
-def test_int8_kv_cache_through_the_double(w8a8_source, tmp_path, on_npu):
+def test_int8_kv_cache_through_the_double(npu_source, tmp_path, on_npu):
     """--kv-cache-dtype int8 on the NPU branches: entries and indexer queries quantized by npu_dynamic_quant (BF16
     in, as documented), the rest device-generic torch ops; BF16 compute, so what it quantizes is what the CPU path
     quantizes, and the tokens are the CPU path's."""
     shards = tmp_path / "w1"
-    shard(w8a8_source("deepseek_v32"), shards, Layout(1, 1, 1, 1))
+    shard(npu_source("deepseek_v32"), shards, Layout(1, 1, 1, 1))
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.bfloat16)
     want = greedy(model, new_cache(256, "int8"), PROMPTS, NEW_TOKENS, eos_id=None)
     with on_npu() as double:
+        model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.bfloat16)
         baseline = dict(double.calls)
         got = greedy(model, new_cache(256, "int8"), PROMPTS, NEW_TOKENS, eos_id=None)
     assert got == want
@@ -205,9 +352,9 @@ def greedy_logits(model, cache):
 
 
 def bfloat16_route_on_cpu(set_attribute) -> None:
-    """The CPU path computing what kernels.linear promises for float32 on NPU: W8A8 activations quantized from
-    BF16, W8A8 projections' products returned in BF16 and widened; the grouped experts' int32 sums are
-    dequantized in float32 as on the CPU (kernels.moe). set_attribute: e.g. monkeypatch.setattr."""
+    """The CPU path computing what the NPU branches promise for float32: W8A8 activations quantized from BF16,
+    W8A8 projections' products (kernels.linear and the grouped experts of kernels.moe) returned in BF16 and
+    widened. set_attribute: e.g. monkeypatch.setattr."""
     import dsconv.kernels.moe as kernels_moe
     import dsconv.runner.models.layers as layers
     import dsconv.runner.models.moe as runner_moe
@@ -218,6 +365,8 @@ def bfloat16_route_on_cpu(set_attribute) -> None:
                   lambda x, w, s, out_dtype: project(x.to(bf16), w, s, out_dtype=bf16).to(out_dtype))
     set_attribute(layers, "w8a8_linear_quantized",
                   lambda x_q, x_scale, w, s, out_dtype: project_quantized(x_q, x_scale, w, s, bf16).to(out_dtype))
+    set_attribute(kernels_moe, "w8a8_linear_quantized",
+                  lambda x_q, x_scale, w, s, out_dtype: project_quantized(x_q, x_scale, w, s, bf16).to(out_dtype))
     for module in (kernels_moe, runner_moe):
         set_attribute(module, "quantize_activations",
                       lambda x, quantize=module.quantize_activations: quantize(x.to(bf16)))
@@ -225,11 +374,11 @@ def bfloat16_route_on_cpu(set_attribute) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
-def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, w8a8_source, tmp_path):
+def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source, tmp_path):
     """One prompt on DP16 / EP16: 15 ranks have no rows in every step, yet enter every collective and expert
     group. Every rank runs the double with the CPU INT8 kernels refused."""
     shards = tmp_path / "w16"
-    shard(w8a8_source(family), shards, Layout(16, 16, 16, 1))
+    shard(npu_source(family), shards, Layout(16, 16, 16, 1))
     prompts = [PROMPTS[1]]
     want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
@@ -251,12 +400,12 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, w8a8_sourc
 
 
 @pytest.mark.slow
-def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(w8a8_source, tmp_path):
+def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(npu_source, tmp_path):
     """V3.2 at attention DP2 x TP8: the 8 ranks of a group each route a share of the group's rows through the
     MoE. A share padded with zero rows would reach npu_dynamic_quant, whose documented formula divides 0 by 0
     for an all-zero row (the double refuses it): the shares are unpadded, and the tokens are the CPU path's."""
     shards = tmp_path / "dp2tp8"
-    shard(w8a8_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
+    shard(npu_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
     prompts = [PROMPTS[1], PROMPTS[2]]  # 37 and 20 rows: shares of 5 and 3, the last ones shorter or empty
     want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
