@@ -20,7 +20,12 @@ _torch_npu: ModuleType | None = None  # the module those branches call; None: im
 
 
 def is_npu(tensor: torch.Tensor) -> bool:
-    return tensor.device.type in _npu_types
+    return takes_npu_path(tensor.device)
+
+
+def takes_npu_path(device: torch.device) -> bool:
+    """Whether tensors on `device` take the NPU branches (an NPU, or the device a test routed there)."""
+    return device.type in _npu_types
 
 
 def route_to_npu_path(device_type: str, torch_npu: ModuleType) -> None:

@@ -418,6 +418,40 @@ class SyncCounter:
         worker.Worker.execute = counted_step
 
 
+ZEROS_NAME = "zero_size_ops_rank{rank}.json"
+
+
+class ZeroSizeWatch:
+    """Records, over every engine step's Worker.execute on this rank, each aten or torch_npu op that received a
+    zero-size tensor: {op: calls}. Under the double every tensor stands for a device tensor."""
+
+    def __init__(self):
+        self.ops: Counter = Counter()
+
+    def install(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        from dsconv.runner.engine import worker
+
+        ops = self.ops
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tree_leaves((args, kwargs))):
+                    ops[str(func.overloadpacket)] += 1
+                return func(*args, **kwargs)
+
+        execute = worker.Worker.execute
+
+        def watched_step(worker_self, batch):
+            with Watch():
+                return execute(worker_self, batch)
+
+        worker.Worker.execute = watched_step
+
+
 def rank_main(**kwargs) -> None:
     """comm.launch entry: the double installed in this rank, then dsrun's rank_main; the op counts go to
     result_dir/npu_calls_rank{R}.json."""
@@ -430,7 +464,10 @@ def rank_main(**kwargs) -> None:
     keep_cpu_attention()
     syncs = SyncCounter()
     syncs.install()
+    zeros = ZeroSizeWatch()
+    zeros.install()
     engine_rank_main(**kwargs)
     rank = dist.get_rank() if dist.is_initialized() else 0
     (Path(kwargs["result_dir"]) / CALLS_NAME.format(rank=rank)).write_text(json.dumps(dict(double.calls)))
     (Path(kwargs["result_dir"]) / SYNCS_NAME.format(rank=rank)).write_text(json.dumps(syncs.steps))
+    (Path(kwargs["result_dir"]) / ZEROS_NAME.format(rank=rank)).write_text(json.dumps(dict(zeros.ops)))

@@ -13,7 +13,7 @@ from dsconv.kernels.device import flush_denormals
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, StepMeta
 from dsconv.runner.models.registry import model_for
@@ -72,6 +72,7 @@ class StepInputs:
     tokens: torch.Tensor  # [T] int64: the batch's input ids
     meta: StepMeta  # positions, slots, each sequence's context
     rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
+    dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
 
 
 def prepare_inputs(cache, batch: Batch) -> StepInputs:
@@ -84,6 +85,11 @@ def prepare_inputs(cache, batch: Batch) -> StepInputs:
         cache.fork(fork)
     for seq_id in batch.releases:
         cache.release(seq_id)
+    dummy = cache.dummy_batch() if batch.num_tokens == 0 and batch.cp is None else None
+    if dummy is not None:  # an idle rank on an accelerator: one throwaway token, its logits computed and dropped
+        meta = cache.prepare_meta(dummy)
+        return StepInputs(torch.tensor(dummy.input_ids, dtype=torch.long, device=meta.positions.device), meta,
+                          None, dummy=True)
     meta = cache.prepare_meta(batch)
     device = meta.positions.device
     rows = batch.logit_rows()
@@ -110,6 +116,9 @@ class Worker:
                 self.grammars.release(seq_id)
         self.dist.steps += 1
         logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
+        if inputs.dummy:
+            self.cache.release(DUMMY_SEQ_ID)
+            return [] if self.reports else None
         if not self.reports:
             return None
         return step_results(batch.for_sampler(), logits, self.grammars)

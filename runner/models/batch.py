@@ -16,6 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# An idle attention-DP rank on an accelerator runs a throwaway one-token sequence in each step instead of zero rows
+# (runner/engine/worker.py, prepare_inputs), as vllm-ascend's idle ranks run a dummy batch: no device kernel sees
+# a zero-size tensor there. Its id is no request's (the scheduler numbers sequences from 0), its token any id of
+# the vocabulary.
+DUMMY_SEQ_ID = -1
+DUMMY_TOKEN = 0
+
 
 @dataclass(frozen=True)
 class SampleSpec:
@@ -204,3 +211,10 @@ def slots(block_table: list[int], block_size: int, start: int, stop: int) -> lis
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"invalid step batch: {message}")
+
+
+def dummy_batch(block: int, block_size: int) -> Batch:
+    """The throwaway sequence's step: DUMMY_TOKEN at position 0, its entry in `block`, nothing sampled."""
+    batch = Batch()
+    batch.add(DUMMY_SEQ_ID, [DUMMY_TOKEN], 1, [block], block_size, None, None)
+    return batch

@@ -27,8 +27,8 @@ import torch
 from dsconv.family.arch import CacheField
 from dsconv.kernels.attention import causal_mask
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
-from dsconv.kernels.device import cast
-from dsconv.runner.models.batch import Batch, CPShare, Fork, cp_positions, slots
+from dsconv.kernels.device import cast, takes_npu_path
+from dsconv.runner.models.batch import Batch, CPShare, Fork, cp_positions, dummy_batch, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
 # The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
@@ -143,7 +143,10 @@ class LatentCache:
         reads); rest_dtype: an INT8 field's unquantized part (default: dtype)."""
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         self.fields, self.dtype, self.rest_dtype, self.layers = fields, dtype, rest_dtype, layers
-        slots_total = num_blocks * block_size
+        # on an accelerator an idle rank's throwaway token (batch.DUMMY_SEQ_ID) writes into one block past the
+        # pool's, which no sequence is ever given
+        self.dummy_block = num_blocks if takes_npu_path(self.device) else None
+        slots_total = (num_blocks + (self.dummy_block is not None)) * block_size
 
         def zeros(dim: int, part_dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(layers, slots_total, dim, dtype=part_dtype, device=self.device)
@@ -321,6 +324,11 @@ class LatentCache:
         target_slots = (target[:, None] * self.block_size + offsets).flatten()
         for stored in self.data.values():
             stored.index_copy_(1, target_slots, stored.index_select(1, source_slots))
+
+    def dummy_batch(self) -> Batch | None:
+        """An idle rank's step on this device: the throwaway token in its own block, or None where a step of zero
+        rows is fine (CPU)."""
+        return None if self.dummy_block is None else dummy_batch(self.dummy_block, self.block_size)
 
     def release(self, seq_id: int) -> None:
         """Forgets a finished (or preempted) sequence; its blocks are the pool's to reuse."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
-from dsconv.runner.models.batch import Batch, Fork
+from dsconv.kernels.device import takes_npu_path
+from dsconv.runner.models.batch import Batch, Fork, dummy_batch
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat
 
 
@@ -126,6 +127,11 @@ class V4Cache:
         """A forked sequence continues from a copy of its parent's state (the blocks are only the pool's count)."""
         self.states[fork.child] = [state.copy() for state in self.states[fork.parent]]
         self.lengths[fork.child] = self.lengths[fork.parent]
+
+    def dummy_batch(self) -> Batch | None:
+        """An idle rank's step on this device: the throwaway token with a fresh state, or None where a step of
+        zero rows is fine (CPU). Its block is only the pool's count: the state holds no blocks."""
+        return dummy_batch(0, BLOCK_SIZE) if takes_npu_path(self.device) else None
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
