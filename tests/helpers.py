@@ -114,6 +114,30 @@ def random_experts(n_experts, hidden, inter, seed, int8=True) -> ExpertWeights:
     return ExpertWeights(torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
 
 
+def expert_scales_to_bf16(source, out) -> int:
+    """A copy of the W8A8 checkpoint `source` at `out` whose routed experts' channel scales are rounded to values
+    BF16 holds exactly (still float32): what the NPU's grouped experts compute with (kernels.moe.NpuExperts).
+    Returns how many scale tensors it rounded; none is an error."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    rounded = 0
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if ".experts." in name and name.endswith("weight_scale"):
+                tensors[name] = tensor.to(torch.bfloat16).to(torch.float32)
+                rounded += 1
+        save_file(tensors, path, metadata=metadata)
+    if not rounded:
+        raise ValueError(f"no routed expert scales in {source}")
+    return rounded
+
+
 def cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 

@@ -306,14 +306,15 @@ def _kernels() -> None:
 # The runner's INT8 cache path is torch ops on the cache's device (no host reads; tests/test_cache_int8.py runs it on
 # the meta device) plus one torch_npu op, npu_dynamic_quant (modelled above), which quantizes the entries and the
 # indexer's queries. What a real NPU build would call for each step, with the constraints their documentation gives
-# (op-plugin master docs/zh/custom_APIs/torch_npu/, schemas in op_plugin/config/op_plugin_functions.yaml; vllm-ascend
-# 182b75ea's sfa_v1.py; CANN's cann-recipes-infer deepseek_v3_2_exp). Not modelled by this double: the runner does
-# not call them, so nothing here runs them.
+# (op-plugin docs/zh/custom_APIs/torch_npu/; vllm-ascend 182b75ea's sfa_v1.py; CANN's cann-recipes-infer
+# deepseek_v3_2_exp). Each signature is written with torch_npu 2.14.0's own argument names, which
+# test_npu_contract checks against its schema file ("..." leaves arguments out). Not modelled by this double: the
+# runner does not call them, so nothing here runs them.
 INT8_CACHE_NPU_OPS = {
-    "store": ("npu_scatter_nd_update_(input, indices, updates)",
+    "store": ("npu_scatter_nd_update_(self, indices, updates)",
               "int8 supported on Atlas A2/A3; indices at least 2-D. vllm-ascend writes its LI C8 keys with it. "
               "dsrun stores with index_copy_ (one torch op, no host read)."),
-    "quantize per token": ("npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)",
+    "quantize per token": ("npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode='pertoken')",
                            "x float16/bfloat16, more than one dimension; scale = rowmax(|x|) / 127, float32, x's "
                            "shape without the last dim. dsrun calls it (kernels.linear.quantize_activations)."),
     "quantize per 128-value tile": ("npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode='rint', dst_type=1, "
@@ -331,10 +332,13 @@ INT8_CACHE_NPU_OPS = {
                      "most 64, one key head, paged block size a multiple of 16 up to 1024 (dsrun's is 16); returns "
                      "the top-k indices itself. Keys and queries rotated by a Hadamard matrix before quantizing, as "
                      "vllm-ascend and cann-recipes-infer do and dsrun does."),
-    "C8 attention": ("npu_kv_quant_sparse_flash_attention (vllm-ascend's torch.ops._C_ascend op)",
+    "C8 attention": ("npu_kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_value, "
+                     "key_quant_mode, value_quant_mode, *, key_dequant_scale=None, value_dequant_scale=None, "
+                     "block_table=None, ..., tile_size=128, rope_head_dim=64)",
                      "key int8 on A2/A3, key_quant_mode 2 (per tile), tile_size 128, KV_D 656 only: each token one "
                      "row [512 int8 latent | 64 BF16 rope key | 4 float32 scales]; dsrun holds the same bytes in "
-                     "three tensors (kv_cache.LatentCache), which a device build would pack into that row."),
+                     "three tensors (kv_cache.LatentCache), which a device build would pack into that row. A torch_npu "
+                     "op since 2.14 (vllm-ascend 182b75ea called it as its own torch.ops._C_ascend op)."),
     "int8 x int8 -> int32 product": ("npu_quant_matmul(x1, x2, scale, *, ..., output_dtype=torch.int32)",
                                      "listed for int8 inputs with int32 output on A2/A3, a scale still required; "
                                      "dsrun's int8_scores multiplies the INT8 values as float32 (exact for a "

@@ -4,7 +4,6 @@ call it makes must be one the real API documents as accepted, and its tokens mus
 import inspect
 import json
 import re
-import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,7 @@ from dsconv.runner.engine.worker import build_model
 from dsconv.runner.engine.offline import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
-from tests.helpers import NEW_TOKENS, PROMPTS, quantized_weight, run_ranks, shard
+from tests.helpers import NEW_TOKENS, PROMPTS, expert_scales_to_bf16, quantized_weight, run_ranks, shard
 from tests.npu_double import (CALLS_NAME, INT8_CACHE_NPU_OPS, MODELLED, SYNCS_NAME, ZEROS_NAME, ContractError, TorchNpuDouble,
                               forbid_cpu_int8_path, install, keep_cpu_attention)
 from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered
@@ -89,27 +88,12 @@ def npu_source(w8a8_source, tmp_path_factory):
     """npu_source(family): the family's W8A8 checkpoint with its routed experts' channel scales rounded to values
     BF16 holds exactly. The NPU form takes those scales in BF16 (kernels.moe.NpuExperts), the CPU path in
     float32: with these values both compute the same numbers, so their tokens compare exactly."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     built: dict[str, Path] = {}
 
     def build(family: str) -> Path:
         if family not in built:
-            source, out = w8a8_source(family), tmp_path_factory.mktemp(f"{family}-npu") / "w8a8"
-            shutil.copytree(source, out)
-            rounded = 0
-            for path in out.glob("*.safetensors"):
-                with safe_open(path, "pt") as f:
-                    metadata = f.metadata()
-                tensors = load_file(path)
-                for name, tensor in tensors.items():
-                    if ".experts." in name and name.endswith("weight_scale"):
-                        tensors[name] = bf16_exact(tensor)
-                        rounded += 1
-                save_file(tensors, path, metadata=metadata)
-            assert rounded, f"no routed expert scales found in {source}"
-            built[family] = out
+            built[family] = tmp_path_factory.mktemp(f"{family}-npu") / "w8a8"
+            expert_scales_to_bf16(w8a8_source(family), built[family])
         return built[family]
 
     return build
@@ -215,6 +199,20 @@ def test_every_torch_npu_call_binds_to_the_real_schema(torch_npu_schemas):
         assert [a.name for a in schema.arguments] == list(params), name
         assert [a.kwarg_only for a in schema.arguments] == [
             p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values()], name
+
+
+def test_named_device_ops_use_the_real_argument_names(torch_npu_schemas):
+    """The torch_npu ops INT8_CACHE_NPU_OPS names for the INT8 caches (not called by the runner) exist in torch_npu
+    2.14.0 with the arguments written there: positional ones in the schema's order, keyword ones keyword-only."""
+    for step, (signature, _) in INT8_CACHE_NPU_OPS.items():
+        name, args = re.fullmatch(r"(\w+)\((.*)\)", signature).groups()
+        schema = torch._C.parse_schema(f"npu::{torch_npu_schemas.schema(name)}")
+        real = {a.name: a for a in schema.arguments}
+        written = [a.strip().split("=")[0] for a in args.split(",")]
+        star = written.index("*") if "*" in written else len(written)
+        positional, keywords = written[:star], [a for a in written[star + 1:] if a != "..."]
+        assert positional == [a.name for a in schema.arguments[:len(positional)]], (step, positional)
+        assert all(a in real and real[a].kwarg_only for a in keywords), (step, keywords)
 
 
 def test_the_dispatcher_binds_calls_against_the_schema():
