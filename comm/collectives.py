@@ -68,25 +68,38 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
     # (gloo does carry int8 since torch 2.x, but not float8: "Invalid scalar type").
     row_shape = send.shape[1:]
     row_bytes = math.prod(row_shape) * send.element_size()
-    send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
     # A rank that sends or receives nothing would hand the backend an empty buffer (a null data pointer, which
     # HCCL does not document as valid): it sends itself one extra row instead, dropped on arrival. Each rank
-    # decides alone; its peers' counts are unchanged.
+    # decides alone; its peers' counts are unchanged. An empty side is never read or written (the row counts
+    # are on the host), so no kernel sees a zero-size tensor here either.
     pad = group.rank if (sum(send_counts) == 0 or sum(recv_counts) == 0) else None
     send_splits, recv_splits = list(send_counts), list(recv_counts)
+    if send.shape[0] == 0:
+        send_bytes = torch.zeros(1, row_bytes, dtype=torch.uint8, device=send.device)  # the extra row alone
+    else:
+        send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
+        if pad is not None:
+            end = sum(send_counts[:pad + 1])
+            send_bytes = _cat_rows([send_bytes[:end], send_bytes.new_zeros(1, row_bytes), send_bytes[end:]])
     if pad is not None:
-        end = sum(send_counts[:pad + 1])
-        send_bytes = torch.cat([send_bytes[:end], send_bytes.new_zeros(1, row_bytes), send_bytes[end:]])
         send_splits[pad] += 1
         recv_splits[pad] += 1
     recv_bytes = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
     dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_splits,
                            input_split_sizes=send_splits, group=group.handle)
+    if sum(recv_counts) == 0:  # only the extra row arrived
+        return torch.empty(0, *row_shape, dtype=send.dtype, device=send.device), list(recv_counts)
     if pad is not None:
         end = sum(recv_splits[:pad + 1])  # the extra row closes this rank's own part
-        recv_bytes = torch.cat([recv_bytes[:end - 1], recv_bytes[end:]])
+        recv_bytes = _cat_rows([recv_bytes[:end - 1], recv_bytes[end:]])
     recv = recv_bytes.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape)
     return recv, list(recv_counts)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of the parts that have rows (their sizes are on the host): no kernel is handed an empty one."""
+    parts = [part for part in parts if part.shape[0]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def barrier(group: Group) -> None:

@@ -425,9 +425,24 @@ class SyncCounter:
 ZEROS_NAME = "zero_size_ops_rank{rank}.json"
 
 
+def _package_caller() -> str:
+    """file:line of the innermost frame in the package's own code (the call that handed the op its tensor)."""
+    import dsconv
+
+    package = str(Path(dsconv.__file__).resolve().parent)
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = str(Path(frame.f_code.co_filename).resolve())
+        if name.startswith(package) and "/tests/" not in name and "site-packages" not in name:
+            return f"{Path(name).relative_to(package)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "outside the package"
+
+
 class ZeroSizeWatch:
     """Records, over every engine step's Worker.execute on this rank, each aten or torch_npu op that received a
-    zero-size tensor: {op: calls}. Under the double every tensor stands for a device tensor."""
+    zero-size tensor: {"op at file:line": calls}, the line being the package's call. Under the double every tensor
+    stands for a device tensor."""
 
     def __init__(self):
         self.ops: Counter = Counter()
@@ -444,7 +459,7 @@ class ZeroSizeWatch:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tree_leaves((args, kwargs))):
-                    ops[str(func.overloadpacket)] += 1
+                    ops[f"{func.overloadpacket} at {_package_caller()}"] += 1
                 return func(*args, **kwargs)
 
         execute = worker.Worker.execute

@@ -31,7 +31,8 @@ from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.kv_cache import SeqStep, StepMeta, gather_groups, lengths_mask
+from dsconv.runner.models.kv_cache import (SeqStep, StepMeta, cat_rows, gather_groups, lengths_mask, pad_rows,
+                                           rows_from)
 from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
@@ -84,13 +85,13 @@ class Compressor:
         far [n, head_dim]. The new rows join the unfinished window; each window they complete is pooled into one
         entry."""
         ratio, d = self.ratio, self.head_dim
-        kv = torch.cat([state.kv, new_kv])
-        gate = torch.cat([state.gate, new_gate])
+        kv = cat_rows([state.kv, new_kv])
+        gate = cat_rows([state.gate, new_gate])
         n = kv.shape[0] // ratio
         if n == 0:  # the window is still filling: keep the new tensors (fewer than ratio rows) as they are
             state.kv, state.gate = kv, gate
             return state.entries
-        state.kv, state.gate = kv[n * ratio:].clone(), gate[n * ratio:].clone()
+        state.kv, state.gate = rows_from(kv, n * ratio), rows_from(gate, n * ratio)
         kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
         prev_kv = prev_gate = None
         if self.overlap:  # each window after the previous one's first series (the state's, for the first)
@@ -107,8 +108,8 @@ class Compressor:
         pooled in one call."""
         done: list[CompressorState] = []
         for state, kv_row, gate_row in zip(states, new_kv, new_gate):
-            state.kv = torch.cat([state.kv, kv_row[None]])
-            state.gate = torch.cat([state.gate, gate_row[None]])
+            state.kv = cat_rows([state.kv, kv_row[None]])
+            state.gate = cat_rows([state.gate, gate_row[None]])
             if state.kv.shape[0] == self.ratio:
                 done.append(state)
         if done:
@@ -182,7 +183,7 @@ class Indexer:
         dim, counts = self.cfg.index_head_dim, [k.shape[0] for k in keys]
         if max(counts) == 0:
             return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
-        padded = pad_sequence(keys, batch_first=True).float()  # [B, n, dim]
+        padded = pad_rows(keys).float()  # [B, n, dim]
         valid = lengths_mask(counts, q.device)  # [B, n]
         scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
@@ -265,7 +266,7 @@ class Attention:
         window_len = self.cfg.sliding_window
         windows, entries = [], []
         for state, key in zip(states, kv):
-            state.window = torch.cat([state.window, key[None]])[-window_len:]  # a new tensor, <= window + 1 rows
+            state.window = cat_rows([state.window, key[None]])[-window_len:]  # a new tensor, <= window + 1 rows
             windows.append(state.window)
         if self.compressor is not None:
             entries = self.compressor.decode(*compress, [state.compressor for state in states])
@@ -273,13 +274,16 @@ class Attention:
             q_index, head_weights, index_kv, index_gate = index
             index_keys = self.indexer.compressor.decode(index_kv, index_gate, [state.indexer for state in states])
             chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
-            entries = [e[c] for e, c in zip(entries, chosen)]
+            entries = [e[c] if c.shape[0] else e for e, c in zip(entries, chosen)]  # none chosen: none held
         keys = [pad_sequence(windows, batch_first=True)]
         allowed = [lengths_mask([w.shape[0] for w in windows], q.device)]
-        if self.compressor is not None:
-            keys.append(pad_sequence(entries, batch_first=True))
+        if self.compressor is not None and any(e.shape[0] for e in entries):
+            keys.append(pad_rows(entries))
             allowed.append(lengths_mask([e.shape[0] for e in entries], q.device))
-        keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+        if len(keys) > 1:
+            keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+        else:
+            keys, allowed = keys[0], allowed[0]
         # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, zero rows padded
         return attention(q, keys, keys, self.cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
 
@@ -289,20 +293,23 @@ class Attention:
         the indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its
         compressed entries; allowed [S, K]: which of them each query sees). One-row sequences take `decode`."""
         cfg = self.cfg
-        kv = torch.cat([state.window, kv])  # the window's older keys, then the new ones
+        kv = cat_rows([state.window, kv])  # the window's older keys, then the new ones
         key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
         state.window = kv[-cfg.sliding_window:].clone()
         offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
         allowed = (offset >= 0) & (offset < cfg.sliding_window)
         if self.compressor is not None:
             entries = self.compressor(*compress, state.compressor)  # [n, head_dim]
-            # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
-            entry = torch.arange(entries.shape[0], device=positions.device)
-            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
-            if self.indexer is not None:
-                complete = self.indexer.select(*index, complete, state.indexer)
-            kv = torch.cat([kv, entries])
-            allowed = torch.cat([allowed, complete], dim=-1)
+            if entries.shape[0]:
+                # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
+                entry = torch.arange(entries.shape[0], device=positions.device)
+                complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
+                if self.indexer is not None:
+                    complete = self.indexer.select(*index, complete, state.indexer)
+                kv = torch.cat([kv, entries])
+                allowed = torch.cat([allowed, complete], dim=-1)
+            elif self.indexer is not None:  # no entry yet (nor indexer key: same ratio): its rows still pend
+                self.indexer.compressor(*index[2:], state.indexer)
         return kv, allowed
 
 

@@ -99,9 +99,9 @@ class Dist:
 
     def ep_dispatch(self, columns: list[torch.Tensor], send_counts: torch.Tensor):
         """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows
-        grouped by destination EP rank (send_counts[d] rows for rank d) -> the same columns as received, and
-        the row counts per peer as lists, (received, sent), for `ep_combine`. The columns travel packed as bytes
-        in one all-to-all."""
+        grouped by destination EP rank (send_counts[d] rows for rank d) -> the same columns as received (None
+        when no row arrived), and the row counts per peer as lists, (received, sent), for `ep_combine`. The
+        columns travel packed as bytes in one all-to-all."""
         if self.ep == 1:
             return columns, None
         widths = [_row_bytes(c) for c in columns]
@@ -110,6 +110,8 @@ class Dist:
         sent = send_counts.tolist()  # host sync: the all-to-all takes its split sizes as lists
         with self._timed():
             recv, received = all_to_all_variable(packed, sent, self.groups.ep)
+        if not sum(received):  # no rows for this rank: None, so that nothing reads an empty buffer
+            return None, (received, sent)
         # clone, not contiguous(): a one-row column slice counts as contiguous at an unaligned storage offset
         out = [part.clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(-1, *c.shape[1:])
                for part, c in zip(recv.split(widths, dim=1), columns)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dsconv.family.arch import CacheField
 from dsconv.kernels.attention import causal_mask
@@ -104,6 +105,31 @@ def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of parts along dim 0 (a new tensor), leaving out the empty ones by their sizes, which the host
+    knows: no kernel is handed a zero-size tensor, as an accelerator's idle ranks and first steps would otherwise
+    be (a state that holds nothing yet). At least one part has rows."""
+    parts = [part for part in parts if part.shape[0]]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+
+
+def rows_from(t: torch.Tensor, start: int) -> torch.Tensor:
+    """A copy of t[start:], made without a kernel on zero rows when nothing is left."""
+    if start < t.shape[0]:
+        return t[start:].clone()
+    return torch.empty(0, *t.shape[1:], dtype=t.dtype, device=t.device)
+
+
+def pad_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n_i, d] parts -> [B, max n_i, d], zero-padded (pad_sequence), at least one row wide. An empty part is
+    given a zero row instead, so no kernel sees a zero-size tensor; callers mask by the true lengths
+    (`lengths_mask`), which leaves the row out."""
+    like = parts[0]
+    return pad_sequence([part if part.shape[0] else torch.zeros(1, *like.shape[1:], dtype=like.dtype,
+                                                                 device=like.device) for part in parts],
+                        batch_first=True)
 
 
 def _range_start(ints: list[int]) -> int | None:

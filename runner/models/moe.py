@@ -34,23 +34,33 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     # activations and their per-token scales, quantized once here (what the expert itself would compute)
     columns = [*quantize_activations(rows), local_ids] if local.int8 else [rows, local_ids]
     received, exchanged = dist.ep_dispatch(columns, send_counts)
+    if received is None:  # no row for this rank's experts in this layer: only the rows' way back to take part in
+        back = dist.ep_combine(torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device), exchanged)
+    else:
+        back = dist.ep_combine(_run_local(received, local, dist, x.dtype), exchanged)
+    combined = torch.empty_like(back)
+    combined[order] = back
+    # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
+    return torch.bmm(weights[:, None], combined.view(-1, k, x.shape[1]).float())[:, 0].to(x.dtype)
+
+
+def _run_local(received: list[torch.Tensor], local: RoutedExperts, dist: Dist,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The rows that arrived for this rank's experts (columns as ep_dispatch returned them) through those experts,
+    in arrival order."""
+    per_rank = len(local.ids)
     recv_local = received[-1]
     # rows from several source ranks are regrouped by local expert; from this rank alone (EP 1) they already are
     by_expert = torch.argsort(recv_local, stable=True) if dist.ep > 1 else None
     counts = _count(recv_local, per_rank)
     inputs = received[:-1] if by_expert is None else [column[by_expert] for column in received[:-1]]
     x_scale = inputs[1] if local.int8 else None  # W8A8: the sender's per-token scales
-    grouped = local(inputs[0], counts, x_scale, x.dtype)
+    grouped = local(inputs[0], counts, x_scale, out_dtype)
     if by_expert is None:
-        out = grouped
-    else:
-        out = torch.empty_like(grouped)
-        out[by_expert] = grouped
-    back = dist.ep_combine(out, exchanged)  # rows return to their senders, in the same order
-    combined = torch.empty_like(back)
-    combined[order] = back
-    # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
-    return torch.bmm(weights[:, None], combined.view(-1, k, x.shape[1]).float())[:, 0].to(x.dtype)
+        return grouped
+    out = torch.empty_like(grouped)
+    out[by_expert] = grouped
+    return out  # rows return to their senders in this order
 
 
 def _count(values: torch.Tensor, n: int) -> torch.Tensor:

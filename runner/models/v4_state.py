@@ -24,12 +24,12 @@ import torch
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
 from dsconv.runner.models.batch import Batch, Fork, dummy_batch
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat, rows_from
 
 
 @dataclass
 class CompressorState:
-    buffer: torch.Tensor  # [capacity, dim] emitted entries (normalized and rotated) in the first `count` rows
+    buffer: torch.Tensor  # [capacity >= 1, dim] emitted entries (normalized and rotated) in the first `count` rows
     count: int
     kv: torch.Tensor  # [pending < ratio, series * dim] projected rows of the unfinished window
     gate: torch.Tensor  # [pending, series * dim] float32: their gates, slot bias `ape` added
@@ -39,7 +39,7 @@ class CompressorState:
     @classmethod
     def empty(cls, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
         width = (2 if overlap else 1) * dim
-        return cls(buffer=torch.zeros(0, dim, dtype=dtype, device=device), count=0,
+        return cls(buffer=torch.zeros(1, dim, dtype=dtype, device=device), count=0,
                    kv=torch.zeros(0, width, dtype=dtype, device=device),
                    gate=torch.zeros(0, width, dtype=torch.float32, device=device),
                    prev_kv=torch.zeros(ratio, dim, dtype=dtype, device=device) if overlap else None,
@@ -53,15 +53,16 @@ class CompressorState:
         def own(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.clone()
 
-        return CompressorState(self.entries.clone(), self.count, self.kv.clone(), self.gate.clone(),
-                               own(self.prev_kv), own(self.prev_gate))
+        return CompressorState(self.buffer[:max(self.count, 1)].clone(), self.count, rows_from(self.kv, 0),
+                               rows_from(self.gate, 0), own(self.prev_kv), own(self.prev_gate))
 
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Adds entries [n, dim] -> every entry so far. The buffer doubles when full, so appending an entry
         every `ratio` tokens copies the history O(1) times amortized, not once per entry."""
         if self.count + new.shape[0] > self.buffer.shape[0]:
             grown = self.buffer.new_empty(max(2 * self.buffer.shape[0], self.count + new.shape[0]), new.shape[1])
-            grown[:self.count] = self.entries
+            if self.count:
+                grown[:self.count] = self.entries
             self.buffer = grown
         self.buffer[self.count:self.count + new.shape[0]] = new
         self.count += new.shape[0]
