@@ -405,7 +405,8 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
 def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(npu_source, tmp_path):
     """V3.2 at attention DP2 x TP8: the 8 ranks of a group each route a share of the group's rows through the
     MoE. A share padded with zero rows would reach npu_dynamic_quant, whose documented formula divides 0 by 0
-    for an all-zero row (the double refuses it): the shares are unpadded, and the tokens are the CPU path's."""
+    for an all-zero row (the double refuses it): the shares are unpadded, an empty one is a throwaway copy of a
+    real row, and the tokens are the CPU path's."""
     shards = tmp_path / "dp2tp8"
     shard(npu_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
     prompts = [PROMPTS[1], PROMPTS[2]]  # 37 and 20 rows: shares of 5 and 3, the last ones shorter or empty
@@ -413,6 +414,9 @@ def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(npu_source
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
                     results_name="npu")
     assert got == want
+    # a rank whose share is empty routes a throwaway copy of the group's first row instead: no zero-size tensor
+    zeros = [json.loads((tmp_path / "npu" / ZEROS_NAME.format(rank=rank)).read_text()) for rank in range(16)]
+    assert not any(zeros), [(rank, ops) for rank, ops in enumerate(zeros) if ops]
 
 
 def test_local_launch_refuses_more_ranks_than_devices(monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
+from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.linear import quantize_activations
 
 if TYPE_CHECKING:
@@ -71,15 +72,19 @@ class Dist:
         """Under attention TP every rank of the group holds the same rows: each takes its share, rows
         [rank * per, (rank + 1) * per) with per = ceil(rows / size) (the last shares may be shorter or empty). No
         padding rows: an all-zero row would reach the MoE's quantizer, whose documented NPU formula (no floor
-        on the scale) divides 0 by 0."""
+        on the scale) divides 0 by 0. On an accelerator an empty share is the group's first row instead, a
+        throwaway that `attn_tp_unshare` drops, so that no kernel is handed a zero-size tensor."""
         if self.attn_tp == 1:
             return x
         per = -(-x.shape[0] // self.attn_tp)
-        return x[self.attn_tp_rank * per:(self.attn_tp_rank + 1) * per]
+        start = self.attn_tp_rank * per
+        if start >= x.shape[0] and x.shape[0] and takes_npu_path(x.device):
+            return x[:1]
+        return x[start:start + per]
 
     def attn_tp_unshare(self, share: torch.Tensor, rows: int) -> torch.Tensor:
         """The group's shares of `rows` rows gathered back into all of them (each padded to an equal size for
-        the gather only)."""
+        the gather only; a throwaway share lands past `rows` and is dropped)."""
         if self.attn_tp == 1:
             return share
         per = -(-rows // self.attn_tp)
