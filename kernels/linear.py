@@ -49,7 +49,7 @@ def linear_t(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     x_in = cast(x, weight_t.dtype)
     if x_in.dim() != 2:
         return cast(torch.matmul(x_in, weight_t), x.dtype)
-    if x_in.device.type == "cpu" and 1 < x_in.shape[0] <= CPU_FEW_ROWS and not is_npu(x_in):
+    if x_in.device.type == "cpu" and 1 < x_in.shape[0] <= CPU_FEW_ROWS:  # an NPU tensor's type is "npu"
         # (weight @ x.T).T: the same dot products, which MKL computes without repacking the whole weight
         return cast(torch.mm(weight_t.t(), x_in.t()).t().contiguous(), x.dtype)
     return cast(torch.mm(x_in, weight_t), x.dtype)

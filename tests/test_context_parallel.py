@@ -20,6 +20,8 @@ from tests.helpers import Server, launch_ranks, shard, stable_index_ties
 NEW_TOKENS = 6
 MIN_TOKENS = 4  # prompts this long or longer are prefilled by CP in these tests
 
+REPLY_S = 300  # the longest a streamed first token may take on 2 busy cores
+
 
 # -- the split -------------------------------------------------------------------------------------------------
 
@@ -159,21 +161,35 @@ def test_server_prefills_a_long_prompt_by_cp_beside_short_ones(tiny_source, tmp_
         model = client.models.list().data[0].id
         prompts = [list(range(300, 380)), [5, 6, 7], list(range(40, 52)), [9] * 7]
 
-        def complete(prompt):
-            reply = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.0,
-                                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-                                              logprobs=0)
-            return [int(t.split(":")[1]) for t in reply.choices[0].logprobs.tokens]
+        def complete(prompt, decoding: threading.Event | None = None):
+            """The prompt's 8 greedy tokens, streamed; `decoding` is set once the first has arrived."""
+            tokens = []
+            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                                   stream=True, logprobs=0,
+                                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}):
+                tokens += [int(t.split(":")[1]) for t in chunk.choices[0].logprobs.tokens]
+                if decoding is not None:
+                    decoding.set()
+            return tokens
 
         alone = [complete(p) for p in prompts]
         together = [None] * len(prompts)
+        # The short requests start first, and the long one is sent once each of them has its first token: it then
+        # waits alone, at the head of its rank's queue, and its whole prompt is prefilled by CP while the others
+        # decode. Sent at the same time, a short prompt queued ahead of it on its rank would start it by chunks,
+        # depending on arrival order.
+        decoding = [threading.Event() for _ in prompts[1:]]
 
         def run(i):
-            together[i] = complete(prompts[i])
+            together[i] = complete(prompts[i], decoding[i - 1] if i else None)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(prompts))]
         for thread in threads:
             thread.start()
+        for event in decoding:
+            assert event.wait(timeout=REPLY_S)
+        threads.append(threading.Thread(target=run, args=(0,)))
+        threads[-1].start()
         for thread in threads:
             thread.join()
         assert together == alone

@@ -82,4 +82,5 @@ def _one_local_token(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         outputs = local.token(x_q, chosen, x_scale, x.dtype)
     else:
         outputs = local.token(x, chosen)  # [k, H]
-    return torch.mm(weights, outputs.float()).to(x.dtype)  # [1, k] @ [k, H]: the weighted sum
+    # the weighted sum as the general path computes it ([T, 1, k] @ [T, k, H] with T = 1): the same rounding
+    return torch.bmm(weights[:, None], outputs.float()[None])[:, 0].to(x.dtype)
