@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -31,10 +32,12 @@ import torch
 
 from dsconv.family.arch import Encoding, family_for
 from dsconv.convert.demo import build_once, cache_dir
+from dsconv.convert.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
-TRAINED_VERSION = 2  # bump when training or encoding changes, so stale caches are rebuilt
+# per family: bump when its training or encoding changes, so stale caches are rebuilt
+TRAINED_VERSIONS = {"deepseek_v32": 3, "deepseek_v4": 2}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 ENCODINGS = ("fp8", "bf16")
 
@@ -56,6 +59,18 @@ LR = 3e-3
 WARMUP = 10
 MIN_LR_FRACTION = 0.1  # cosine decay to this fraction of LR
 GRAD_CLIP = 1.0
+# V3.2's indexer (convert/indexer_training.py): after STEPS of dense LM training, the indexer's dense warm-up (the
+# model frozen) and a short sparse stage at the end of the LM schedule's learning rate
+INDEXER_WARMUP_STEPS = 100
+INDEXER_LR = 3e-3
+SPARSE_STEPS = 30
+SPARSE_LR = LR * MIN_LR_FRACTION
+# The trained V3.2 keeps 32 keys per query (the random fixtures keep 8, so short test prompts cross the cut): in the
+# gate's 128-token windows the indexer selects from the 33rd position on, a quarter of the context at the last,
+# where DeepSeek-V3.2's 2048 keys are a quarter of an 8K context. With 8 keys one flipped choice is an eighth of
+# what a query attends to; with a trained indexer, INT8 keys still left positions at a mean cosine of 0.9983 there
+# (docs/benchmarks.md, "The trained V3.2's indexer").
+TRAINED_INDEX_TOPK = 32
 
 # Float32 training rounds differently on different CPUs, and 150 steps of AdamW (with the routers' and indexers'
 # top-k choices) grow a last-bit difference at step 1 into a different model, with different accuracy figures.
@@ -107,6 +122,8 @@ def train_tokenizer(texts: list[str]):
 def training_config(family: str) -> dict:
     """The family's tiny config without MTP layers: transformers trains and saves none."""
     overrides = {"num_nextn_predict_layers": 0}
+    if family == "deepseek_v32":
+        overrides["index_topk"] = TRAINED_INDEX_TOPK
     if family == "deepseek_v4":
         overrides["compress_ratios"] = family_for({"model_type": family}).tiny_config()["compress_ratios"][:-1]
     return family_for({"model_type": family}).tiny_config(**overrides)
@@ -134,32 +151,69 @@ def _learning_rate(step: int) -> float:
     return LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _lm_step(model, optimizer, batch: torch.Tensor, lr: float, extra_loss=None) -> torch.Tensor:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model(batch, labels=batch).loss
+    total = loss if extra_loss is None else loss + extra_loss()
+    total.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], GRAD_CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log: Callable[[str], None]):
     """transformers' model of `config`, started from the random fixture's weights, trained on random windows
-    of `tokens` -> the trained model (float32)."""
+    of `tokens` -> the trained model (float32). V3.2 trains dense, then its indexer (see INDEXER_WARMUP_STEPS)."""
     from transformers import AutoModelForCausalLM
 
     init = make_tiny_checkpoint(work / "init", family, encoding="bf16", seed=SEED,
                                 config_overrides={k: config[k] for k in ("num_nextn_predict_layers",
                                                                          "compress_ratios") if k in config})
     torch.manual_seed(SEED)
+    trains_indexer = family == "deepseek_v32"  # V4's indexer picks compressed entries; it stays as the LM loss leaves it
     model = AutoModelForCausalLM.from_pretrained(init, config=transformers_config(family, config),
                                                  dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     order = torch.Generator().manual_seed(SEED)
-    for step in range(STEPS):
-        starts = torch.randint(0, len(tokens) - SEQ_LEN, (BATCH,), generator=order)
-        batch = torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])  # [BATCH, SEQ_LEN]
-        for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step)
-        loss = model(batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def batches(steps: int):
+        for step in range(steps):
+            starts = torch.randint(0, len(tokens) - SEQ_LEN, (BATCH,), generator=order)
+            yield step, torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])  # [BATCH, SEQ_LEN]
+
+    if trains_indexer:
+        set_index_topk(model, SEQ_LEN)  # dense: every key selected
+    for step, batch in batches(STEPS):
+        loss = _lm_step(model, optimizer, batch, _learning_rate(step))
         if step % 25 == 0 or step == STEPS - 1:
             log(f"{family} step {step}: loss {loss.item():.3f}")
+    if not trains_indexer:
+        return model.eval()
+
+    # the indexer's dense warm-up: the model frozen, the indexer learning its layers' attention (which only eager
+    # attention returns)
+    model.set_attn_implementation("eager")
+    indexer = torch.optim.AdamW(indexer_parameters(model), lr=INDEXER_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    with capture_attention(model) as captured:
+        for step, batch in batches(INDEXER_WARMUP_STEPS):
+            with torch.no_grad():
+                model(batch)
+            loss = captured.indexer_loss(model, selected_only=False)
+            loss.backward()
+            indexer.step()
+            indexer.zero_grad(set_to_none=True)
+            if step % 25 == 0 or step == INDEXER_WARMUP_STEPS - 1:
+                log(f"{family} indexer warm-up {step}: KL {loss.item():.4f}")
+        # sparse training: the model on its indexer's top-k (LM loss), the indexer on the selected keys (KL)
+        set_index_topk(model, config["index_topk"])
+        for step, batch in batches(SPARSE_STEPS):
+            loss = _lm_step(model, optimizer, batch, SPARSE_LR,
+                            lambda: captured.indexer_loss(model, selected_only=True))
+            if step % 25 == 0 or step == SPARSE_STEPS - 1:
+                log(f"{family} sparse step {step}: loss {loss.item():.3f}")
     return model.eval()
 
 
@@ -260,8 +314,16 @@ def trained_source(family: str, encoding: str = "fp8") -> Path:
         raise ValueError(f"family={family!r} has no trained tiny checkpoint; one of {', '.join(FAMILIES)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
-    name = f"trained-{family}-v{TRAINED_VERSION}-{corpus_digest()}"
+    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}"
     return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
+
+
+def train_missing(families: tuple[str, ...] = FAMILIES) -> None:
+    """Builds every family's trained checkpoint not yet in the cache, all at once: each trains in its own
+    one-thread interpreter (TRAINING_ENV), so a machine with a core per family takes the time of the slowest."""
+    with ThreadPoolExecutor(max_workers=len(families)) as pool:
+        for _ in pool.map(trained_source, families):
+            pass
 
 
 def heldout_texts() -> list[str]:

@@ -24,9 +24,9 @@ CONTEXT = 128  # the training sequence length
 EVAL_TOKENS = 4096  # held-out tokens scored (32 windows)
 PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
 NEW_TOKENS = 64
-# Gate thresholds. The trained models are the same bytes on every x86-64 CPU (convert/trained.py, TRAINING_ENV) and
-# measured, with ATen's AVX-512, AVX2 and baseline kernels alike: perplexity -0.03% (V3.2) / +0.14% (V4), cosine
-# 0.99942 / 0.99998, top-1 agreement 0.9766 / 0.9969 (625 and 638 of 640)
+# Gate thresholds. The trained models are the same bytes on every x86-64 CPU (convert/trained.py, TRAINING_ENV).
+# Measured on a 2-core Intel Xeon (AVX-512, AMX), V3.2 with its trained indexer, V4: perplexity +0.11% / +0.13%,
+# cosine 0.99982 / 0.99998, top-1 agreement 0.9844 / 0.9969 (630 and 638 of 640)
 PERPLEXITY_RELATIVE = 0.01
 COSINE_MIN = 0.999  # mean over scored positions of the per-position cosine of the logits
 # Top-1 agreement along BF16's greedy text: BF16 continues each of the 10 prompts by 64 tokens, both models read
@@ -34,11 +34,10 @@ COSINE_MIN = 0.999  # mean over scored positions of the per-position cosine of t
 # first. Each position is judged on its own, so a near-tie that a CPU's rounding tips moves the share by 1/640;
 # counting matches only up to each sequence's first divergence instead lets one early near-tie drop the rest of
 # its sequence, up to a tenth of the whole (V4's 2 differing positions of 640 scored 0.892 that way). Each bound
-# sits about 10 positions below what INT8 reaches and above what a 6-bit grid (scale amax/31) reaches: 0.9500 /
-# 0.9625, where V4's 6-bit perplexity (+0.48%) and cosine (0.99983) pass their bounds. V3.2 agrees less than V4;
-# the likely cause (not isolated): its indexer keeps 8 keys (index_topk=8), and a key that INT8 error moves across
-# that cut changes the attention.
-AGREEMENT_MIN = {"deepseek_v32": 0.96, "deepseek_v4": 0.98}
+# sits 9 or 10 positions below what INT8 reaches and above what a 6-bit grid (scale amax/31) reaches: 0.9672 (V3.2,
+# 619 of 640) / 0.9625 (V4), where the 6-bit perplexity (+0.21% / +0.48%) and cosine (0.99917 / 0.99983) pass their
+# bounds. A 7-bit grid (amax/63) passes all three (V3.2: +0.06%, 0.99962, 0.9859).
+AGREEMENT_MIN = {"deepseek_v32": 0.97, "deepseek_v4": 0.98}
 RELATIVE_TOLERANCE = 1e-4  # dsrun perplexity against transformers
 
 
@@ -135,20 +134,24 @@ def test_w8a8_accuracy_gate(family, trained_source, gate_shards):
 
 
 # The gate of issue 24 for the INT8 caches and the indexer recipe (V3.2): perplexity within 0.5% of the
-# reference side's, and the logits' cosine, taken at every position of 32 windows of 128 tokens (longer than
-# index_topk = 8, so the indexer selects from the 9th position on), at least 0.999 on average, as COSINE_MIN above.
-# Averaged over the windows position by position, the worst position is lower: with INT8 keys the indexer's top 8
-# of up to 128 candidates differ where the 8th and 9th scores nearly tie (measured for the INT8 cache: worst
-# position 0.9961 with keys and queries INT8, 0.9972 with float queries, 0.9991 with only the latent INT8).
-# POSITION_COSINE_MIN guards that worst position against a regression, below those figures.
+# reference side's, and the logits' mean cosine at least 0.999 at every position: each of the 128 positions of a
+# window, averaged over CACHE_GATE_WINDOWS held-out windows (longer than the trained model's index_topk = 32, so the
+# indexer selects from the 33rd position on). A position's mean needs many windows: over the W8A8 gate's 32, the
+# worst of the 128 means is set by one flipped selection (INT8 cache: 0.99857 at one position, every other >= 0.9991;
+# over 256 windows the worst is 0.99944). It catches INT8 on a 6-bit grid (amax/31, everywhere): the cache (worst position
+# 0.99880) and in the indexer recipe (0.99850); a 7-bit grid passes (0.99908, 0.99904).
 CACHE_PERPLEXITY_RELATIVE = 0.005
-POSITION_COSINE_MIN = 0.995
+POSITION_COSINE_MIN = 0.999
+CACHE_GATE_WINDOWS = 256  # 32,768 of the ~106K held-out tokens
 
 
-def gate_figures(family: str, trained_source, base: tuple, other: tuple) -> dict:
-    """base, other: (shards, kv_cache_dtype) -> perplexities, the per-position mean cosine, top-1 agreement."""
+def gate_figures(family: str, trained_source, base: tuple, other: tuple, eval_tokens: int = EVAL_TOKENS) -> dict:
+    """base, other: (shards, kv_cache_dtype) -> perplexities, the per-position mean cosine, top-1 agreement, over
+    the first eval_tokens held-out tokens."""
     tokenizer = Tokenizer.from_file(str(trained_source(family) / "tokenizer.json"))
-    ids = [0] + [t for module in heldout_ids(tokenizer) for t in module][:EVAL_TOKENS - 1]
+    ids = [0] + [t for module in heldout_ids(tokenizer) for t in module][:eval_tokens - 1]
+    if len(ids) < eval_tokens:
+        raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than the {eval_tokens} asked for")
     cut = [w for w in windows(ids, CONTEXT) if len(w) == CONTEXT]
     ref, new = window_logits(*base[:1], cut, base[1]), window_logits(*other[:1], cut, other[1])
     tokens = sum(len(w) - 1 for w in cut)
@@ -173,7 +176,8 @@ def test_int8_kv_cache_gate(trained_source, gate_shards):
     """--kv-cache-dtype int8 against auto on the trained V3.2 (BF16 weights, float32 compute): the INT8 latent
     and the A8C8 indexer alone."""
     bf16, _ = gate_shards("deepseek_v32")
-    figures = gate_figures("deepseek_v32", trained_source, (bf16, "auto"), (bf16, "int8"))
+    figures = gate_figures("deepseek_v32", trained_source, (bf16, "auto"), (bf16, "int8"),
+                           CACHE_GATE_WINDOWS * CONTEXT)
     report = _gate_report("deepseek_v32 int8 KV cache", figures)
     print(report)
     assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
@@ -186,7 +190,8 @@ def test_indexer_recipe_gate(trained_source, gate_shards, tmp_path):
     _, w8a8 = gate_shards("deepseek_v32")
     quantize(trained_source("deepseek_v32"), tmp_path / "indexer", recipe="v32-indexer")
     shard(tmp_path / "indexer", tmp_path / "indexer-shards", Layout(1, 1, 1, 1))
-    figures = gate_figures("deepseek_v32", trained_source, (w8a8, "auto"), (tmp_path / "indexer-shards", "auto"))
+    figures = gate_figures("deepseek_v32", trained_source, (w8a8, "auto"), (tmp_path / "indexer-shards", "auto"),
+                           CACHE_GATE_WINDOWS * CONTEXT)
     report = _gate_report("deepseek_v32 recipe v32-indexer vs v3", figures)
     print(report)
     assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
