@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -160,16 +162,16 @@ def generate(
             raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
                              f"exceed the KV cache (--cache-tokens {cache_tokens})")
         started = time.perf_counter()
-        results = _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
-            "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
-            "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-            "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path),
-            "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
-            timeout)
+        with _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
+                "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
+                "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
+                "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path),
+                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
+                timeout) as results:
+            if results is not None:
+                _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
     except InputError as exc:
         fail(str(exc))
-    if results is not None:
-        _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
 
 
 @app.command()
@@ -193,6 +195,7 @@ def perplexity(
     _import_torch()
     from dsconv.runner.engine.request import check_prompt
     from dsconv.runner.entrypoints.perplexity import summarize, windows
+    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
 
     try:
         manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
@@ -213,17 +216,16 @@ def perplexity(
         for window in cut:  # each window is scored as a prompt of the engine
             check_prompt(window, 0, config["vocab_size"], config["max_position_embeddings"])
         started = time.perf_counter()
-        results = _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
-            "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
-            "kv_cache_dtype": kv_cache_dtype, "cp_size": prefill_context_parallel_size,
-            "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout)
+        with _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
+                "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
+                "kv_cache_dtype": kv_cache_dtype, "cp_size": prefill_context_parallel_size,
+                "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout) as results:
+            records = None if results is None else json.loads((results / RESULTS_NAME).read_text())
     except InputError as exc:
         fail(str(exc))
-    if results is None:
+    if records is None:
         return
-    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
-
-    summary = summarize(json.loads((results / RESULTS_NAME).read_text()))
+    summary = summarize(records)
     summary.update(windows=len(cut), context=context, seconds=time.perf_counter() - started)
     if json_output:
         print(json.dumps(summary))
@@ -295,22 +297,26 @@ def serve(
         if "max_position_embeddings" not in manifest["model"]["config"]:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         _, tokenizer_path = _tokenizer(Path(shards))
-        _run_ranks("dsconv.runner.entrypoints.serve:rank_main", {
-            "shards": str(shards), "dtype": dtype, "host": host, "port": port,
-            "model_name": served_model_name or Path(shards).resolve().name, "tokenizer_path": str(tokenizer_path),
-            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-            "cache_tokens": cache_tokens, "balancing": dp_balancing, "timeout_s": timeout,
-            "drain_timeout_s": drain_timeout, "kv_cache_dtype": kv_cache_dtype, "api_key": api_key,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes, "cp_size": prefill_context_parallel_size,
-            "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout, sigterm_to_rank0=True)
+        with _run_ranks("dsconv.runner.entrypoints.serve:rank_main", {
+                "shards": str(shards), "dtype": dtype, "host": host, "port": port,
+                "model_name": served_model_name or Path(shards).resolve().name,
+                "tokenizer_path": str(tokenizer_path), "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens, "cache_tokens": cache_tokens,
+                "balancing": dp_balancing, "timeout_s": timeout, "drain_timeout_s": drain_timeout,
+                "kv_cache_dtype": kv_cache_dtype, "api_key": api_key, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
+                timeout, sigterm_to_rank0=True):
+            pass  # the server ran until it was stopped; it writes no results
     except InputError as exc:
         fail(str(exc))
 
 
+@contextmanager
 def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: float, sigterm_to_rank0: bool = False
-               ) -> Path | None:
+               ) -> Iterator[Path | None]:
     """The manifest's ranks running entry(**args) -> the directory rank 0 wrote its results to, or None on a
-    torchrun rank other than 0 (only rank 0 reports). A failed rank ends the command with its exit code."""
+    torchrun rank other than 0 (only rank 0 reports); the directory is removed once the command has read it. A
+    failed rank ends the command with its exit code and leaves the directory, whose logs its message names."""
     from dsconv.comm.launch import launch
 
     results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
@@ -319,7 +325,10 @@ def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: flo
                   log_dir=results / "logs", sigterm_to_rank0=sigterm_to_rank0)
     if code != 0:
         raise typer.Exit(code)
-    return results if os.environ.get("RANK", "0") == "0" else None
+    try:
+        yield results if os.environ.get("RANK", "0") == "0" else None
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
 
 
 def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:

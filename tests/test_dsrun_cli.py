@@ -14,7 +14,6 @@ import psutil
 import pytest
 
 from dsconv.family.layout import Layout
-from dsconv.runner.cli import collect
 from dsconv.shard.demo import demo_shards
 from tests.helpers import shard
 
@@ -140,13 +139,17 @@ def test_v3_without_chat_template(tiny_shards):
 @pytest.mark.slow
 def test_streamed_text_and_closing_line(demo, tmp_path):
     """Rank 0 streams prompt 0's text as its tokens arrive, then the CLI prints the other prompts' text and a
-    summary: what it prints must be the decoded ids of the same run (rank 0's results file), each once."""
+    summary: what it prints must be the decoded ids of the same greedy generation (as --json reports them), each
+    once; and a finished run leaves no results directory behind."""
     prompts = ["how are you", "a second, longer prompt here"]
-    proc = dsrun(demo, "--shards", demo, *(arg for p in prompts for arg in ("--prompt", p)),
-                 "--max-new-tokens", "8", "--no-chat", tmpdir=tmp_path)
+    args = ("--shards", demo, *(arg for p in prompts for arg in ("--prompt", p)), "--max-new-tokens", "8", "--no-chat")
+    # the ids come from a --json run of the same greedy generation (dsrun removes its results directory)
+    reference = dsrun(demo, *args, "--json", tmpdir=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    generated = json.loads(reference.stdout)["generated_token_ids"]
+    proc = dsrun(demo, *args, tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (results,) = tmp_path.glob("dsrun-results-*")
-    generated, _ = collect(results, len(prompts))
+    assert list(tmp_path.glob("dsrun-results-*")) == []  # nothing left behind by either run
     assert [len(ids) for ids in generated] == [8, 8]  # the demo's noise reaches no EOS within 8 tokens
     decode = tokenizer().decode
     texts = [decode(ids) for ids in generated]
@@ -191,10 +194,11 @@ def test_shards_that_fail_verify(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_killing_one_rank_ends_the_run(demo):
+def test_killing_one_rank_ends_the_run(demo, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
                              "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     parent = psutil.Process(proc.pid)
     deadline = time.time() + 120
     ranks = []
@@ -211,6 +215,8 @@ def test_killing_one_rank_ends_the_run(demo):
     assert proc.returncode != 0
     assert "failed" in stderr and "SIGKILL" in stderr, stderr
     assert stderr.count("failed:") == 1
+    (results,) = tmp_path.glob("dsrun-results-*")  # a failed run keeps the logs its message names
+    assert f"logs in {results / 'logs'}" in stderr and (results / "logs").is_dir()
 
 
 @pytest.mark.slow
@@ -220,8 +226,9 @@ def test_perplexity_json_on_the_demo(demo, tmp_path):
     text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
     (tmp_path / "t.txt").write_text(text)
     proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
-                 command="perplexity")
+                 command="perplexity", tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.glob("dsrun-results-*")) == []
     out = json.loads(proc.stdout)
     n = len(Tokenizer.from_file(str(demo / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
     windows = -(-(n + 1) // 8)  # BOS + the text's tokens, 8 a window
