@@ -11,7 +11,8 @@ Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalL
 starting from the random fixture's weights of the same config), so the model is the reference's; the result is
 written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
-Every x86-64 CPU gives the same bytes (fixed seed and data order, and TRAINING_ENV, which says why).
+Every x86-64 CPU gives the same bytes (fixed seed and data order, and TRAINING_ENV, which says why). V3.2 also
+trains its Lightning indexer, which the LM loss cannot reach (convert/indexer_training.py says how).
 """
 
 from __future__ import annotations
