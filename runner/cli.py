@@ -320,9 +320,14 @@ def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: flo
     from dsconv.comm.launch import launch
 
     results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
-    code = launch(entry, {**args, "manifest": manifest, "device": device, "result_dir": str(results)},
-                  world_size=manifest["layout"]["world_size"], device=device, timeout_s=timeout,
-                  log_dir=results / "logs", sigterm_to_rank0=sigterm_to_rank0)
+    try:
+        code = launch(entry, {**args, "manifest": manifest, "device": device, "result_dir": str(results)},
+                      world_size=manifest["layout"]["world_size"], device=device, timeout_s=timeout,
+                      log_dir=results / "logs", sigterm_to_rank0=sigterm_to_rank0)
+    except BaseException:
+        if not (results / "logs").exists():  # refused before any rank started (a bad --device): nothing to keep
+            shutil.rmtree(results, ignore_errors=True)
+        raise
     if code != 0:
         raise typer.Exit(code)
     try:

@@ -2,6 +2,8 @@
 ranks. Test modules import from here (or take conftest's fixtures), never from each other."""
 
 import json
+import os
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -227,7 +229,8 @@ class Server:
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(shards), "--port",
-                 str(self.port), *map(str, flags)], stdout=log, stderr=subprocess.STDOUT)
+                 str(self.port), *map(str, flags)], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "TMPDIR": str(Path(log_path).parent)})  # a failed run's logs stay in the test's dir
         deadline = time.monotonic() + SERVER_START_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.log()}"
