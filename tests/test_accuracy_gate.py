@@ -172,17 +172,21 @@ def _gate_report(name: str, figures: dict) -> str:
             f"{figures['position_min']:.6f}; top-1 agreement {figures['agreement']:.4f}")
 
 
-def test_int8_kv_cache_gate(trained_source, gate_shards):
-    """--kv-cache-dtype int8 against auto on the trained V3.2 (BF16 weights, float32 compute): the INT8 latent
-    and the A8C8 indexer alone."""
-    bf16, _ = gate_shards("deepseek_v32")
-    figures = gate_figures("deepseek_v32", trained_source, (bf16, "auto"), (bf16, "int8"),
-                           CACHE_GATE_WINDOWS * CONTEXT)
-    report = _gate_report("deepseek_v32 int8 KV cache", figures)
+def assert_cache_gate(name: str, trained_source, base: tuple, other: tuple) -> None:
+    """Issue 24's gate (above) for two (shards, kv_cache_dtype) sides of the trained V3.2, over the gate's windows."""
+    figures = gate_figures("deepseek_v32", trained_source, base, other, CACHE_GATE_WINDOWS * CONTEXT)
+    report = _gate_report(name, figures)
     print(report)
     assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
     assert figures["cosine_mean"] >= COSINE_MIN, report
     assert figures["position_min"] >= POSITION_COSINE_MIN, report
+
+
+def test_int8_kv_cache_gate(trained_source, gate_shards):
+    """--kv-cache-dtype int8 against auto on the trained V3.2 (BF16 weights, float32 compute): the INT8 latent
+    and the A8C8 indexer alone."""
+    bf16, _ = gate_shards("deepseek_v32")
+    assert_cache_gate("deepseek_v32 int8 KV cache", trained_source, (bf16, "auto"), (bf16, "int8"))
 
 
 def test_indexer_recipe_gate(trained_source, gate_shards, tmp_path):
@@ -190,13 +194,8 @@ def test_indexer_recipe_gate(trained_source, gate_shards, tmp_path):
     _, w8a8 = gate_shards("deepseek_v32")
     quantize(trained_source("deepseek_v32"), tmp_path / "indexer", recipe="v32-indexer")
     shard(tmp_path / "indexer", tmp_path / "indexer-shards", Layout(1, 1, 1, 1))
-    figures = gate_figures("deepseek_v32", trained_source, (w8a8, "auto"), (tmp_path / "indexer-shards", "auto"),
-                           CACHE_GATE_WINDOWS * CONTEXT)
-    report = _gate_report("deepseek_v32 recipe v32-indexer vs v3", figures)
-    print(report)
-    assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
-    assert figures["cosine_mean"] >= COSINE_MIN, report
-    assert figures["position_min"] >= POSITION_COSINE_MIN, report
+    assert_cache_gate("deepseek_v32 recipe v32-indexer vs v3", trained_source, (w8a8, "auto"),
+                      (tmp_path / "indexer-shards", "auto"))
 
 
 def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:
