@@ -11,7 +11,7 @@ towards the main attention, in two stages after dense pre-training:
     learning the same KL restricted to the keys it selected; its inputs are detached, so the two losses train
     disjoint weights.
 `index_logits` recomputes transformers' index scores (DeepseekV32Indexer.forward) with gradients, from the inputs
-transformers hands its indexer; tests/test_accuracy_gate.py checks that its top-k equals transformers' own.
+transformers hands its indexer; tests/test_indexer_training.py checks that its top-k equals transformers' own.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def capture_attention(model: nn.Module):
     for layer, capture in zip(model.model.layers, captures.layers):
         def keep_inputs(_module, args, _kwargs, capture=capture):
             hidden, q_resid, position_embeddings, mask = args[:4]
+            allowed = mask if mask.dtype == torch.bool else mask == 0  # an additive mask is 0 where allowed
             capture.indexer_inputs = (hidden.detach(), q_resid.detach(),
-                                      tuple(t.detach() for t in position_embeddings), mask.detach().bool()
-                                      if mask.dtype == torch.bool else (mask == 0).detach())
+                                      tuple(t.detach() for t in position_embeddings), allowed)
 
         def keep_probs(_module, _args, output, capture=capture):
             if output[1] is None:

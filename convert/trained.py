@@ -158,7 +158,7 @@ def _lm_step(model, optimizer, batch: torch.Tensor, lr: float, extra_loss=None) 
     loss = model(batch, labels=batch).loss
     total = loss if extra_loss is None else loss + extra_loss()
     total.backward()
-    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], GRAD_CLIP)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
@@ -173,7 +173,8 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
                                 config_overrides={k: config[k] for k in ("num_nextn_predict_layers",
                                                                          "compress_ratios") if k in config})
     torch.manual_seed(SEED)
-    trains_indexer = family == "deepseek_v32"  # V4's indexer picks compressed entries; it stays as the LM loss leaves it
+    # V4's indexer (it picks compressed entries) stays as the LM loss leaves it
+    trains_indexer = family == "deepseek_v32"
     model = AutoModelForCausalLM.from_pretrained(init, config=transformers_config(family, config),
                                                  dtype=torch.float32)
     model.train()

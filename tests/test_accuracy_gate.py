@@ -138,8 +138,8 @@ def test_w8a8_accuracy_gate(family, trained_source, gate_shards):
 # window, averaged over CACHE_GATE_WINDOWS held-out windows (longer than the trained model's index_topk = 32, so the
 # indexer selects from the 33rd position on). A position's mean needs many windows: over the W8A8 gate's 32, the
 # worst of the 128 means is set by one flipped selection (INT8 cache: 0.99857 at one position, every other >= 0.9991;
-# over 256 windows the worst is 0.99944). It catches INT8 on a 6-bit grid (amax/31, everywhere): the cache (worst position
-# 0.99880) and in the indexer recipe (0.99850); a 7-bit grid passes (0.99908, 0.99904).
+# over 256 windows the worst is 0.99944). It catches INT8 on a 6-bit grid (amax/31, everywhere) in the cache (worst
+# position 0.99880) and in the indexer recipe (0.99850); a 7-bit grid passes both (0.99908, 0.99904).
 CACHE_PERPLEXITY_RELATIVE = 0.005
 POSITION_COSINE_MIN = 0.999
 CACHE_GATE_WINDOWS = 256  # 32,768 of the ~106K held-out tokens
