@@ -11,7 +11,7 @@ Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalL
 starting from the random fixture's weights of the same config), so the model is the reference's; the result is
 written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
-Every x86-64 CPU gives the same bytes (fixed seed and data order, and TRAINING_ENV, which says why). V3.2 also
+Every x86-64 CPU gives the same bytes (fixed seed and data order, and PINNED_CPU_ENV, which says why). V3.2 also
 trains its Lightning indexer, which the LM loss cannot reach (convert/indexer_training.py says how).
 """
 
@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import platform
 import subprocess
 import sys
 import sysconfig
@@ -75,13 +76,45 @@ TRAINED_INDEX_TOPK = 32
 
 # Float32 training rounds differently on different CPUs, and 150 steps of AdamW (with the routers' and indexers'
 # top-k choices) grow a last-bit difference at step 1 into a different model, with different accuracy figures.
-# Three things pick the rounding: ATen's vectorized kernels (softmax, norms, reductions, the optimizer) are chosen
-# by instruction set (AVX-512, AVX2, ...), MKL's GEMM kernels by CPU model, and MKL's split of a GEMM by its thread
-# count. Training therefore runs ATen's baseline kernels, MKL's code path that gives the same results on every
-# Intel-compatible CPU (conditional numerical reproducibility), and one thread. ATen and MKL read these settings
-# when torch loads, so training runs in a fresh interpreter.
-TRAINING_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1"}
+# Four things pick the rounding: ATen's vectorized kernels (softmax, norms, reductions, the optimizer) are chosen
+# by instruction set (AVX-512, AVX2, ...), MKL's GEMM kernels by CPU model, MKL's split of a GEMM by its thread
+# count, and glibc's libm (exp, log, sin, ...) by instruction set (FMA or not). Training, and the accuracy gates'
+# evaluation (tests/accuracy_gates.py), therefore run ATen's baseline kernels, MKL's code path that gives the same
+# results on every Intel-compatible CPU (conditional numerical reproducibility), one thread, and glibc's baseline
+# function variants. ATen, MKL and glibc read these settings when the process starts, so pinned work runs in a
+# fresh interpreter.
+PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
+                  "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
+
+# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (measured on an AMD EPYC
+# with AVX2 only and on one with AVX-512, which agree; docs/benchmarks.md, "Trained tiny models"). A CPU that
+# writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
+TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
+TRAINED_SHA256 = {
+    "deepseek_v32": {
+        "bf16/model-00001-of-00004.safetensors": "825236e6dbfbb170ede0e71a336964d9c94a1d01b9d63be34bc51747eb5bbd74",
+        "bf16/model-00002-of-00004.safetensors": "db4b2ad575b71636c33f6cdccc2e14dad11a2303c07b696c2a826fae6e86798b",
+        "bf16/model-00003-of-00004.safetensors": "51a2718e95c70080d33de9098dc582d38b8aa3beff996ebcb3dc2ae4beb00767",
+        "bf16/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
+        "fp8/model-00001-of-00004.safetensors": "b0b68fc68849249ecbea23adb1f7a5b62f5311fcf8c20fcd91c7f61611a10a5d",
+        "fp8/model-00002-of-00004.safetensors": "29477d4bd1ea5938c598e2d9101b68ac9c01c6419714a950e8159014692983b6",
+        "fp8/model-00003-of-00004.safetensors": "3c2158cd43b756851e8439eb49dc4bf8d12777acf7fd684b0e57f6b6cd44bd54",
+        "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
+    },
+    "deepseek_v4": {
+        "bf16/model-00001-of-00004.safetensors": "b4de30a1dd5673b71ed5430e228f6db30fe4fc7af4d8524f4a63eb7090ae5de1",
+        "bf16/model-00002-of-00004.safetensors": "4e3406968ac9247a754bcb8a0f09b847b200fd2d08c462cc50f018309912ae75",
+        "bf16/model-00003-of-00004.safetensors": "fcedfa40b19456726e59d3700beb558f63164c29272d614e6b5cfa22959ad878",
+        "bf16/model-00004-of-00004.safetensors": "4d937df40e122dd657f4ecbe8397b7818b0381cc0e7a6a01a2dde3e50ed3bd40",
+        "fp8/model-00001-of-00004.safetensors": "63954840cef9c0966905905637b7e2136d078fdb172734e5d84724f7f17c1421",
+        "fp8/model-00002-of-00004.safetensors": "dd289f6d81436eb6746f7ca02665f0be4a63ee0d4d8948c44e87158696f8ede9",
+        "fp8/model-00003-of-00004.safetensors": "306ada584860b8dd411c0ba53e37b347b9c7b5488e6e4d8a718f5bb794e4f20d",
+        "fp8/model-00004-of-00004.safetensors": "d9dec3e624e24126195e97fdc62eddcb6a4445f9f0a0f64faba54a3c87f69d97",
+    },
+}
+
+# instruction-set flags that pick kernels on x86-64 (named in messages about rounding)
+KERNEL_FLAGS = ("fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni")
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -279,15 +312,15 @@ class TrainedMaker(TensorMaker):
 def build_trained(out: Path, family: str) -> Path:
     """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
     model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json.
-    Runs in a fresh interpreter with TRAINING_ENV."""
+    Runs in a fresh interpreter with PINNED_CPU_ENV."""
     subprocess.run([sys.executable, "-m", "dsconv.convert.trained", family, str(out)],
-                   env={**os.environ, **TRAINING_ENV}, check=True)
+                   env={**os.environ, **PINNED_CPU_ENV}, check=True)
     return out
 
 
 def _train_and_write(family: str, out: Path) -> None:
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
-        raise RuntimeError(f"training needs {TRAINING_ENV} in the environment before torch loads; this process has "
+        raise RuntimeError(f"training needs {PINNED_CPU_ENV} in the environment before torch loads; this process has "
                            f"{torch.backends.cpu.get_cpu_capability()} kernels and {torch.get_num_threads()} threads")
     from dsconv.convert.source import open_checkpoint
 
@@ -320,9 +353,49 @@ def trained_source(family: str, encoding: str = "fp8") -> Path:
     return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
 
 
+def cpu_description() -> str:
+    """This CPU's model name and the instruction-set flags that pick kernels, for messages about rounding."""
+    model, flags = platform.processor() or "unknown CPU", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = [flag for flag in value.split() if flag in KERNEL_FLAGS or flag.startswith("amx")]
+                break
+    except OSError:
+        pass
+    return f"{model}, flags {' '.join(flags) or 'none of ' + ' '.join(KERNEL_FLAGS)}"
+
+
+def weight_digests(root: Path) -> dict[str, str]:
+    """sha256 of every weights file under a trained checkpoint's root, by path relative to it."""
+    return {path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.glob("*/*.safetensors"))}
+
+
+def unrecorded_bytes(family: str) -> str | None:
+    """None when the family's trained checkpoint is the bytes TRAINED_SHA256 records; else one line saying that
+    this CPU trained another model."""
+    if corpus_digest() != TRAINED_CORPUS:
+        return (f"the trained {family} model was trained on this Python's standard library (digest "
+                f"{corpus_digest()}), not on the one its recorded bytes and figures come from ({TRAINED_CORPUS})")
+    root = trained_source(family).parent
+    got, want = weight_digests(root), TRAINED_SHA256[family]
+    differ = sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
+    if not differ:
+        return None
+    first = differ[0]
+    return (f"the trained {family} model differs on this CPU ({cpu_description()}): {root.name}/{first} has "
+            f"sha256 {got.get(first, 'missing')[:16]}, recorded {want.get(first, 'none')[:16]} ({len(differ)} of "
+            f"{len(want)} files differ), so its accuracy figures are not the recorded ones; see PINNED_CPU_ENV in "
+            f"convert/trained.py")
+
+
 def train_missing(families: tuple[str, ...] = FAMILIES) -> None:
     """Builds every family's trained checkpoint not yet in the cache, all at once: each trains in its own
-    one-thread interpreter (TRAINING_ENV), so a machine with a core per family takes the time of the slowest."""
+    one-thread interpreter (PINNED_CPU_ENV), so a machine with a core per family takes the time of the slowest."""
     with ThreadPoolExecutor(max_workers=len(families)) as pool:
         for _ in pool.map(trained_source, families):
             pass

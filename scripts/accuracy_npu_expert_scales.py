@@ -4,7 +4,7 @@ On an NPU the routed experts run in vllm-ascend's W8A8_DYNAMIC form (kernels.moe
 matmul takes each channel's weight scale in BF16 where the CPU path keeps it in float32. This script compares, per
 family, the W8A8 checkpoint as dsconv writes it against the same checkpoint with its routed experts' scales rounded
 to BF16 (tests/helpers.expert_scales_to_bf16), both run by dsrun's CPU path in float32 compute, with the accuracy
-gate's figures (tests/test_accuracy_gate.gate_figures): perplexity over the held-out windows, logits cosine, top-1
+gate's figures (tests/accuracy_gates.py, evaluated pinned): perplexity over the held-out windows, logits cosine, top-1
 agreement along the float32-scale model's greedy text. Only the scales differ; NPU rounding is not modelled.
 
     python scripts/accuracy_npu_expert_scales.py [--family deepseek_v32 deepseek_v4] [--work DIR]
@@ -24,7 +24,8 @@ from dsconv.convert.trained import trained_source  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
 from tests.helpers import expert_scales_to_bf16, quantize, shard  # noqa: E402
-from tests.test_accuracy_gate import _gate_report, gate_figures  # noqa: E402
+from tests.accuracy_gates import gate_report, pinned_gate_figures  # noqa: E402
+from tests.test_accuracy_gate import EVAL_TOKENS  # noqa: E402
 
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 
@@ -42,9 +43,9 @@ def main() -> None:
             rounded = expert_scales_to_bf16(root / "w8a8", root / "w8a8-bf16-scales")
             for name in ("w8a8", "w8a8-bf16-scales"):
                 shard(root / name, root / f"{name}-shards", Layout(1, 1, 1, 1))
-            figures = gate_figures(family, trained_source, (root / "w8a8-shards", "auto"),
-                                   (root / "w8a8-bf16-scales-shards", "auto"))
-            print(_gate_report(f"{family}: W8A8 expert scales float32 -> BF16 ({rounded} scale tensors)", figures),
+            figures = pinned_gate_figures(trained_source(family) / "tokenizer.json", EVAL_TOKENS,
+                                          (root / "w8a8-shards", "auto"), (root / "w8a8-bf16-scales-shards", "auto"))
+            print(gate_report(f"{family}: W8A8 expert scales float32 -> BF16 ({rounded} scale tensors)", figures),
                   flush=True)
 
 

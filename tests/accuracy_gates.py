@@ -1,0 +1,127 @@
+"""The accuracy gates' evaluation (tests/test_accuracy_gate.py): two shard sets of a trained tiny model, each with
+its --kv-cache-dtype, read the same held-out windows through dsrun's model on one rank in float32 compute; the
+figures are perplexities, logits cosines and top-1 agreement.
+
+The figures are computed in a fresh interpreter under the same pinned environment as training
+(dsconv.convert.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible path, one thread, glibc's
+baseline function variants), so every x86-64 CPU gives the same bits. Evaluated on the kernels a CPU picks
+for itself, the per-position figures of the V3.2 cache gates moved with the CPU: a near-tied indexer choice
+that one rounding tips is a different key attended (docs/benchmarks.md, "The accuracy gates on every CPU").
+
+    python -m tests.accuracy_gates TOKENIZER EVAL_TOKENS BASE_SHARDS BASE_KV OTHER_SHARDS OTHER_KV
+
+prints the figures as one JSON line (run from the repository root, in the pinned environment or not: the test
+passes PINNED_CPU_ENV; scripts/accuracy_gates_cpus.py runs it under other kernels to show the difference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dsconv.convert.trained import PINNED_CPU_ENV, heldout_texts
+from dsconv.runner.engine.offline import greedy
+from dsconv.runner.engine.worker import start_rank
+from dsconv.runner.entrypoints.perplexity import windows
+from dsconv.runner.models.weights import load_manifest
+from tests.helpers import Steps, window_nll
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 128  # the training sequence length
+PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
+NEW_TOKENS = 64
+
+
+def heldout_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(text).ids for text in heldout_texts()]
+
+
+def window_logits(shards, cut: list[list[int]], kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
+    """Every window's logits [len, vocab] from dsrun's model on one rank, in this process, float32."""
+    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    out = []
+    with torch.inference_mode():
+        for window in cut:
+            out.append(Steps(new_cache(len(window), kv_cache_dtype)).forward(model, [(0, window)]).float())
+    return out
+
+
+def greedy_tokens(shards, prompts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[int]]:
+    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    with torch.inference_mode():
+        return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts), kv_cache_dtype), prompts,
+                      NEW_TOKENS, None)
+
+
+def top1_agreement(base: tuple, other: tuple, prompts: list[list[int]]) -> tuple[int, int]:
+    """(matched, scored): the positions of the base side's greedy continuations, and how many of them the other
+    side, reading the same text, ranks the same token first at (both through the same forward pass). base, other:
+    (shards, kv_cache_dtype). Each position is judged on its own, so a near-tie that rounding tips moves one."""
+    texts = [prompt + continuation for prompt, continuation in zip(prompts, greedy_tokens(*base[:1], prompts,
+                                                                                           base[1]))]
+    matched = scored = 0
+    for prompt, ref, new in zip(prompts, window_logits(base[0], texts, base[1]),
+                                window_logits(other[0], texts, other[1])):
+        predicting = slice(len(prompt) - 1, -1)  # the logits that chose each continuation token
+        matched += (ref[predicting].argmax(-1) == new[predicting].argmax(-1)).sum().item()
+        scored += ref[predicting].shape[0]
+    return matched, scored
+
+
+def gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple) -> dict:
+    """base, other: (shards, kv_cache_dtype) -> perplexities, logits cosines (mean, min, and the worst of the
+    per-position means over the windows), top-1 agreement, over the first eval_tokens held-out tokens in windows
+    of CONTEXT tokens."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    ids = [0] + [t for module in heldout_ids(tokenizer) for t in module][:eval_tokens - 1]
+    if len(ids) < eval_tokens:
+        raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than the {eval_tokens} asked for")
+    cut = [w for w in windows(ids, CONTEXT) if len(w) == CONTEXT]
+    ref, new = window_logits(base[0], cut, base[1]), window_logits(other[0], cut, other[1])
+    tokens = sum(len(w) - 1 for w in cut)
+    ppl_ref = math.exp(sum(window_nll(l, w) for l, w in zip(ref, cut)) / tokens)
+    ppl_new = math.exp(sum(window_nll(l, w) for l, w in zip(new, cut)) / tokens)
+    cosines = torch.nn.functional.cosine_similarity(torch.stack(ref).double(), torch.stack(new).double(), dim=-1)
+    per_position = cosines.mean(0)  # [CONTEXT]: each position's mean over the windows
+    worst = per_position.argmin().item()
+    lowest = cosines[:, worst].sort().values  # the worst position's windows, lowest first
+    prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
+    matched, scored = top1_agreement(base, other, prompts)
+    return {"ppl_ref": ppl_ref, "ppl_new": ppl_new, "relative": ppl_new / ppl_ref - 1,
+            "cosine_mean": cosines.mean().item(), "cosine_min": cosines.min().item(),
+            "position_min": per_position.min().item(), "worst_position": worst,
+            "worst_position_lowest": lowest[:3].tolist(), "worst_position_rest": lowest[1:].mean().item(),
+            "matched": matched, "scored": scored, "agreement": matched / scored, "windows": len(cut)}
+
+
+def pinned_gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple, env: dict | None = None) -> dict:
+    """gate_figures in a fresh interpreter with PINNED_CPU_ENV over this environment (or with the whole
+    environment `env`, to measure what other kernels give)."""
+    args = [str(tokenizer_path), str(eval_tokens), str(base[0]), base[1], str(other[0]), other[1]]
+    proc = subprocess.run([sys.executable, "-m", "tests.accuracy_gates", *args], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, **PINNED_CPU_ENV} if env is None else env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the gate's evaluation failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gate_report(name: str, figures: dict) -> str:
+    return (f"{name}: perplexity {figures['ppl_ref']:.4f} -> {figures['ppl_new']:.4f} ({figures['relative']:+.3%}) "
+            f"over {figures['windows']} windows; logits cosine mean {figures['cosine_mean']:.6f} min "
+            f"{figures['cosine_min']:.6f}, worst position {figures['position_min']:.6f} (position "
+            f"{figures['worst_position']}: lowest windows {', '.join(f'{c:.4f}' for c in figures['worst_position_lowest'])}"
+            f", the others' mean {figures['worst_position_rest']:.6f}); top-1 agreement {figures['matched']}/{figures['scored']} "
+            f"({figures['agreement']:.4f})")
+
+
+if __name__ == "__main__":
+    tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv = sys.argv[1:]
+    print(json.dumps(gate_figures(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv))))
