@@ -11,7 +11,8 @@ Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalL
 starting from the random fixture's weights of the same config), so the model is the reference's; the result is
 written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
-Every x86-64 CPU gives the same bytes (fixed seed and data order, and PINNED_CPU_ENV, which says why). V3.2 also
+Training is meant to give the same bytes on every x86-64 CPU (fixed seed and data order, and PINNED_CPU_ENV, which
+says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2 also
 trains its Lightning indexer, which the LM loss cannot reach (convert/indexer_training.py says how).
 """
 
@@ -79,9 +80,9 @@ TRAINED_INDEX_TOPK = 32
 # Four things pick the rounding: ATen's vectorized kernels (softmax, norms, reductions, the optimizer) are chosen
 # by instruction set (AVX-512, AVX2, ...), MKL's GEMM kernels by CPU model, MKL's split of a GEMM by its thread
 # count, and glibc's libm (exp, log, sin, ...) by instruction set (FMA or not). Training, and the accuracy gates'
-# evaluation (tests/accuracy_gates.py), therefore run ATen's baseline kernels, MKL's code path that gives the same
-# results on every Intel-compatible CPU (conditional numerical reproducibility), one thread, and glibc's baseline
-# function variants. ATen, MKL and glibc read these settings when the process starts, so pinned work runs in a
+# evaluation (tests/accuracy_gates.py), therefore run ATen's baseline kernels, MKL's code path that MKL documents
+# as giving the same results on every Intel-compatible CPU (conditional numerical reproducibility), one thread, and
+# glibc's baseline function variants. ATen, MKL and glibc read these settings when the process starts, so pinned work runs in a
 # fresh interpreter.
 PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
@@ -319,9 +320,11 @@ def build_trained(out: Path, family: str) -> Path:
 
 
 def _train_and_write(family: str, out: Path) -> None:
-    if torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
+    unpinned = {key: os.environ.get(key) for key, value in PINNED_CPU_ENV.items() if os.environ.get(key) != value}
+    if unpinned or torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
         raise RuntimeError(f"training needs {PINNED_CPU_ENV} in the environment before torch loads; this process has "
-                           f"{torch.backends.cpu.get_cpu_capability()} kernels and {torch.get_num_threads()} threads")
+                           f"{unpinned or 'it'}, {torch.backends.cpu.get_cpu_capability()} kernels and "
+                           f"{torch.get_num_threads()} threads")
     from dsconv.convert.source import open_checkpoint
 
     texts = stdlib_text(TRAIN_MODULES)
