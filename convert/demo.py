@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
@@ -21,14 +22,24 @@ def cache_dir() -> Path:
 
 
 def build_once(final: Path, build) -> Path:
-    """Build into a temporary sibling and rename: a half-built demo never sits under the final name."""
+    """Build into a scratch directory of this process's own beside `final` and rename: a half-built demo never
+    sits under the final name, and two processes building the same one at once (two test runs on one cache) each
+    finish their own; the first rename wins and the other's copy is dropped."""
     if final.is_dir():
         return final
-    building = final.with_name(final.name + ".building")
-    shutil.rmtree(building, ignore_errors=True)
-    build(building)
-    os.replace(building, final)
-    return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.building-"))
+    try:
+        building = scratch / final.name
+        build(building)
+        try:
+            os.replace(building, final)
+        except OSError:  # another process renamed its copy first (a non-empty directory is never replaced)
+            if not final.is_dir():
+                raise
+        return final
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def demo_source(family: str = DEMO_FAMILY) -> Path:

@@ -194,3 +194,30 @@ def test_parse_config_names_what_is_wrong():
         parse_config({k: v for k, v in tiny_config("deepseek_v32").items() if k != "index_topk"})
     with pytest.raises(ArchError, match="n_routed_experts=10"):
         parse_config({**config, "n_routed_experts": 10})
+
+
+def test_build_once_with_two_builders_at_once(tmp_path):
+    """Two processes building the same cached checkpoint at once (two test runs on one empty cache) each finish
+    their own copy; one is renamed into place, the other dropped, and no scratch directory is left."""
+    import threading
+
+    from dsconv.convert.demo import build_once
+
+    both_building = threading.Barrier(2)
+    final = tmp_path / "cache" / "demo"
+
+    def build(out: Path) -> None:
+        out.mkdir()
+        both_building.wait(timeout=60)  # neither renames before the other has started
+        (out / "weights").write_text(threading.current_thread().name)
+
+    results = {}
+    threads = [threading.Thread(target=lambda name=name: results.update({name: build_once(final, build)}), name=name)
+               for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {"a": final, "b": final}
+    assert (final / "weights").read_text() in ("a", "b")
+    assert sorted(path.name for path in final.parent.iterdir()) == ["demo"]
