@@ -82,8 +82,8 @@ TRAINED_INDEX_TOPK = 32
 # count, and glibc's libm (exp, log, sin, ...) by instruction set (FMA or not). Training, and the accuracy gates'
 # evaluation (tests/accuracy_gates.py), therefore run ATen's baseline kernels, MKL's code path that MKL documents
 # as giving the same results on every Intel-compatible CPU (conditional numerical reproducibility), one thread, and
-# glibc's baseline function variants. ATen, MKL and glibc read these settings when the process starts, so pinned work runs in a
-# fresh interpreter.
+# glibc's baseline function variants. ATen, MKL and glibc read these settings when the process starts, so pinned
+# work runs in a fresh interpreter.
 PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
 
