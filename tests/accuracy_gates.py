@@ -2,16 +2,17 @@
 its --kv-cache-dtype, read the same held-out windows through dsrun's model on one rank in float32 compute; the
 figures are perplexities, logits cosines and top-1 agreement.
 
-The figures are computed in a fresh interpreter under the same pinned environment as training
-(dsconv.convert.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible path, one thread, glibc's
-baseline function variants), so every x86-64 CPU gives the same bits. Evaluated on the kernels a CPU picks
-for itself, the per-position figures of the V3.2 cache gates moved with the CPU: a near-tied indexer choice
-that one rounding tips is a different key attended (docs/benchmarks.md, "The accuracy gates on every CPU").
+The figures are computed in fresh interpreters (PARTS at once, a share of the windows each) under the same
+pinned environment as training (dsconv.convert.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible
+path, one thread, glibc's baseline function variants), so that every x86-64 CPU gives the same bits; the test
+records them and checks that it reproduced them. Evaluated on the kernels a CPU picks for itself, the
+per-position figures of the V3.2 cache gates moved with the CPU: a near-tied indexer choice that one rounding
+tips is a different key attended (docs/benchmarks.md, "The accuracy gates on every CPU").
 
-    python -m tests.accuracy_gates TOKENIZER EVAL_TOKENS BASE_SHARDS BASE_KV OTHER_SHARDS OTHER_KV
+    python -m tests.accuracy_gates TOKENIZER EVAL_TOKENS BASE_SHARDS BASE_KV OTHER_SHARDS OTHER_KV PART PARTS
 
-prints the figures as one JSON line (run from the repository root, in the pinned environment or not: the test
-passes PINNED_CPU_ENV; scripts/accuracy_gates_cpus.py runs it under other kernels to show the difference).
+prints one share of a gate's evaluation as one JSON line (run from the repository root; pinned_gate_figures
+runs the shares and combines them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128  # the training sequence length
 PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
 NEW_TOKENS = 64
+# Processes per gate, one core each, a share of the windows each (the CI machine's 2 cores); the figures are the
+# same bits for any number (figures_of)
+PARTS = 2
 
 
 def heldout_ids(tokenizer) -> list[list[int]]:
@@ -74,10 +78,12 @@ def top1_agreement(base: tuple, other: tuple, prompts: list[list[int]]) -> tuple
     return matched, scored
 
 
-def gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple) -> dict:
-    """base, other: (shards, kv_cache_dtype) -> perplexities, logits cosines (mean, min, and the worst of the
-    per-position means over the windows), top-1 agreement, over the first eval_tokens held-out tokens in windows
-    of CONTEXT tokens."""
+def gate_share(tokenizer_path, eval_tokens: int, base: tuple, other: tuple, part: int = 0, parts: int = 1) -> dict:
+    """One process's share of a gate: base, other: (shards, kv_cache_dtype); the gate's windows are the first
+    eval_tokens held-out tokens in windows of CONTEXT tokens, and this share is windows part, part + parts, ...
+    -> each one's summed NLL on both sides and its per-position logits cosines; the last share also runs the
+    top-1 agreement. Every window is its own forward pass (a fresh cache), so a share computes the same bits for
+    its windows as one process computing all."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
@@ -85,32 +91,63 @@ def gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple) ->
     if len(ids) < eval_tokens:
         raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than the {eval_tokens} asked for")
     cut = [w for w in windows(ids, CONTEXT) if len(w) == CONTEXT]
-    ref, new = window_logits(base[0], cut, base[1]), window_logits(other[0], cut, other[1])
-    tokens = sum(len(w) - 1 for w in cut)
-    ppl_ref = math.exp(sum(window_nll(l, w) for l, w in zip(ref, cut)) / tokens)
-    ppl_new = math.exp(sum(window_nll(l, w) for l, w in zip(new, cut)) / tokens)
+    mine = list(range(part, len(cut), parts))
+    share = [cut[i] for i in mine]
+    ref, new = window_logits(base[0], share, base[1]), window_logits(other[0], share, other[1])
     cosines = torch.nn.functional.cosine_similarity(torch.stack(ref).double(), torch.stack(new).double(), dim=-1)
+    out = {"windows": mine, "of": len(cut), "nll_ref": [window_nll(l, w) for l, w in zip(ref, share)],
+           "nll_new": [window_nll(l, w) for l, w in zip(new, share)], "cosines": cosines.tolist()}
+    if part == parts - 1:
+        prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
+        out["agreement"] = top1_agreement(base, other, prompts)
+    return out
+
+
+def figures_of(shares: list[dict]) -> dict:
+    """A gate's shares -> perplexities, logits cosines (mean, min, and the worst of the per-position means over
+    the windows, with that position's lowest windows), top-1 agreement; every sum in window order, so the figures
+    do not depend on how the windows were shared."""
+    count = shares[0]["of"]
+    rows = {}
+    for share in shares:
+        rows.update({index: (ref, new, cosines) for index, ref, new, cosines in
+                     zip(share["windows"], share["nll_ref"], share["nll_new"], share["cosines"])})
+    if sorted(rows) != list(range(count)):
+        raise ValueError(f"the shares cover windows {sorted(rows)[:5]}..., not each of the {count} once")
+    ordered = [rows[index] for index in range(count)]
+    tokens = count * (CONTEXT - 1)
+    ppl_ref = math.exp(sum(ref for ref, _, _ in ordered) / tokens)
+    ppl_new = math.exp(sum(new for _, new, _ in ordered) / tokens)
+    cosines = torch.tensor([row for _, _, row in ordered], dtype=torch.float64)  # [windows, CONTEXT]
     per_position = cosines.mean(0)  # [CONTEXT]: each position's mean over the windows
     worst = per_position.argmin().item()
     lowest = cosines[:, worst].sort().values  # the worst position's windows, lowest first
-    prompts = [[0] + module[:PROMPT_TOKENS - 1] for module in heldout_ids(tokenizer)]
-    matched, scored = top1_agreement(base, other, prompts)
+    [(matched, scored)] = [share["agreement"] for share in shares if "agreement" in share]
     return {"ppl_ref": ppl_ref, "ppl_new": ppl_new, "relative": ppl_new / ppl_ref - 1,
             "cosine_mean": cosines.mean().item(), "cosine_min": cosines.min().item(),
             "position_min": per_position.min().item(), "worst_position": worst,
             "worst_position_lowest": lowest[:3].tolist(), "worst_position_rest": lowest[1:].mean().item(),
-            "matched": matched, "scored": scored, "agreement": matched / scored, "windows": len(cut)}
+            "matched": matched, "scored": scored, "agreement": matched / scored, "windows": count}
 
 
-def pinned_gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple, env: dict | None = None) -> dict:
-    """gate_figures in a fresh interpreter with PINNED_CPU_ENV over this environment (or with the whole
-    environment `env`, to measure what other kernels give)."""
+def pinned_gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tuple, env: dict | None = None,
+                        parts: int = PARTS) -> dict:
+    """A gate's figures from `parts` fresh interpreters at once, each with PINNED_CPU_ENV over this environment (or
+    with the whole environment `env`, to measure what other kernels give) and a share of the windows."""
     args = [str(tokenizer_path), str(eval_tokens), str(base[0]), base[1], str(other[0]), other[1]]
-    proc = subprocess.run([sys.executable, "-m", "tests.accuracy_gates", *args], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, **PINNED_CPU_ENV} if env is None else env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the gate's evaluation failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.accuracy_gates", *args, str(part), str(parts)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **PINNED_CPU_ENV} if env is None else env)
+             for part in range(parts)]
+    shares = []
+    for proc in procs:
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            for other_proc in procs:
+                other_proc.kill()
+            raise RuntimeError(f"the gate's evaluation failed (exit {proc.returncode}):\n{stderr[-4000:]}")
+        shares.append(json.loads(stdout.strip().splitlines()[-1]))
+    return figures_of(shares)
 
 
 def gate_report(name: str, figures: dict) -> str:
@@ -124,5 +161,6 @@ def gate_report(name: str, figures: dict) -> str:
 
 
 if __name__ == "__main__":
-    tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv = sys.argv[1:]
-    print(json.dumps(gate_figures(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv))))
+    tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv, part_arg, parts_arg = sys.argv[1:]
+    print(json.dumps(gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
+                                int(part_arg), int(parts_arg))))

@@ -161,6 +161,16 @@ def test_w8a8_accuracy_gate(family, recorded_models, gate_shards):
     assert figures["agreement"] >= AGREEMENT_MIN[family], report
 
 
+def test_gate_figures_do_not_depend_on_how_the_windows_are_shared(recorded_models, gate_shards):
+    """The pinned evaluation's processes each take a share of the windows (PARTS): one process, or three, gives the
+    same bits."""
+    bf16, w8a8 = gate_shards("deepseek_v32")
+    tokenizer = recorded_models("deepseek_v32") / "tokenizer.json"
+    one, three = (pinned_gate_figures(tokenizer, 8 * CONTEXT, (bf16, "auto"), (w8a8, "auto"), parts=parts)
+                  for parts in (1, 3))
+    assert one == three and one["windows"] == 8
+
+
 def assert_cache_gate(name: str, trained_source, base: tuple, other: tuple) -> None:
     """Issue 24's gate (above) for two (shards, kv_cache_dtype) sides of the trained V3.2, over the gate's windows."""
     figures = gate(name, "deepseek_v32", trained_source, base, other, CACHE_GATE_WINDOWS * CONTEXT)
