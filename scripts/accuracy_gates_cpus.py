@@ -4,16 +4,17 @@ would, and under the pinned environment the gates use (PINNED_CPU_ENV).
 
     python scripts/accuracy_gates_cpus.py [--env pinned native avx2 baseline pinned-sse42] [--gate ...] [--work DIR]
 
-Environments: `native`, this CPU's own choice (2 threads); `avx2`, an AVX2-only CPU such as an AMD EPYC of family
-25 (ATen's AVX2 kernels, MKL's AVX2 path, glibc without its AVX-512 variants, 2 threads); `baseline`, ATen's
-baseline kernels with MKL's compatible path on one thread but glibc as the CPU picks it; `pinned`, PINNED_CPU_ENV;
-`pinned-sse42`, PINNED_CPU_ENV with MKL also capped at SSE4.2. Prints one line per gate and environment, with the
-same figures the test records and checks.
+Environments: `native`, this CPU's own choice (a thread per core); `avx2`, an AVX2-only CPU such as an AMD EPYC of
+family 25 (ATen's AVX2 kernels, MKL's AVX2 path, glibc without its AVX-512 variants, a thread per core);
+`baseline`, ATen's baseline kernels with MKL's compatible path on one thread but glibc as the CPU picks it;
+`pinned`, PINNED_CPU_ENV; `pinned-sse42`, PINNED_CPU_ENV with MKL also capped at SSE4.2. Prints one line per gate
+and environment, with the same figures the test records and checks (docs/benchmarks.md has a run's table).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -30,10 +31,10 @@ from tests.test_accuracy_gate import CACHE_GATE_WINDOWS, EVAL_TOKENS  # noqa: E4
 
 # what each environment sets; an empty value removes the variable, so the CPU's own choice applies
 ENVS = {
-    "native": {"ATEN_CPU_CAPABILITY": "", "MKL_CBWR": "", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "",
+    "native": {"ATEN_CPU_CAPABILITY": "", "MKL_CBWR": "", "OMP_NUM_THREADS": "", "MKL_NUM_THREADS": "",
                "GLIBC_TUNABLES": ""},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"},
+             "OMP_NUM_THREADS": "", "MKL_NUM_THREADS": "", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"},
     "baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                  "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": ""},
     "pinned": PINNED_CPU_ENV,
@@ -44,8 +45,6 @@ GATES = ("deepseek_v32 w8a8 vs bf16", "deepseek_v4 w8a8 vs bf16", "deepseek_v32 
 
 
 def environment(name: str) -> dict:
-    import os
-
     env = {**os.environ}
     for key, value in ENVS[name].items():
         if value:
