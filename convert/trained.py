@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import platform
 import subprocess
 import sys
 import sysconfig
@@ -34,6 +33,7 @@ from typing import Callable
 import torch
 
 from dsconv.family.arch import Encoding, family_for
+from dsconv.kernels.device import cpu_model_and_flags
 from dsconv.convert.demo import build_once, cache_dir
 from dsconv.convert.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
@@ -358,18 +358,9 @@ def trained_source(family: str, encoding: str = "fp8") -> Path:
 
 def cpu_description() -> str:
     """This CPU's model name and the instruction-set flags that pick kernels, for messages about rounding."""
-    model, flags = platform.processor() or "unknown CPU", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = [flag for flag in value.split() if flag in KERNEL_FLAGS or flag.startswith("amx")]
-                break
-    except OSError:
-        pass
-    return f"{model}, flags {' '.join(flags) or 'none of ' + ' '.join(KERNEL_FLAGS)}"
+    model, flags = cpu_model_and_flags()
+    named = [flag for flag in KERNEL_FLAGS if flag in flags] + sorted(flag for flag in flags if flag.startswith("amx"))
+    return f"{model}, flags {' '.join(named) or 'none of ' + ' '.join(KERNEL_FLAGS)}"
 
 
 def weight_digests(root: Path) -> dict[str, str]:

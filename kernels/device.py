@@ -9,6 +9,7 @@ hook that sends other tensors down the NPU branches.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -67,3 +68,20 @@ def flush_denormals(device: torch.device) -> None:
     Raises if the CPU cannot flush (every x86-64 with SSE3 can)."""
     if device.type == "cpu" and not torch.set_flush_denormal(True):
         raise RuntimeError("this CPU cannot flush denormal floats to zero (torch.set_flush_denormal)")
+
+
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """This machine's CPU model name and instruction-set flags (Linux's /proc/cpuinfo; ("unknown", set()) where it
+    cannot be read): the flags say which kernels the CPU path picks, so figures that depend on rounding name them."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return model, flags

@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.errors import InputError  # noqa: E402
+from dsconv.kernels.device import cpu_model_and_flags  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
@@ -276,16 +277,7 @@ def shards_for(work: Path, family: str, layout: Layout) -> Path:
 # -- what the figures ran on ---------------------------------------------------------------------------------------
 
 def machine(world: int | None) -> dict:
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     has = {flag: any(f.startswith("amx") for f in flags) if flag == "amx" else flag in flags for flag in CPU_FLAGS}
     cores = os.cpu_count() or 1
     return {"cpu": model, "cores": cores, "flags": has, "torch": torch.__version__,
