@@ -198,9 +198,12 @@ def _lm_step(model, optimizer, batch: torch.Tensor, lr: float, extra_loss=None) 
     return loss
 
 
-def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log: Callable[[str], None]):
+def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log: Callable[[str], None],
+                on_dense_step: Callable[[int, torch.nn.Module, torch.Tensor | None], None] | None = None):
     """transformers' model of `config`, started from the random fixture's weights, trained on random windows
-    of `tokens` -> the trained model (float32). V3.2 trains dense, then its indexer (see INDEXER_WARMUP_STEPS)."""
+    of `tokens` -> the trained model (float32). V3.2 trains dense, then its indexer (see INDEXER_WARMUP_STEPS).
+    on_dense_step(step, model, loss), if given, sees the model as loaded (step -1, no loss) and after each dense step
+    (scripts/trained_fingerprints.py: where two CPUs' training parts)."""
     from transformers import AutoModelForCausalLM
 
     init = make_tiny_checkpoint(work / "init", family, encoding="bf16", seed=SEED,
@@ -222,8 +225,12 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
 
     if trains_indexer:
         set_index_topk(model, SEQ_LEN)  # dense: every key selected
+    if on_dense_step:
+        on_dense_step(-1, model, None)
     for step, batch in batches(STEPS):
         loss = _lm_step(model, optimizer, batch, _learning_rate(step))
+        if on_dense_step:
+            on_dense_step(step, model, loss)
         if step % 25 == 0 or step == STEPS - 1:
             log(f"{family} step {step}: loss {loss.item():.3f}")
     if not trains_indexer:
@@ -319,22 +326,32 @@ def build_trained(out: Path, family: str) -> Path:
     return out
 
 
-def _train_and_write(family: str, out: Path) -> None:
+def require_pinned() -> None:
+    """Refuses a process that did not start with PINNED_CPU_ENV (ATen, MKL and glibc read it at start-up)."""
     unpinned = {key: os.environ.get(key) for key, value in PINNED_CPU_ENV.items() if os.environ.get(key) != value}
     if unpinned or torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
         raise RuntimeError(f"training needs {PINNED_CPU_ENV} in the environment before torch loads; this process has "
                            f"{unpinned or 'it'}, {torch.backends.cpu.get_cpu_capability()} kernels and "
                            f"{torch.get_num_threads()} threads")
-    from dsconv.convert.source import open_checkpoint
 
+
+def training_tokens():
+    """(the BPE tokenizer trained on TRAIN_MODULES, their token ids with BOS opening each module)."""
     texts = stdlib_text(TRAIN_MODULES)
     tokenizer = train_tokenizer(texts)
-    ids = [token for text in texts for token in [0] + tokenizer.encode(text).ids]  # BOS opens each module
+    return tokenizer, torch.tensor([token for text in texts for token in [0] + tokenizer.encode(text).ids])
+
+
+def _train_and_write(family: str, out: Path) -> None:
+    require_pinned()
+    from dsconv.convert.source import open_checkpoint
+
+    tokenizer, ids = training_tokens()
     config = training_config(family)
     torch.use_deterministic_algorithms(True)
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        model = train_model(family, config, torch.tensor(ids), work, print)
+        model = train_model(family, config, ids, work, print)
         model.save_pretrained(work / "saved")
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
@@ -383,8 +400,8 @@ def unrecorded_bytes(family: str) -> str | None:
     first = differ[0]
     return (f"the trained {family} model differs on this CPU ({cpu_description()}): {root.name}/{first} has "
             f"sha256 {got.get(first, 'missing')[:16]}, recorded {want.get(first, 'none')[:16]} ({len(differ)} of "
-            f"{len(want)} files differ), so its accuracy figures are not the recorded ones; see PINNED_CPU_ENV in "
-            f"convert/trained.py")
+            f"{len(want)} files differ), so its accuracy figures are not the recorded ones; "
+            f"scripts/trained_fingerprints.py shows where its training parts from the recorded one's")
 
 
 def train_missing(families: tuple[str, ...] = FAMILIES) -> None:
