@@ -67,8 +67,8 @@ def top1_agreement(base: tuple, other: tuple, prompts: list[list[int]]) -> tuple
     """(matched, scored): the positions of the base side's greedy continuations, and how many of them the other
     side, reading the same text, ranks the same token first at (both through the same forward pass). base, other:
     (shards, kv_cache_dtype). Each position is judged on its own, so a near-tie that rounding tips moves one."""
-    texts = [prompt + continuation for prompt, continuation in zip(prompts, greedy_tokens(*base[:1], prompts,
-                                                                                           base[1]))]
+    continuations = greedy_tokens(base[0], prompts, base[1])
+    texts = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
     matched = scored = 0
     for prompt, ref, new in zip(prompts, window_logits(base[0], texts, base[1]),
                                 window_logits(other[0], texts, other[1])):
