@@ -53,6 +53,8 @@ LOCAL_ADDR = "127.0.0.1"
 # that does handle it flush its log before SIGKILL.
 TERMINATE_GRACE_S = 5.0
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a job ended by Ctrl-C (128 + SIGINT)
+USER_ERROR_EXIT = 2  # a rank that refused its input (InputError, such as a flag only a loaded rank can check): the
+#                      job exits 2, as a command does for a user mistake
 
 
 def backend_for(device: str) -> str:
@@ -155,7 +157,7 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
         if isinstance(e, SystemExit) and e.code in (None, 0):
             return 0
         _record_failure(log_dir, rank, e)
-        return 1
+        return USER_ERROR_EXIT if isinstance(e, InputError) else 1
 
 
 def _resolve(entry: str | Callable) -> Callable:
@@ -305,7 +307,7 @@ def _supervise(procs: list, log_dir: Path) -> int:
             reason = _failure_reason(log_dir, rank, procs[rank].exitcode)
             print(f"rank {rank} failed: {reason} (logs in {log_dir})", file=sys.stderr, flush=True)
             _stop(procs)
-            return 1
+            return USER_ERROR_EXIT if procs[rank].exitcode == USER_ERROR_EXIT else 1
     return 0
 
 

@@ -114,13 +114,13 @@ def encode_chat(family, messages: Sequence[Message], thinking: bool = False,
         if family.tool_dialect is None:
             raise ChatError(f"tools are not supported for {family.name}: its chat templates write tool calls in "
                             f"formats that differ by release; DeepSeek-V3.2 and V4 take tools")
-        _check_tools(tools)
+        check_tools(tools)
     elif any(m["role"] == "tool" or m.get("tool_calls") for m in messages) and family.tool_dialect is None:
         raise ChatError(f"tool calls and results are not supported for {family.name}")
     return family.encode_chat(messages, thinking, tokenizer_config or {}, list(tools or ()))
 
 
-def _check_tools(tools: Sequence[Mapping]) -> None:
+def check_tools(tools: Sequence[Mapping]) -> None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or \
                 not isinstance(tool.get("function"), Mapping) or not isinstance(tool["function"].get("name"), str):

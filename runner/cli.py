@@ -59,6 +59,9 @@ CP_SIZE_HELP = ("Context-parallel prefill (vLLM's name): a prompt of at least --
                 "prefilled in one step by a group of this many attention-DP ranks (its own and the next ones), "
                 "each feeding a causal-balanced share of its tokens; decode then continues on its own rank. "
                 "Divides the attention-DP size; attention TP 1; V3 / V3.2 only.")
+MAX_MODEL_LEN_HELP = ("The most tokens one request may hold, prompt and reply (vLLM's flag). Default: the smaller of the "
+                      "model's max_position_embeddings and what one attention-DP rank's KV cache holds; a chat "
+                      "request without max_tokens gets what is left after its prompt.")
 CP_MIN_TOKENS_HELP = "The shortest prompt a context-parallel group prefills (see --prefill-context-parallel-size)."
 # Below V3.2's index_topk (2048) the indexer keeps every key and a prompt's prefill is short: the group's step
 # and its per-layer gathers are worth giving for longer ones (docs/benchmarks.md: 4,096 tokens at CP 2).
@@ -82,6 +85,13 @@ def _import_torch() -> None:
             raise
         cause = exc.__cause__ or exc
         fail(NO_CANN.format(cause=f"{type(cause).__name__}: {cause}".replace("\n", " ")))
+
+
+def _cache_capacity(cache_tokens: int) -> int:
+    """The tokens a cache asked for --cache-tokens holds: whole blocks, rounded up."""
+    from dsconv.runner.models.kv_cache import BLOCK_SIZE
+
+    return -(-cache_tokens // BLOCK_SIZE) * BLOCK_SIZE
 
 
 def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto", cp_size: int = 1,
@@ -123,6 +133,7 @@ def generate(
                                                                    "--prompt (chat format only).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
+    max_model_len: Annotated[Optional[int], typer.Option(help=MAX_MODEL_LEN_HELP)] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
@@ -132,7 +143,7 @@ def generate(
     _import_torch()
     from dsconv.family.arch import family_for
     from dsconv.family.chat import read_tokenizer_config
-    from dsconv.runner.engine.request import check_prompt
+    from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
 
     try:
         if max_new_tokens < 1:
@@ -154,8 +165,10 @@ def generate(
         tokenizer, tokenizer_path = _tokenizer(Path(shards))
         family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
         prompts = [_prompt_ids(tokenizer, p, family, not no_chat, system, thinking, tokenizer_config) for p in prompt]
+        model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"],
+                                          _cache_capacity(cache_tokens))
         for ids in prompts:
-            check_prompt(ids, max_new_tokens, config["vocab_size"], config["max_position_embeddings"])
+            check_prompt(ids, max_new_tokens, config["vocab_size"], model_len)
         dp = manifest["layout"]["dp"]  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
         if need > cache_tokens:
@@ -166,8 +179,8 @@ def generate(
                 "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
                 "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
                 "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path),
-                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
-                timeout) as results:
+                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens,
+                "max_model_len": model_len}, manifest, device, timeout) as results:
             if results is not None:
                 _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
     except InputError as exc:
@@ -185,6 +198,8 @@ def perplexity(
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (perplexity, tokens "
                                                              "scored, windows).")] = False,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        help="The most tokens a window may hold (vLLM's flag); default: the model's max_position_embeddings.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
@@ -193,7 +208,7 @@ def perplexity(
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
     in consecutive windows of --context tokens spread over the attention-DP ranks."""
     _import_torch()
-    from dsconv.runner.engine.request import check_prompt
+    from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
     from dsconv.runner.entrypoints.perplexity import summarize, windows
     from dsconv.runner.entrypoints.ranks import RESULTS_NAME
 
@@ -212,14 +227,16 @@ def perplexity(
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
         tokenizer, _ = _tokenizer(Path(shards))
+        model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"], None)
         cut = windows([config["bos_token_id"]] + tokenizer.encode(text, add_special_tokens=False).ids, context)
         for window in cut:  # each window is scored as a prompt of the engine
-            check_prompt(window, 0, config["vocab_size"], config["max_position_embeddings"])
+            check_prompt(window, 0, config["vocab_size"], model_len)
         started = time.perf_counter()
         with _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
                 "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
                 "kv_cache_dtype": kv_cache_dtype, "cp_size": prefill_context_parallel_size,
-                "cp_min_tokens": prefill_cp_min_tokens}, manifest, device, timeout) as results:
+                "cp_min_tokens": prefill_cp_min_tokens, "max_model_len": model_len}, manifest, device,
+                timeout) as results:
             records = None if results is None else json.loads((results / RESULTS_NAME).read_text())
     except InputError as exc:
         fail(str(exc))
@@ -246,6 +263,7 @@ def serve(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens one attention-DP rank feeds per step; longer "
                                                               "prompts are prefilled in chunks.")] = 4096,
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 16384,
+    max_model_len: Annotated[Optional[int], typer.Option(help=MAX_MODEL_LEN_HELP)] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
@@ -266,8 +284,14 @@ def serve(
              "/metrics stay open. Without it, a server on a non-loopback address warns at start.")] = None,
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank."""
+    /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank.
+
+    Every parameter OpenAI documents is accepted; logit_bias is applied.
+    reasoning_effort is the thinking switch: none and minimal turn it off; low, medium, high and xhigh on.
+    store, metadata, service_tier, prompt_cache_key, safety_identifier, user, prediction, verbosity: ignored.
+    A chat request without max_tokens gets --max-model-len minus its prompt."""
     _import_torch()
+    from dsconv.runner.engine.request import resolve_max_model_len
     from dsconv.runner.engine.scheduler import BALANCING
 
     try:
@@ -294,8 +318,11 @@ def serve(
         if kv_cache_memory_bytes is not None and manifest["model"]["family"] == "deepseek_v4":
             raise InputError("--kv-cache-memory-bytes is not available for deepseek_v4 (its windows and compressor "
                              "state are per sequence): size its cache with --cache-tokens")
-        if "max_position_embeddings" not in manifest["model"]["config"]:
+        config = manifest["model"]["config"]
+        if "max_position_embeddings" not in config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
+        if kv_cache_memory_bytes is None:  # else the cache's size is known once a rank has built it
+            resolve_max_model_len(max_model_len, config["max_position_embeddings"], _cache_capacity(cache_tokens))
         _, tokenizer_path = _tokenizer(Path(shards))
         with _run_ranks("dsconv.runner.entrypoints.serve:rank_main", {
                 "shards": str(shards), "dtype": dtype, "host": host, "port": port,
@@ -304,8 +331,8 @@ def serve(
                 "max_num_batched_tokens": max_num_batched_tokens, "cache_tokens": cache_tokens,
                 "balancing": dp_balancing, "timeout_s": timeout, "drain_timeout_s": drain_timeout,
                 "kv_cache_dtype": kv_cache_dtype, "api_key": api_key, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens}, manifest, device,
-                timeout, sigterm_to_rank0=True):
+                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens,
+                "max_model_len": max_model_len}, manifest, device, timeout, sigterm_to_rank0=True):
             pass  # the server ran until it was stopped; it writes no results
     except InputError as exc:
         fail(str(exc))

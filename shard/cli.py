@@ -51,8 +51,9 @@ def shard(
     embed_tp: Annotated[int, typer.Option(help="Embedding tensor-parallel size (vllm-ascend's "
                                                "embedding_tensor_parallel_size): the embedding's vocabulary rows "
                                                "split over groups of this many ranks.")] = 1,
-    world_size: Annotated[int, typer.Option(help="Number of ranks; every size must divide it.")]
-        = DEFAULT_WORLD_SIZE,
+    world_size: Annotated[Optional[int], typer.Option(
+        help="Number of ranks; every size must divide it. Default: the largest of --ep, --tp, --attn-tp, "
+             "--oproj-tp and --embed-tp (16 with the defaults; 1 for --ep 1 --tp 1).")] = None,
     max_file_size: Annotated[str, typer.Option(help="Cap on each shard file.")] = "4GB",
     workers: Annotated[Optional[int], typer.Option(help="Worker threads (default: all cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print per-rank bytes and write nothing.")] = False,
@@ -67,12 +68,14 @@ def shard(
 
     with user_errors():
         n_workers = resolve_workers(workers)
-        layout = Layout(world_size, ep, tp, attn_tp, oproj_tp, embed_tp)
+        world = max(ep, tp, attn_tp, oproj_tp, embed_tp) if world_size is None else world_size
+        layout = Layout(world, ep, tp, attn_tp, oproj_tp, embed_tp)
         plan = make_shard_plan(src, layout, parse_size(max_file_size))
         if dry_run:
             console.print(rank_table(plan))
             console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
-                          f"directories; layout {layout.to_json()['groups']}")
+                          f"directories; {layout_line(layout)}; groups {layout.to_json()['groups']}",
+                          highlight=False)
             return
         with byte_progress("shard", plan.nbytes) as update:
             result = run_shard(plan, out, n_workers, update)
@@ -80,7 +83,12 @@ def shard(
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
                   f"{out} in {result.seconds:.2f} s ({plan.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
-                  f"GB/s in)")
+                  f"GB/s in); {layout_line(layout)}", highlight=False)
+
+
+def layout_line(layout: Layout) -> str:
+    return (f"world size {layout.world_size}: attention DP {layout.dp} x attention TP {layout.attn_tp}, EP "
+            f"{layout.ep}, lm_head TP {layout.tp}")
 
 
 def verify(

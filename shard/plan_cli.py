@@ -146,7 +146,9 @@ def plan(
     oproj_tp: Annotated[int, typer.Option(help="o_proj tensor-parallel size over attention-DP ranks (needs "
                                                "--attn-tp 1; V3 / V3.2).")] = 1,
     embed_tp: Annotated[int, typer.Option(help="Embedding vocabulary-parallel size.")] = 1,
-    world_size: Annotated[int, typer.Option(help="Number of ranks (cards).")] = DEFAULT_WORLD_SIZE,
+    world_size: Annotated[Optional[int], typer.Option(
+        help="Number of ranks (cards). Default: the largest of --ep, --tp, --attn-tp, --oproj-tp and --embed-tp, "
+             "as for `dsconv shard`.")] = None,
     card_gb: Annotated[float, typer.Option(help="Memory of one card in GB (10^9 bytes); headroom = card - "
                                                 "weights - KV cache.")] = 64,
     batch: Annotated[int, typer.Option(help="Sequences per attention-DP rank (each DP rank holds only its own "
@@ -174,7 +176,8 @@ def plan(
         raw = load_config(config)
         family = family_for(raw)
         arch = family.parse_config(raw)
-        layout = Layout(world_size=world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
+        world = max(ep, tp, attn_tp, oproj_tp, embed_tp) if world_size is None else world_size
+        layout = Layout(world_size=world, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
         check_layout(family, arch, layout)
         check_kv_cache_dtype(family, kv_cache_dtype)
         for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb)):

@@ -339,8 +339,10 @@ def test_ranks_exit_when_supervisor_is_killed(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # Under torchrun: the entry runs in this process (a one-rank "torchrun" environment keeps it cheap)
 
-def _one_rank_body(fail: bool) -> None:
+def _one_rank_body(fail: bool, user_error: bool = False) -> None:
     assert dist.get_world_size() == 1 and dist.get_rank() == 0
+    if user_error:
+        raise InputError("--max-model-len 9 does not fit")
     if fail:
         raise ValueError("bad shard")
 
@@ -360,6 +362,10 @@ def test_under_torchrun_runs_in_this_process(torchrun_env, tmp_path, capfd):
     assert not dist.is_initialized()
     assert launch(_one_rank_body, {"fail": True}, world_size=1, device="cpu", timeout_s=30, log_dir=tmp_path) == 1
     assert _failure_lines(capfd.readouterr().err) == [f"rank 0 failed: ValueError: bad shard (logs in {tmp_path})"]
+    # a user mistake only a rank could find: exit 2, as for one the command finds itself
+    dist.destroy_process_group()  # what the failed entry left up (torchrun would have ended the process)
+    assert launch(_one_rank_body, {"fail": False, "user_error": True}, world_size=1, device="cpu", timeout_s=30,
+                  log_dir=tmp_path / "user") == 2
 
 
 def test_under_torchrun_world_size_must_match(torchrun_env, tmp_path):

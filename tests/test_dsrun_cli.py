@@ -175,9 +175,29 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     (["--prompt", "hi", "--system", "  "], "--system is empty"),
     (["--prompt", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype int8 is not available for deepseek_v4"),
     (["--prompt", "hi", "--kv-cache-dtype", "fp16"], "not one of auto, int8"),
+    # the demo's config: max_position_embeddings 4096
+    (["--prompt", "hi", "--max-model-len", "5000"], "--max-model-len 5000 exceeds the model's context "
+                                                     "(max_position_embeddings 4096)"),
+    (["--prompt", "hi", "--max-model-len", "2048", "--cache-tokens", "1000"],
+     "--max-model-len 2048 does not fit one attention-DP rank's KV cache of 1008 tokens"),
+    (["--prompt", "hi", "--max-model-len", "10", "--max-new-tokens", "8"], "exceed the model's context of 10 tokens"),
+    (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len 0 must be at least 1"),
 ])
 def test_bad_input(demo, args, needle):
     proc = dsrun(demo, "--shards", demo, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-model-len", "2048", "--cache-tokens", "1024"],
+     "--max-model-len 2048 does not fit one attention-DP rank's KV cache of 1024 tokens"),
+    (["--max-model-len", "8192"], "exceeds the model's context (max_position_embeddings 4096)"),
+])
+def test_serve_refuses_a_max_model_len_that_cannot_run(demo, args, needle):
+    """An explicit --max-model-len beyond what one request can ever hold: one line and exit 2, before any rank."""
+    proc = dsrun(demo, "--shards", demo, "--port", "0", *args, command="serve")
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr

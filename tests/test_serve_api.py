@@ -187,11 +187,21 @@ def events(response):
     return out
 
 
+# OpenAI's error types by status (any other 4xx: invalid_request_error, any 5xx: server_error)
+OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
+
+
 def assert_error(response, status):
+    """An error body as OpenAI's API writes one: {"error": {"message", "type", "param", "code"}}, `code` a string or
+    null."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"] and "\n" not in error["message"]
-    assert error["code"] == status and isinstance(error["type"], str)
+    assert error["type"] == OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else
+                                                   "invalid_request_error"), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+    assert error["param"] is None or isinstance(error["param"], str), error
     return error["message"]
 
 
@@ -548,7 +558,7 @@ def test_request_refused_as_draining_begins_is_a_503():
     client, _ = make_client(Refusing())
     assert "shutting down" in assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
     body = client.post("/v1/completions", json={"prompt": "x", "stream": True}).text
-    assert '"code": 503' in body and body.endswith("data: [DONE]\n\n"), body
+    assert '"type": "server_error"' in body and body.endswith("data: [DONE]\n\n"), body
 
 
 def test_body_over_the_limit_is_a_413(monkeypatch):
@@ -602,7 +612,9 @@ BAD_COMPLETIONS = [
     {**GOOD, "best_of": 2}, {**GOOD, "presence_penalty": 0.5},
     {**GOOD, "frequency_penalty": -1.0}, {**GOOD, "model": "gpt-4"},
     {**GOOD, "stream_options": {"include_usage": True}},
-    {**GOOD, "logit_bias": {"5": 1}}, {**GOOD, "suffix": "x"}, {**GOOD, "unknown_field": 1},
+    {**GOOD, "logit_bias": {"5": 101}}, {**GOOD, "logit_bias": {"x": 1}}, {**GOOD, "logit_bias": {str(VOCAB): 1}},
+    {**GOOD, "logit_bias": {"5": "1"}}, {**GOOD, "logit_bias": [5]}, {**GOOD, "suffix": "x"},
+    {**GOOD, "unknown_field": 1}, {**GOOD, "store": True}, {**GOOD, "reasoning_effort": "low"},
     {**GOOD, "max_tokens": 0, "echo": True},
 ]
 BAD_CHAT = [
@@ -610,7 +622,10 @@ BAD_CHAT = [
     {**GOOD_CHAT, "messages": [{"role": "robot", "content": "x"}]}, {**GOOD_CHAT, "messages": [{"content": "x"}]},
     {**GOOD_CHAT, "messages": [{"role": "user"}]}, {**GOOD_CHAT, "messages": [{"role": "user", "content": 5}]},
     {**GOOD_CHAT, "messages": [{"role": "assistant", "content": "x"}]}, {**GOOD_CHAT, "messages": ["hi"]},
-    {**GOOD_CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+    {**GOOD_CHAT, "messages": [{"role": "user", "content": "x", "nickname": "bob"}]},
+    {**GOOD_CHAT, "messages": [{"role": "user", "content": "x", "name": 5, "extra": 1}]},
+    {**GOOD_CHAT, "messages": [{"role": "tool", "content": "x"}]},  # no call it answers
+    {**GOOD_CHAT, "messages": [{"role": "function", "name": "f", "content": "x"}]},
     {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]},
     {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
     {**GOOD_CHAT, "tools": [{"type": "function"}]}, {**GOOD_CHAT, "chat_template_kwargs": {"thinking": "yes"}},
@@ -619,6 +634,11 @@ BAD_CHAT = [
     {**GOOD_CHAT, "logprobs": 1}, {**GOOD_CHAT, "top_logprobs": 2}, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
     {**GOOD_CHAT, "max_completion_tokens": -5}, {**GOOD_CHAT, "max_tokens": 10**7}, {**GOOD_CHAT, "n": 200},
     {**GOOD_CHAT, "model": "x"}, {**GOOD_CHAT, "echo": True}, {**GOOD_CHAT, "temperature": "hot"},
+    {**GOOD_CHAT, "reasoning_effort": "extreme"}, {**GOOD_CHAT, "reasoning_effort": 3}, {**GOOD_CHAT, "store": "yes"},
+    {**GOOD_CHAT, "modalities": ["text", "audio"]}, {**GOOD_CHAT, "audio": {"voice": "alloy", "format": "wav"}},
+    {**GOOD_CHAT, "web_search_options": {}}, {**GOOD_CHAT, "functions": [{"name": "f"}]},
+    {**GOOD_CHAT, "metadata": {"a": 1}}, {**GOOD_CHAT, "parallel_tool_call": False},
+    {**GOOD_CHAT, "reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}},
     {"messages": [{"role": "user", "content": "hello " * 5000}]},  # the prompt alone is over max_model_len
 ]
 BAD_OTHER = [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"prompt": "a", "messages": []}),
@@ -833,9 +853,31 @@ def test_tool_calls_through_the_api_streamed_and_whole(family, dialect, thinking
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text == "Let me check." and "DSML" not in json.dumps([c["choices"][0]["delta"].get("content")
                                                                   for c in chunks])
-    streamed = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()]
-    assert calls_of(streamed) == EXPECTED_CALLS and [c["index"] for c in streamed] == [0, 1]
+    deltas = [(at, call) for at, c in enumerate(chunks) for call in c["choices"][0]["delta"].get("tool_calls") or ()]
+    streamed = assembled([call for _, call in deltas])
+    assert calls_of(streamed) == EXPECTED_CALLS == calls_of(message["tool_calls"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # incrementally: each call's name comes first, in a chunk of its own before the last, then its arguments in
+    # fragments as its parameters decode
+    for index, call in enumerate(streamed):
+        own = [(at, delta) for at, delta in deltas if delta["index"] == index]
+        (first_at, first), *rest = own
+        assert first["id"] == call["id"] and first["type"] == "function" and first["function"]["name"]
+        assert first_at < len(chunks) - 1 and all("name" not in d["function"] and "id" not in d for _, d in rest)
+        fragments = [d["function"]["arguments"] for d in [first] + [d for _, d in rest] if d["function"]["arguments"]]
+        assert len(fragments) >= (2 if json.loads(call["function"]["arguments"]) else 1), own
+
+
+def assembled(deltas: list[dict]) -> list[dict]:
+    """Streamed tool_calls deltas joined as OpenAI's SDKs join them: by index, id / type / name from the first,
+    arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"id": delta.get("id"), "type": delta.get("type"),
+                                                 "function": {"name": "", "arguments": ""}})
+        call["function"]["name"] += delta["function"].get("name") or ""
+        call["function"]["arguments"] += delta["function"].get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_openai_client_reads_the_calls_and_a_tool_result_round():
@@ -871,7 +913,6 @@ def test_openai_client_reads_the_calls_and_a_tool_result_round():
     ({"tools": None, "response_format": {"type": "json_schema", "json_schema": {}}}, "needs json_schema.schema"),
     ({"tools": None, "response_format": {"type": "yaml"}}, "response_format.type must be"),
     ({"tool_choice": "sometimes"}, "tool_choice must be"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls=false is not supported"),
     ({"tools": None, "tool_choice": "auto"}, "needs tools"),
     ({"tools": [{"type": "function"}]}, "tools[0] must be"),
 ])
@@ -889,3 +930,184 @@ def test_tool_choice_none_leaves_tools_out():
     message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert message["content"] == "plain text" and "tool_calls" not in message
     assert "get_weather" not in engine.tokenizer.decode(engine.submitted[next(iter(engine.submitted))][0])
+
+
+# --- what real clients send by default (issue: LangChain, instructor, pydantic-ai, OpenAI Agents) ------------
+
+def submitted_last(engine):
+    """(prompt ids, params) of the engine's latest request."""
+    prompt, params, _ = engine.submitted[list(engine.submitted)[-1]]
+    return prompt, params
+
+
+def test_messages_as_openai_accepts_them():
+    """`name` on any message, an assistant turn read back from a response (null annotations, audio, function_call,
+    refusal) and role `developer` give the prompt of the plain conversation."""
+    client, engine = make_client(FakeEngine(script=[5, 1]))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "user", "content": "Thanks"}]
+    as_sent = [{"role": "developer", "content": "Be brief.", "name": "rules"},
+               {"role": "user", "content": [{"type": "text", "text": "Weather?"}], "name": "alice"},
+               {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+                "function_call": None, "tool_calls": [call], "name": "bot", "reasoning_content": None},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": "get_weather"},
+               {"role": "user", "content": "Thanks", "name": None}]
+    prompts = []
+    for messages in (plain, as_sent):
+        response = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER],
+                                                              "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        prompts.append(submitted_last(engine)[0])
+    assert prompts[0] == prompts[1]
+    # a real audio reply or a legacy function_call cannot be rendered: refused, not dropped
+    for field, value in (("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", field: value},
+                    {"role": "user", "content": "again"}]
+        assert f"messages[1].{field} is not supported" in assert_error(
+            client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}), 400)
+
+
+IGNORED = {"store": True, "metadata": {"run": "7"}, "service_tier": "auto", "prompt_cache_key": "k",
+           "prompt_cache_retention": "24h", "safety_identifier": "u-1", "verbosity": "low", "modalities": ["text"],
+           "prediction": {"type": "content", "content": "x"}, "user": "u"}
+
+
+def test_documented_parameters_that_do_not_apply_are_ignored():
+    client, engine = make_client()
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 4, "temperature": 0.5}
+    plain = client.post("/v1/chat/completions", json=base).json()
+    expected = submitted_last(engine)
+    for field, value in IGNORED.items():
+        response = client.post("/v1/chat/completions", json={**base, field: value})
+        assert response.status_code == 200, (field, response.text)
+        assert response.json()["choices"] == plain["choices"] and submitted_last(engine) == expected, field
+    response = client.post("/v1/chat/completions", json={**base, **IGNORED})
+    assert response.status_code == 200 and submitted_last(engine) == expected
+    # completions: user and an empty suffix
+    assert client.post("/v1/completions", json={**GOOD, "user": "u", "suffix": ""}).status_code == 200
+
+
+@pytest.mark.parametrize("effort,thinking", [("none", False), ("minimal", False), ("low", True), ("medium", True),
+                                             ("high", True), ("xhigh", True), (None, False)])
+def test_reasoning_effort_is_the_thinking_switch(effort, thinking):
+    client, engine = make_client(FakeEngine(script=[5, 1]))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "reasoning_effort": effort}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    prompt = TOKENIZER.decode(submitted_last(engine)[0], skip_special_tokens=False)
+    assert prompt.endswith("<｜Assistant｜><think>" if thinking else "<｜Assistant｜></think>"), prompt
+    # the same as the template switch, and the two may be given together when they agree
+    both = {**body, "chat_template_kwargs": {"thinking": thinking}}
+    assert client.post("/v1/chat/completions", json=both).status_code == 200
+    assert TOKENIZER.decode(submitted_last(engine)[0], skip_special_tokens=False) == prompt
+
+
+def test_logit_bias_reaches_the_engine_as_pairs():
+    client, engine = make_client()
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", GOOD_CHAT)):
+        response = client.post(path, json={**body, "logit_bias": {"17": 100, "5": -100, "9": 2.5}})
+        assert response.status_code == 200, response.text
+        assert submitted_last(engine)[1].logit_bias == ((5, -100.0), (9, 2.5), (17, 100.0))
+
+
+def test_error_bodies_name_the_field():
+    client, _ = make_client()
+    error = client.post("/v1/chat/completions", json={**GOOD_CHAT, "model": "gpt-4"}).json()["error"]
+    assert error == {"message": f"The model `gpt-4` does not exist; this server serves `{MODEL}`.",
+                     "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    error = client.post("/v1/chat/completions", json={**GOOD_CHAT, "temprature": 1}).json()["error"]
+    assert error == {"message": "unsupported field 'temprature'", "type": "invalid_request_error",
+                     "param": "temprature", "code": None}
+    assert client.post("/v1/completions", json={**GOOD, "logit_bias": {"5": 200}}).json()["error"]["param"] == \
+        "logit_bias"
+
+
+def grammar_of(engine, body):
+    client = make_client(engine)[0]
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return submitted_last(engine)[1].grammar
+
+
+def test_parallel_tool_calls_false_holds_auto_to_at_most_one_call():
+    engine = FakeEngine(script=[5, 1])
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "max_tokens": 2}
+    assert grammar_of(engine, body) is None  # auto, parallel calls allowed: free
+    for choice in (None, "auto"):
+        tag = json.loads(grammar_of(engine, {**body, "tool_choice": choice, "parallel_tool_calls": False}).text)
+        assert tag["format"]["type"] == "triggered_tags" and tag["format"]["stop_after_first"], tag
+        (block,) = tag["format"]["tags"]
+        assert block["content"]["stop_after_first"]  # one invoke in the block
+    # required: one call, whatever parallel_tool_calls says
+    required = grammar_of(engine, {**body, "tool_choice": "required"})
+    assert required == grammar_of(engine, {**body, "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(required.text)["format"]["elements"][1]["stop_after_first"]
+
+
+def test_a_tool_without_parameters_takes_an_empty_object():
+    tool = {"type": "function", "function": {"name": "now", "description": "The time"}}
+    tag = json.loads(grammar_of(FakeEngine(script=[5, 1]), {"messages": [{"role": "user", "content": "hi"}],
+                                                           "tools": [tool], "tool_choice": "required",
+                                                           "max_tokens": 2}).text)
+    (invoke,) = tag["format"]["elements"][1]["tags"]
+    assert invoke["content"]["json_schema"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    # the grammar it compiles to allows the empty call and nothing else
+    from dsconv.runner.engine.grammar import NO_PARAMETERS, tool_call_spec
+    import xgrammar
+
+    spec = tool_call_spec("deepseek_v3_2", [tool], "required", False)
+    assert json.loads(spec.text) == tag
+    compiled = GRAMMARS.compile(spec)
+    block = V32.render_calls([{"function": {"name": "now", "arguments": "{}"}}])
+    with_argument = block.replace("\n</｜DSML｜invoke>",
+                                  '\n<｜DSML｜parameter name="tz" string="true">UTC</｜DSML｜parameter>\n'
+                                  '</｜DSML｜invoke>')
+    for text, ok in ((block, True), (with_argument, False)):
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert all(matcher.accept_token(t) for t in ids_of(text)) == ok, text
+    assert NO_PARAMETERS["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("dialect", [V32, V4])
+def test_streamed_call_fragments_at_every_cut_concatenate_to_the_whole(dialect):
+    """partial_calls over every prefix of a reply: each call's arguments only grow, and the deltas a stream sends
+    join to split_calls' arguments of the whole reply."""
+    from dsconv.runner.entrypoints.openai.tool_calls import CallStream, partial_calls, split_calls
+
+    calls = CALLS + [{"type": "function", "function": {"name": "note", "arguments": json.dumps(
+        {"text": 'quote " slash \\ tab\t 北京 </｜DSML｜param', "n": [1, {"a": None}], "ok": True})}}]
+    text = "Sure." + dialect.render_calls(calls)
+    final = split_calls(dialect, text).calls
+    stream, deltas = CallStream(), []
+    for cut in range(len(text) + 1):
+        deltas += stream.deltas(partial_calls(dialect, text[:cut]))
+    deltas += stream.final(final)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in assembled(deltas)] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in final]
+    assert len([d for d in deltas if d["index"] == 2]) > 10  # the long string streamed piece by piece
+
+
+NEW_FIELDS = ("logit_bias", "reasoning_effort", "modalities", "store", "metadata", "service_tier", "prompt_cache_key",
+              "prompt_cache_retention", "safety_identifier", "prediction", "verbosity", "audio", "web_search_options",
+              "functions", "function_call", "parallel_tool_calls", "suffix")
+ODD_VALUES = (None, True, 0, -1, 1.5, "", "x", [], [1], ["text"], {}, {"1": 2}, {"5": "a"}, {"-3": 1}, {"0": 1e9},
+              {"x": None}, [{"name": 5}], {"type": "content"})
+
+
+def test_odd_values_of_the_new_fields_are_never_a_server_error():
+    client, _ = make_client()
+    tools = {"tools": [WEATHER]}
+    for field in NEW_FIELDS:
+        for value in ODD_VALUES:
+            for path, body in (("/v1/chat/completions", {**GOOD_CHAT, **tools}), ("/v1/completions", GOOD)):
+                response = client.post(path, json={**body, field: value})
+                assert response.status_code in (200, 400), (path, field, value, response.text)
+    messages = [{"role": "developer", "content": None}, {"role": "developer", "content": 5, "name": "x"},
+                {"role": "user", "content": "x", "name": None, "refusal": "no"},
+                {"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},
+                {"role": "assistant", "content": None, "tool_calls": None, "audio": None}, {"role": None}]
+    for message in messages:
+        for tail in ([], [{"role": "user", "content": "y"}]):
+            response = client.post("/v1/chat/completions", json={**GOOD_CHAT, "messages": [message] + tail})
+            assert response.status_code in (200, 400), (message, response.text)

@@ -143,13 +143,21 @@ def _reasoning(xgr):
     return xgr.Grammar.from_structural_tag(StructuralTag(format=block))
 
 
+# OpenAI reads a function without `parameters` as one that takes none; xgrammar would let its arguments be anything
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def tool_call_spec(model: str, tools: list[dict], tool_choice, thinking: bool) -> GrammarSpec:
     """xgrammar's own structural tag for a DeepSeek model's tool calls (`model`: its key, "deepseek_v3_2" or
-    "deepseek_v4"), tool_choice "required" or a named function: one call (the grammar ends after it, so a weak
-    model cannot go on calling until max_tokens); JSON argument values take at most one whitespace character
-    between tokens (xgrammar refuses none)."""
+    "deepseek_v4"): tool_choice "required" or a named function, one call (the grammar ends after it, so a weak
+    model cannot go on calling until max_tokens); "auto" (parallel_tool_calls false), free text and at most one
+    call after it. JSON argument values take at most one whitespace character between tokens (xgrammar refuses
+    none); a function without `parameters` takes none (its arguments are `{}`)."""
     import xgrammar
 
+    tools = [{**tool, "function": {**tool["function"], "parameters": tool["function"].get("parameters",
+                                                                                           NO_PARAMETERS)}}
+             for tool in tools]
     tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice=tool_choice,
                                             reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=1,
                                             parallel_tool_calls=False)

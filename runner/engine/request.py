@@ -26,6 +26,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token after the first: the same (echo + logprobs)
     grammar: GrammarSpec | None = None  # hold the output to a JSON schema or tool-call format (engine/grammar.py)
     n: int = 1  # parallel samples of one prefill; sample i draws with seed + i (scheduler.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): added to the logits before the grammar's
+    #                                                 mask and sampling (OpenAI's logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -101,3 +103,23 @@ def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_mo
     if len(prompt_ids) + max_tokens > max_model_len:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceed the model's "
                          f"context of {max_model_len} tokens")
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int, cache_tokens: int | None) -> int:
+    """vLLM's --max-model-len: the most tokens (prompt and reply) one request may hold. By default the smaller of
+    the model's context and what one attention-DP rank's KV cache holds (`cache_tokens`; None where the command
+    sizes its cache to its input), so that a request without max_tokens (which gets max_model_len - prompt) fits
+    the cache. A value beyond either is refused: it would let requests in that can never run."""
+    fits = max_position_embeddings if cache_tokens is None else min(max_position_embeddings, cache_tokens)
+    if requested is None:
+        return fits
+    if requested < 1:
+        raise InputError(f"--max-model-len {requested} must be at least 1")
+    if requested > max_position_embeddings:
+        raise InputError(f"--max-model-len {requested} exceeds the model's context (max_position_embeddings "
+                         f"{max_position_embeddings})")
+    if cache_tokens is not None and requested > cache_tokens:
+        raise InputError(f"--max-model-len {requested} does not fit one attention-DP rank's KV cache of "
+                         f"{cache_tokens} tokens: raise --cache-tokens (or --kv-cache-memory-bytes) or lower "
+                         f"--max-model-len")
+    return requested

@@ -25,8 +25,9 @@ from dsconv.runner.models.batch import Batch, SampleSpec
 def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
     row) -> per sequence its sampled token and logprobs, and its siblings' (n > 1: further draws from the same
-    row with their own seeds). Rows of sequences with a grammar are masked to the tokens it allows first (in
-    place, so the siblings' draws follow it too), and their matchers take the sequence's own token."""
+    row with their own seeds). A row's logit_bias is added first, then rows of sequences with a grammar are masked
+    to the tokens it allows (both in place, so the siblings' draws and the logprobs follow them), and their
+    matchers take the sequence's own token."""
     draw_rows, score_rows, score_targets, score_tops = [], [], [], []
     at = 0
     for spec, scores in zip(batch.samples, batch.scores):
@@ -40,6 +41,10 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
             at += 1
     specs = [spec for spec in batch.samples if spec is not None]
     drawing = [seq_id for seq_id, spec in zip(batch.seq_ids, batch.samples) if spec is not None]
+    for row, spec in zip(draw_rows, specs):
+        if spec.logit_bias:
+            ids, biases = zip(*spec.logit_bias)
+            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     constrained = [(row, seq_id, spec.grammar, spec.output)
                    for row, seq_id, spec in zip(draw_rows, drawing, specs) if spec.grammar is not None]
     if constrained:

@@ -250,7 +250,8 @@ class Scheduler:
             return None
         siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
         return SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
-                          params.logprobs, params.grammar, tuple(request.output) if params.grammar else (), siblings)
+                          params.logprobs, params.grammar, tuple(request.output) if params.grammar else (), siblings,
+                          params.logit_bias)
 
     def _feed(self, batch: Batch, pool: BlockPool, request: Request, n: int) -> int:
         start, stop = request.num_computed, request.num_computed + n

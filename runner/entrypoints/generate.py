@@ -22,7 +22,7 @@ from dsconv.runner.entrypoints.ranks import gather_results
 def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
               dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
               device: str = "cpu", kv_cache_dtype: str = "auto", cp_size: int = 1,
-              cp_min_tokens: int | None = None) -> None:
+              cp_min_tokens: int | None = None, max_model_len: int | None = None) -> None:
     """`dsrun generate`: the serving engine's loop with every prompt submitted at the start (prompt i pinned to
     attention-DP index i % dp), greedy, until all have finished; with cp_size > 1, prompts of at least
     cp_min_tokens tokens are prefilled by context parallelism."""
@@ -32,7 +32,7 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
     result = {"rank": rank, "prompts": [], "generated": [], "prefill_s": 0.0, "decode_s": 0.0}
     if rank == 0:
         result.update(_generate_on_rank0(worker, manifest, prompts, max_new_tokens, eos_id, stream_tokenizer,
-                                         cp_size, cp_min_tokens))
+                                         cp_size, cp_min_tokens, max_model_len))
     elif torch.distributed.is_initialized():
         follow(worker)
     result.update(comm_s=dist.comm_seconds, steps=dist.steps)
@@ -40,14 +40,14 @@ def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tok
 
 
 def _generate_on_rank0(worker: Worker, manifest: dict, prompts, max_new_tokens, eos_id, stream_tokenizer,
-                       cp_size: int = 1, cp_min_tokens: int | None = None) -> dict:
+                       cp_size: int = 1, cp_min_tokens: int | None = None, max_model_len: int | None = None) -> dict:
     cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
     scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=max(1, len(prompts)),
                           max_num_batched_tokens=max(1, sum(map(len, prompts))), eos_token_id=eos_id,
                           cp_size=cp_size, cp_min_tokens=cp_min_tokens)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
-                          max_model_len=config["max_position_embeddings"])
+                          max_model_len=max_model_len or config["max_position_embeddings"])
     printer = _Streamer(stream_tokenizer) if stream_tokenizer else None
     generated: list[list[int]] = [[] for _ in prompts]
     stamps: list[float] = []

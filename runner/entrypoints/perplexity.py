@@ -43,14 +43,15 @@ def windows(ids: list[int], context: int) -> list[list[int]]:
 
 def rank_main(shards: str, manifest: dict, windows: list[list[int]], dtype: str, result_dir: str,
               device: str = "cpu", progress: bool = False, kv_cache_dtype: str = "auto", cp_size: int = 1,
-              cp_min_tokens: int | None = None) -> None:
+              cp_min_tokens: int | None = None, max_model_len: int | None = None) -> None:
     rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
     longest = max(map(len, windows))
     worker = Worker(model, new_cache(longest, kv_cache_dtype), dist, dp_index=rank // manifest["layout"]["attn_tp"])
     result = {"rank": rank, "nll": 0.0, "tokens": 0}
     started = time.perf_counter()
     if rank == 0:
-        result.update(_score_on_rank0(worker, manifest, windows, longest, progress, cp_size, cp_min_tokens))
+        result.update(_score_on_rank0(worker, manifest, windows, longest, progress, cp_size, cp_min_tokens,
+                                                max_model_len))
     elif torch.distributed.is_initialized():
         follow(worker)
     result["seconds"] = time.perf_counter() - started
@@ -58,7 +59,7 @@ def rank_main(shards: str, manifest: dict, windows: list[list[int]], dtype: str,
 
 
 def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], longest: int, progress: bool,
-                    cp_size: int = 1, cp_min_tokens: int | None = None) -> dict:
+                    cp_size: int = 1, cp_min_tokens: int | None = None, max_model_len: int | None = None) -> dict:
     """Every window through the engine -> {"nll": summed over the scored tokens, "tokens": their count, and how
     many windows a context-parallel group prefilled}."""
     cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
@@ -67,7 +68,7 @@ def _score_on_rank0(worker: Worker, manifest: dict, windows: list[list[int]], lo
                           cp_min_tokens=cp_min_tokens)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
-                          max_model_len=config["max_position_embeddings"])
+                          max_model_len=max_model_len or config["max_position_embeddings"])
     bar = tqdm(total=len(windows), unit="window", desc="perplexity", file=sys.stderr, dynamic_ncols=True) \
         if progress else None
     totals = {"nll": 0.0, "tokens": 0}

@@ -25,6 +25,7 @@ from dsconv.runner.engine.core import EngineCore, follow
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.worker import Worker
 from dsconv.runner.engine.metrics import ServeMetrics
+from dsconv.runner.engine.request import resolve_max_model_len
 from dsconv.runner.engine.scheduler import Scheduler
 
 # Idle ranks wait inside a collective for rank 0's next message; rank 0 sends a keep-alive at this fraction of
@@ -37,7 +38,8 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
               model_name: str, tokenizer_path: str, max_num_seqs: int, max_num_batched_tokens: int,
               cache_tokens: int, balancing: str, timeout_s: float, drain_timeout_s: float,
               kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
-              api_key: str | None = None, cp_size: int = 1, cp_min_tokens: int | None = None) -> None:
+              api_key: str | None = None, cp_size: int = 1, cp_min_tokens: int | None = None,
+              max_model_len: int | None = None) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -70,6 +72,8 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
     try:
         _, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
         cache = _new_cache(new_cache, cache_tokens, kv_cache_dtype, kv_cache_memory_bytes)
+        client.max_model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"],
+                                                     cache.num_blocks * cache.block_size)
         scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs, max_num_batched_tokens,
                               config.get("eos_token_id"), balancing, share_blocks=cache.paged, cp_size=cp_size,
                               cp_min_tokens=cp_min_tokens)
@@ -80,7 +84,8 @@ def rank_main(shards: str, manifest: dict, dtype: str, result_dir: str, device: 
             torch.distributed.barrier()  # every rank has loaded
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({world} ranks, "
               f"DP {layout['dp']} x attention TP {layout['attn_tp']}, EP {layout['ep']}); KV cache "
-              f"{cache.num_blocks * cache.block_size} tokens per DP rank ({kv_cache_dtype})", flush=True)
+              f"{cache.num_blocks * cache.block_size} tokens per DP rank ({kv_cache_dtype}); max_model_len "
+              f"{client.max_model_len}", flush=True)
         client.set_ready()  # after the line above: a client that sees /health 200 finds it in the log
         client.run()
     finally:

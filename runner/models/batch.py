@@ -36,6 +36,7 @@ class SampleSpec:
     grammar: object = None  # engine.grammar.GrammarSpec the token must follow, or None
     output: tuple[int, ...] = ()  # with a grammar: the request's output so far (a matcher rebuilt replays it)
     siblings: tuple[int, ...] = ()  # seeds of further samples drawn from the same row at the same index (n > 1)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the row's logits before anything
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ EngineClient).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
 (chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
-{"error": {"message", "type", "code"}}: 400 for a bad request (checked here, before the engine sees it), 401 for a
-missing or wrong API key (--api-key), 404 for an unknown model or route, 503 while the model loads or the server
-drains, 500 when the engine fails.
+{"error": {"message", "type", "param", "code"}} (protocol.APIError): 400 for a bad request (checked here, before the
+engine sees it), 401 for a missing or wrong API key (--api-key), 404 for an unknown model or route, 503 while the
+model loads or the server drains, 500 when the engine fails.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from starlette.exceptions import HTTPException
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
 from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
-from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest, check_token_id, parse_body)
+from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                       DetokenizeRequest, TokenizeRequest, check_token_id,
+                                                       model_not_found, parse_body)
 from dsconv.runner.engine.request import NotAccepting
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def _check_serving(engine: EngineClient) -> None:
 
 def _check_model(engine: EngineClient, model: str | None) -> None:
     if model is not None and model != engine.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{engine.model_name}`.")
+        raise model_not_found(model, engine.model_name)
 
 
 def _dp_rank(request: Request) -> int | None:

@@ -14,10 +14,11 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.detokenizer import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
-from dsconv.runner.entrypoints.openai.tool_calls import Reply, call_deltas, sendable, split_calls
-from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, chat_messages, check_common,
-                                      sampling_params, stop_strings, thinking_flag)
-from dsconv.family.chat import encode_chat_ids
+from dsconv.runner.entrypoints.openai.tool_calls import CallStream, Reply, partial_calls, sendable, split_calls
+from dsconv.runner.entrypoints.openai.messages import chat_messages
+from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, check_chat_fields, check_common,
+                                                       sampling_params, stop_strings, thinking_flag)
+from dsconv.family.chat import check_tools, encode_chat_ids
 from dsconv.family.dsml import Dialect
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
@@ -26,9 +27,9 @@ if TYPE_CHECKING:
 
 
 def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None,
-                    tools: list | None = None) -> tuple[list[int], bool]:
+                    tools: list | None = None, reasoning_effort: str | None = None) -> tuple[list[int], bool]:
     """(prompt ids, thinking); the rendered text carries BOS itself."""
-    thinking = thinking_flag(kwargs)
+    thinking = thinking_flag(kwargs, reasoning_effort)
     ids = encode_chat_ids(engine.tokenizer, engine.family, chat_messages(messages), thinking, engine.tokenizer_config,
                           tools)
     return ids, thinking
@@ -38,30 +39,29 @@ def chat_tools(engine: EngineClient, body: ChatCompletionRequest,
                thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
     """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
     tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
-    calls block (one call or more, or one of that function) by constrained decoding."""
+    calls block of one call (of that function) by constrained decoding. parallel_tool_calls=false holds "auto" to
+    text and at most one call; "required" and a named function make one call either way."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
             raise InputError(f"tool_choice {choice!r} needs tools")
         return None, None, None
-    if body.parallel_tool_calls is False:
-        raise InputError("parallel_tool_calls=false is not supported: DeepSeek writes all of a turn's calls in one "
-                         "block")
     if choice == "none":  # the model is not to call tools: they are left out of the prompt
         return None, None, None
+    if choice not in (None, "auto", "required") and not isinstance(choice, dict):
+        raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
     dialect = engine.family.tool_dialect
-    if choice in (None, "auto"):
+    if dialect is None:
+        raise InputError(f"tools are not supported for {engine.family.name}")
+    check_tools(body.tools)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
+            raise InputError(f"tool_choice {choice!r} names no function of tools")
+    if choice in (None, "auto") and body.parallel_tool_calls is not False:
         return body.tools, dialect, None
-    if choice == "required" or isinstance(choice, dict):
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-            if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
-                raise InputError(f"tool_choice {choice!r} names no function of tools")
-        if dialect is None:
-            raise InputError(f"tools are not supported for {engine.family.name}")
-        return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice, thinking)
-    raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
-                     f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
+    return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice or "auto", thinking)
 
 
 def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec | None:
@@ -82,9 +82,10 @@ def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec
 async def chat_completions(engine: EngineClient, request: Request, body: ChatCompletionRequest,
                            dp_rank: int | None) -> Response:
     check_common(body, engine.model_name, engine.vocab_size)
+    check_chat_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise InputError("top_logprobs needs logprobs=true")
-    thinking = thinking_flag(body.chat_template_kwargs)
+    thinking = thinking_flag(body.chat_template_kwargs, body.reasoning_effort)
     tools, dialect, grammar = chat_tools(engine, body, thinking)
     json_grammar = response_grammar(body, thinking)
     if grammar is not None and json_grammar is not None:
@@ -94,15 +95,16 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
         if engine.grammars is None:
             raise InputError("this server has no constrained decoding")
         engine.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
-    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools)
+    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools,
+                                           body.reasoning_effort)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:  # as vLLM: whatever the context leaves
+    if max_tokens is None:  # as vLLM: whatever the context leaves (max_model_len fits one DP rank's cache)
         max_tokens = engine.max_model_len - len(prompt_ids)
         if max_tokens <= 0:
             raise InputError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room for a reply within "
                              f"max_model_len={engine.max_model_len}")
     params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             grammar=grammar)
+                             vocab_size=engine.vocab_size, grammar=grammar)
     response = ChatCompletion(engine, body, prompt_ids, thinking, dialect, params.n)
     requests = RequestGroup(engine, request, dp_rank)
     return await answer(requests, response, response.choices, body.stream, params)
@@ -115,6 +117,7 @@ class ChatCompletion(Envelope):
                                                      Detokenizer(engine.tokenizer, skip_special_tokens=True), i)
                                               for i in range(n)])
         self.body, self.thinking, self.dialect = body, thinking, dialect
+        self.call_streams = [CallStream() for _ in self.choices]  # what of each choice's calls has been streamed
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the reply text so far."""
@@ -166,8 +169,8 @@ class ChatCompletion(Envelope):
                 "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _next_chunk(self, choice: Choice) -> dict | None:
-        reasoning, content = self._split(choice.ready_text(), final=choice.done)
-        reply = self._reply(content, final=choice.done)
+        reasoning, raw = self._split(choice.ready_text(), final=choice.done)
+        reply = self._reply(raw, final=choice.done)
         content = reply.content
         delta = {}
         if reasoning is not None and len(reasoning) > choice.sent_reasoning:
@@ -176,8 +179,11 @@ class ChatCompletion(Envelope):
         if content is not None and len(content) > choice.sent_text:
             delta["content"] = content[choice.sent_text:]
             choice.sent_text = len(content)
-        if reply.calls:
-            delta["tool_calls"] = call_deltas(reply.calls)
+        if self.dialect is not None and raw is not None:
+            calls = self.call_streams[choice.index]
+            deltas = calls.final(reply.calls) if choice.done else calls.deltas(partial_calls(self.dialect, raw))
+            if deltas:
+                delta["tool_calls"] = deltas
         logprobs = self._logprobs(choice, choice.sent_tokens) if len(choice.token_ids) > choice.sent_tokens else None
         choice.sent_tokens = len(choice.token_ids)
         finish = self._finish(choice, reply) if choice.done else None

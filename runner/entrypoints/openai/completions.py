@@ -57,9 +57,11 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
     check_common(body, engine.model_name, engine.vocab_size)
     if body.best_of not in (None, 1):
         raise InputError(f"best_of={body.best_of} is not supported: only 1")
+    if body.suffix:
+        raise InputError("suffix is not supported: this server completes after the prompt, it does not insert")
     inputs = prompts(engine, body.prompt)
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens, logprobs=body.logprobs,
+    params = sampling_params(body, max_tokens, logprobs=body.logprobs, vocab_size=engine.vocab_size,
                              prompt_logprobs=body.logprobs if body.echo else None)
     response = Completion(engine, body, inputs, params.n)
     requests = RequestGroup(engine, request, dp_rank)

@@ -1,10 +1,14 @@
 """The OpenAI-compatible request bodies `dsrun serve` accepts, parsed strictly at the edge: a wrong type, an
-unknown field or an unsupported option is a 400 that names it, before anything reaches the engine."""
+unknown field or an unsupported option is a 400 that names it, before anything reaches the engine.
+
+Every parameter OpenAI documents for Chat Completions and Completions is a field here. Those that change the output
+are applied (`logit_bias`, `reasoning_effort`); those that mean nothing to a self-hosted server are accepted and
+ignored (IGNORED_FIELDS); those asking for what this server cannot do (audio output, web search, the deprecated
+`functions`) are a 400 that says so. A field that is in no spec stays a 400 naming it, so a typo never passes."""
 
 from __future__ import annotations
 
 import json
-from http import HTTPStatus
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -17,22 +21,35 @@ SEED_LIMIT = 2**63  # seeds are int64, as in OpenAI's API
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat defaults to what the context leaves)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default; SamplingParams' own default (greedy) is for dsrun generate
 THINKING_KEYS = ("thinking", "enable_thinking")  # DeepSeek-V3.1's template reads the first, Qwen's the second
+# reasoning_effort (OpenAI's) is the thinking switch: these values turn thinking off, the others on
+REASONING_EFFORTS_OFF, REASONING_EFFORTS_ON = ("none", "minimal"), ("low", "medium", "high", "xhigh")
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: -100 (ban) to 100 (exclusive selection)
+# OpenAI parameters that do not apply to a self-hosted server: accepted and ignored (README lists them)
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                  "safety_identifier", "user", "prediction", "verbosity")
 
-# OpenAI SDKs map these names to exception classes
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+# The error `type` OpenAI's API writes for a status (its SDKs pick the exception class by status); any other 4xx is
+# an invalid request, any 5xx a server error
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; `param` names the
+    request field at fault and `code` is OpenAI's string code, where there is one."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
-        error_type = ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
-        return {"error": {"message": str(self), "type": error_type, "param": None, "code": self.status}}
+        error_type = ERROR_TYPES.get(self.status) or ("server_error" if self.status >= 500 else
+                                                       "invalid_request_error")
+        return {"error": {"message": str(self), "type": error_type, "param": self.param, "code": self.code}}
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
+                    "model_not_found")
 
 
 class _Body(BaseModel):
@@ -59,6 +76,7 @@ class _Sampling(_Body):
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> a bias in [-100, 100] added to its logit
     user: str | None = None  # accepted and ignored, as by OpenAI's API for abuse tracking
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:<id>"
 
@@ -68,6 +86,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+    suffix: str | None = None  # insertion: refused unless empty
 
 
 class ChatCompletionRequest(_Sampling):
@@ -78,8 +97,24 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None  # OpenAI function schemas: [{"type": "function", "function": {...}}]
     tool_choice: str | dict[str, Any] | None = None  # "none", "auto" (the default with tools), "required", a name
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per reply
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    reasoning_effort: str | None = None  # the thinking switch: none / minimal off, low / medium / high / xhigh on
+    modalities: list[str] | None = None  # ["text"] only
+    # ignored (IGNORED_FIELDS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: a speed hint, the output is the same without it
+    verbosity: str | None = None
+    # refused when set: what this server cannot do
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -113,7 +148,8 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise APIError(400, describe(exc)) from None
+        fields = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+        raise APIError(400, describe(exc), param=fields.pop() if len(fields) == 1 else None) from None
 
 
 def describe(exc: ValidationError) -> str:
@@ -138,7 +174,7 @@ def describe(exc: ValidationError) -> str:
 def check_common(body: _Sampling, model_name: str, vocab_size: int) -> None:
     """What the two generation routes refuse alike; SamplingParams checks the ranges it knows itself."""
     if body.model is not None and body.model != model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`.")
+        raise model_not_found(body.model, model_name)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0.0):
             raise InputError(f"{name}={getattr(body, name)} is not supported: only 0")
@@ -152,6 +188,21 @@ def check_common(body: _Sampling, model_name: str, vocab_size: int) -> None:
         raise InputError("stop strings must not be empty")
     for token_id in body.stop_token_ids or ():
         check_token_id(token_id, vocab_size, "stop_token_ids")
+    logit_bias(body, vocab_size)
+
+
+def logit_bias(body: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs, checked: keys are token ids written as text (JSON object keys are
+    text), values in [-100, 100]."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isascii() or not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        check_token_id(int(key), vocab_size, "logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise APIError(400, f"logit_bias[{key}] must be between -100 and 100, got {bias}", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def stop_strings(body: _Sampling) -> tuple[str, ...]:
@@ -165,7 +216,7 @@ def check_token_id(token_id: int, vocab_size: int, where: str) -> None:
         raise InputError(f"{where} holds token id {token_id}, outside the vocabulary [0, {vocab_size})")
 
 
-def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
+def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, grammar: GrammarSpec | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -179,11 +230,13 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
         n=1 if body.n is None else body.n,
+        logit_bias=logit_bias(body, vocab_size),
     )
 
 
-def thinking_flag(kwargs: dict[str, Any] | None) -> bool:
-    """chat_template_kwargs' thinking switch (off by default); other template kwargs are refused, not ignored."""
+def thinking_flag(kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> bool:
+    """The thinking switch (off by default) from chat_template_kwargs or reasoning_effort (none / minimal: off; low,
+    medium, high, xhigh: on); other template kwargs are refused, not ignored, and the two may not disagree."""
     kwargs = kwargs or {}
     unknown = sorted(set(kwargs) - set(THINKING_KEYS))
     if unknown:
@@ -193,24 +246,26 @@ def thinking_flag(kwargs: dict[str, Any] | None) -> bool:
     for key, value in values.items():
         if not isinstance(value, bool):
             raise InputError(f"chat_template_kwargs.{key} must be true or false, got {value!r}")
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS_OFF + REASONING_EFFORTS_ON:
+            efforts = ", ".join(REASONING_EFFORTS_OFF + REASONING_EFFORTS_ON)
+            raise APIError(400, f"reasoning_effort must be one of {efforts}, got {reasoning_effort!r}",
+                           "reasoning_effort")
+        values["reasoning_effort"] = reasoning_effort in REASONING_EFFORTS_ON
     if len(set(values.values())) > 1:
-        raise InputError("chat_template_kwargs.thinking and enable_thinking disagree")
+        raise InputError(f"the thinking switches disagree: {', '.join(f'{k}={v}' for k, v in values.items())}")
     return next(iter(values.values()), False)
 
 
-def chat_messages(messages: list[Any]) -> list[Any]:
-    """OpenAI's content-part lists ([{"type": "text", "text": ...}]) joined into one text, as vLLM joins them;
-    everything else goes to family/chat.py's checks unchanged."""
-    out = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InputError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                     f"are supported, got {part!r:.80}")
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
-        out.append(message)
-    return out
+def check_chat_fields(body: ChatCompletionRequest) -> None:
+    """The chat parameters that ask for what this server cannot do, refused by name."""
+    if body.audio is not None or any(modality != "text" for modality in body.modalities or ()):
+        raise APIError(400, "audio output is not supported: this server writes text (modalities [\"text\"])",
+                       "audio" if body.audio is not None else "modalities")
+    if body.web_search_options is not None:
+        raise APIError(400, "web_search_options is not supported: this server does not search the web",
+                       "web_search_options")
+    for name in ("functions", "function_call"):
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name} is deprecated in OpenAI's API and not supported: send tools and "
+                                f"tool_choice", name)
