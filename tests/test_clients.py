@@ -158,21 +158,25 @@ def test_openai_agents(server):
 
 
 def test_streamed_required_call_arrives_incrementally(server):
-    """The name in a chunk before the last, the arguments in fragments that join to the non-streamed ones."""
+    """Per choice (n=2): the name in a chunk before the last, the arguments in fragments that join to the
+    non-streamed ones (the same seed)."""
     request = dict(model=server.model, messages=[{"role": "user", "content": "Weather?"}], seed=5, temperature=1.0,
-                   tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
+                   n=2, tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
                        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                        "required": ["city"]}}}], tool_choice="required")
     api = server.openai()
-    whole = api.chat.completions.create(**request).choices[0].message.tool_calls
+    whole = api.chat.completions.create(**request).choices
     chunks = list(api.chat.completions.create(**request, stream=True))
-    deltas = [(at, call) for at, chunk in enumerate(chunks) for choice in chunk.choices
-              for call in choice.delta.tool_calls or ()]
-    assert deltas[0][1].function.name == "get_weather" and deltas[0][0] < len(chunks) - 1
-    fragments = [call.function.arguments for _, call in deltas if call.function.arguments]
-    assert len(fragments) >= 2 and "".join(fragments) == whole[0].function.arguments
-    assert json.loads(whole[0].function.arguments).keys() == {"city"}
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for index in range(2):
+        deltas = [(at, call) for at, chunk in enumerate(chunks) for choice in chunk.choices if choice.index == index
+                  for call in choice.delta.tool_calls or ()]
+        (call,) = whole[index].message.tool_calls
+        assert deltas[0][1].function.name == "get_weather" and deltas[0][0] < len(chunks) - 1
+        fragments = [delta.function.arguments for _, delta in deltas if delta.function.arguments]
+        assert len(fragments) >= 2 and "".join(fragments) == call.function.arguments
+        assert json.loads(call.function.arguments).keys() == {"city"}
+        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.index == index]
+        assert finish[-1] == "tool_calls" and not any(finish[:-1])
 
 
 IMPOSSIBLE = -9999.0  # the logprob a masked token reads (JSON has no -inf)
