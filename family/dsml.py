@@ -134,9 +134,12 @@ class Dialect:
 V32 = Dialect("function_calls", _V32_TOOLS, "deepseek_v3_2")
 V4 = Dialect("tool_calls", _V4_TOOLS, "deepseek_v4")
 
-_INVOKE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n?(.*?)</{DSML}invoke>', re.DOTALL)
-_PARAMETER = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">(.*?)</{DSML}parameter>',
-                        re.DOTALL)
+# A call's markup, piece by piece (the streaming parser reads the pieces as they decode)
+INVOKE_HEAD = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n?')
+PARAMETER_HEAD = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
+INVOKE_END, PARAMETER_END = f"</{DSML}invoke>", f"</{DSML}parameter>"
+_INVOKE = re.compile(INVOKE_HEAD.pattern + "(.*?)" + re.escape(INVOKE_END), re.DOTALL)
+_PARAMETER = re.compile(PARAMETER_HEAD.pattern + "(.*?)" + re.escape(PARAMETER_END), re.DOTALL)
 
 
 def _invoke(call: dict) -> str:

@@ -17,11 +17,11 @@ as in the whole response.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
-from dsconv.family.dsml import DSML, Dialect, ToolCallError
+from dsconv.family.dsml import (INVOKE_END, INVOKE_HEAD, PARAMETER_END, PARAMETER_HEAD, Dialect,
+                                ToolCallError)
 from dsconv.runner.entrypoints.openai.choice import partial_tail
 
 
@@ -60,11 +60,6 @@ class PartialCall:
     arguments: str  # what of the arguments JSON is final so far: always a prefix of the call's final arguments
 
 
-_INVOKE_HEAD = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n?')
-_PARAMETER_HEAD = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
-_INVOKE_END, _PARAMETER_END = f"</{DSML}invoke>", f"</{DSML}parameter>"
-
-
 def partial_calls(dialect: Dialect, text: str) -> list[PartialCall]:
     """The calls of an unfinished reply's text (after any reasoning) as far as they have been decoded, each with the
     part of its arguments that can no longer change. Parsing stops at the first thing that is not (yet) the format:
@@ -76,7 +71,7 @@ def partial_calls(dialect: Dialect, text: str) -> list[PartialCall]:
     calls, pos = [], 0
     while True:
         pos = _skip_space(block, pos)
-        head = _INVOKE_HEAD.match(block, pos)
+        head = INVOKE_HEAD.match(block, pos)
         if head is None or not head.group(1):
             return calls
         name, pos = head.group(1), head.end()
@@ -92,18 +87,18 @@ def _partial_arguments(block: str, pos: int) -> tuple[str, int, bool]:
     parts = []
     while True:
         pos = _skip_space(block, pos)
-        if block.startswith(_INVOKE_END, pos):
-            return ("".join(parts) + "}" if parts else "{}"), pos + len(_INVOKE_END), True
-        head = _PARAMETER_HEAD.match(block, pos)
+        if block.startswith(INVOKE_END, pos):
+            return ("".join(parts) + "}" if parts else "{}"), pos + len(INVOKE_END), True
+        head = PARAMETER_HEAD.match(block, pos)
         if head is None:
             return "".join(parts), pos, False
         key, is_text = head.group(1), head.group(2) == "true"
         opening = ("{" if not parts else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-        end = block.find(_PARAMETER_END, head.end())
+        end = block.find(PARAMETER_END, head.end())
         if end < 0:  # the value is still decoding: a string's text so far, minus a tail that may close it
             value = block[head.end():]
             if is_text:
-                value = value[:len(value) - partial_tail(value, (_PARAMETER_END,))]
+                value = value[:len(value) - partial_tail(value, (PARAMETER_END,))]
                 parts.append(opening + '"' + _escaped(value))
             return "".join(parts), pos, False
         value = block[head.end():end]
@@ -114,7 +109,7 @@ def _partial_arguments(block: str, pos: int) -> tuple[str, int, bool]:
                 parts.append(opening + json.dumps(json.loads(value), ensure_ascii=False))
             except json.JSONDecodeError:  # malformed: the whole reply says what it is when it ends
                 return "".join(parts), pos, False
-        pos = end + len(_PARAMETER_END)
+        pos = end + len(PARAMETER_END)
 
 
 def _escaped(text: str) -> str:
