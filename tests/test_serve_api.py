@@ -975,6 +975,9 @@ IGNORED = {"store": True, "metadata": {"run": "7"}, "service_tier": "auto", "pro
 
 
 def test_documented_parameters_that_do_not_apply_are_ignored():
+    from dsconv.runner.entrypoints.openai.protocol import IGNORED_FIELDS
+
+    assert set(IGNORED) == set(IGNORED_FIELDS) | {"modalities"}  # and modalities that ask for text only
     client, engine = make_client()
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 4, "temperature": 0.5}
     plain = client.post("/v1/chat/completions", json=base).json()

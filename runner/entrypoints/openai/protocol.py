@@ -188,7 +188,6 @@ def check_common(body: _Sampling, model_name: str, vocab_size: int) -> None:
         raise InputError("stop strings must not be empty")
     for token_id in body.stop_token_ids or ():
         check_token_id(token_id, vocab_size, "stop_token_ids")
-    logit_bias(body, vocab_size)
 
 
 def logit_bias(body: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
