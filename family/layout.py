@@ -36,6 +36,14 @@ class Layout:
             if size < 1 or self.world_size % size:
                 raise InputError(f"{name.replace('_', '-')}={size} must divide world size {self.world_size}")
 
+    @classmethod
+    def sized(cls, world_size: int | None, ep: int, tp: int, attn_tp: int = 1, oproj_tp: int = 1,
+              embed_tp: int = 1) -> "Layout":
+        """The layout the CLIs' flags ask for: world_size None is the largest of the sizes (`--ep 1 --tp 1` is one
+        rank; the default sizes give 16)."""
+        world = max(ep, tp, attn_tp, oproj_tp, embed_tp) if world_size is None else world_size
+        return cls(world, ep, tp, attn_tp, oproj_tp, embed_tp)
+
     @property
     def dp(self) -> int:
         return self.world_size // self.attn_tp

@@ -68,8 +68,7 @@ def shard(
 
     with user_errors():
         n_workers = resolve_workers(workers)
-        world = max(ep, tp, attn_tp, oproj_tp, embed_tp) if world_size is None else world_size
-        layout = Layout(world, ep, tp, attn_tp, oproj_tp, embed_tp)
+        layout = Layout.sized(world_size, ep, tp, attn_tp, oproj_tp, embed_tp)
         plan = make_shard_plan(src, layout, parse_size(max_file_size))
         if dry_run:
             console.print(rank_table(plan))

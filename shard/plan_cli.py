@@ -176,8 +176,7 @@ def plan(
         raw = load_config(config)
         family = family_for(raw)
         arch = family.parse_config(raw)
-        world = max(ep, tp, attn_tp, oproj_tp, embed_tp) if world_size is None else world_size
-        layout = Layout(world_size=world, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
+        layout = Layout.sized(world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
         check_layout(family, arch, layout)
         check_kv_cache_dtype(family, kv_cache_dtype)
         for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb)):

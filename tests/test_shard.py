@@ -128,6 +128,18 @@ def test_v4_o_groups_must_divide_attn_tp(w8a8_source, tmp_path):
     assert result.exit_code == 2 and "o_groups=2 is not divisible by attn-tp=4" in result.output, result.output
 
 
+@pytest.mark.parametrize("flags,line", [
+    ([], "world size 16: attention DP 16 x attention TP 1, EP 16, lm_head TP 16"),
+    (["--ep", "1", "--tp", "1"], "world size 1: attention DP 1 x attention TP 1, EP 1, lm_head TP 1"),
+    (["--ep", "4", "--tp", "2"], "world size 4: attention DP 4 x attention TP 1, EP 4, lm_head TP 2"),
+    (["--ep", "1", "--tp", "1", "--attn-tp", "8"], "world size 8: attention DP 1 x attention TP 8, EP 1, lm_head TP 1"),
+    (["--ep", "2", "--tp", "2", "--world-size", "4"], "world size 4: attention DP 4 x attention TP 1, EP 2, lm_head TP 2"),
+])
+def test_world_size_defaults_to_the_largest_size(w8a8_source, tmp_path, flags, line):
+    result = cli("shard", w8a8_source("deepseek_v32"), tmp_path / "o", *flags, "--dry-run")
+    assert result.exit_code == 0 and line in result.output, result.output
+
+
 def test_dry_run_table(w8a8_source, tmp_path):
     result = cli("shard", w8a8_source("deepseek_v32"), tmp_path / "o", "--attn-tp", "8", "--dry-run")
     assert result.exit_code == 0, result.output
