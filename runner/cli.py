@@ -88,10 +88,10 @@ def _import_torch() -> None:
 
 
 def _cache_capacity(cache_tokens: int) -> int:
-    """The tokens a cache asked for --cache-tokens holds: whole blocks, rounded up."""
-    from dsconv.runner.models.kv_cache import BLOCK_SIZE
+    """The tokens a cache asked for --cache-tokens holds (whole blocks)."""
+    from dsconv.runner.models.kv_cache import BLOCK_SIZE, cache_blocks
 
-    return -(-cache_tokens // BLOCK_SIZE) * BLOCK_SIZE
+    return cache_blocks(cache_tokens) * BLOCK_SIZE
 
 
 def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto", cp_size: int = 1,

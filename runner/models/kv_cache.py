@@ -32,6 +32,12 @@ from dsconv.kernels.device import cast, takes_npu_path
 from dsconv.runner.models.batch import Batch, CPShare, Fork, cp_positions, dummy_batch, slots
 
 BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
+
+
+def cache_blocks(capacity_tokens: int) -> int:
+    """The blocks a cache asked to hold `capacity_tokens` has: whole blocks, rounded up."""
+    return -(-capacity_tokens // BLOCK_SIZE)
+
 # The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
 # groups under it, so the gather stays bounded however long contexts grow. 65536 rows of V3's latent (576
 # values) are 151 MB in float32, 75 MB in BF16; V3.2's indexer keys (128 values) a quarter of that. A sequence

@@ -11,7 +11,7 @@ from dsconv.errors import InputError
 from dsconv.family.deepseek_v3 import cache_fields
 from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache, cache_blocks
 from dsconv.runner.models.v4_state import V4Cache
 
 
@@ -27,7 +27,7 @@ class ModelEntry:
 
 def _latent_cache(cfg, model, capacity_tokens: int, device, kv_cache_dtype: str = "auto"):
     # INT8 fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
-    return LatentCache(cfg.num_hidden_layers, -(-capacity_tokens // BLOCK_SIZE), BLOCK_SIZE,
+    return LatentCache(cfg.num_hidden_layers, cache_blocks(capacity_tokens), BLOCK_SIZE,
                        cache_fields(cfg, kv_cache_dtype), model.cache_dtype, device, rest_dtype=model.dtype)
 
 

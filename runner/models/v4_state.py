@@ -24,7 +24,7 @@ import torch
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
 from dsconv.runner.models.batch import Batch, Fork, dummy_batch
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, concat, rows_from
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, cache_blocks, concat, rows_from
 
 
 @dataclass
@@ -96,7 +96,7 @@ class V4Cache:
 
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.num_blocks = -(-capacity_tokens // BLOCK_SIZE)  # the pool's size, rounded up as for LatentCache
+        self.num_blocks = cache_blocks(capacity_tokens)  # the pool's size, as LatentCache's
         self.lengths: dict[int, int] = {}  # seq_id -> tokens its state has taken in
         self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
 
