@@ -3,6 +3,7 @@ ranks. Test modules import from here (or take conftest's fixtures), never from e
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -205,17 +206,12 @@ def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW
 SERVER_START_S = 300  # a 16-rank server loads 16 shard sets on 2 cores
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+LISTENING = re.compile(r"dsrun serve: listening on http://[^:\s]+:(\d+),")  # rank 0's line once uvicorn has bound
 
 
 class Server:
-    """`dsrun serve` as a subprocess on a free port, ready (/health 200) when constructed; its output goes to
-    log_path."""
+    """`dsrun serve --port 0` as a subprocess on the port the OS chose (read back from its log), ready (/health 200)
+    when constructed; its output goes to log_path."""
 
     def __init__(self, shards, log_path, *flags):
         import subprocess
@@ -224,24 +220,30 @@ class Server:
 
         import httpx
 
-        self.port, self.log_path = free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path, self.port = log_path, None
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(shards), "--port",
-                 str(self.port), *map(str, flags)], stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(shards), "--port", "0",
+                 *map(str, flags)], stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "TMPDIR": str(Path(log_path).parent)})  # a failed run's logs stay in the test's dir
         deadline = time.monotonic() + SERVER_START_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.log()}"
+            if self.port is None:
+                bound = LISTENING.search(self.log_path.read_text())
+                self.port = int(bound.group(1)) if bound else None
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if self.port is not None and httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
         self.proc.kill()
         raise AssertionError(f"the server was not ready within {SERVER_START_S} s:\n{self.log()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]

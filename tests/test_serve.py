@@ -197,9 +197,9 @@ ONE_OF_PROMPT = "prompt must be one of: str, list[int], list[str], list[list[int
 
 def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
               ) -> list[tuple[str, bytes | dict, int, str]]:
-    """(path, body, status, message): bodies no server may accept, each with the error it must answer (runner/api*.py
-    and the checks they call: api_schema.parse_body and describe for the body's shape, then SamplingParams, the
-    chat checks and EngineClient.submit)."""
+    """(path, body, status, message): bodies no server may accept, each with the error it must answer (the routes of
+    runner/entrypoints/openai/ and the checks they call: protocol.parse_body and describe for the body's shape, then
+    SamplingParams, the chat checks and EngineClient.submit)."""
     good = {"model": model, "prompt": [5, 6, 7], "max_tokens": 4}
     not_json = "the request body is not valid JSON: "
     cases: list[tuple[str, bytes | dict, int, str]] = [
