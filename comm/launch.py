@@ -26,7 +26,6 @@ different collectives) and for multi-node runs, where torchrun does the supervis
 
 from __future__ import annotations
 
-import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -82,11 +81,11 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_ENV)
 
 
-def launch(entry: str | Callable, args: tuple | dict = (), *, world_size: int, device: str,
+def launch(entry: Callable, args: tuple | dict = (), *, world_size: int, device: str,
            timeout_s: float, log_dir: str | Path | None = None, sigterm_to_rank0: bool = False) -> int:
     """Run `entry(*args)` (or `entry(**args)`) on every rank; return the job's exit code.
 
-    `entry` is a module-level function or its "module:function" name; every rank imports it. Rank 0 keeps
+    `entry` is a module-level function (every rank imports its module to find it). Rank 0 keeps
     the console; ranks > 0 write stdout and stderr to `log_dir/rank{R}.log` (default: a new temp dir; under
     torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its log file.
     sigterm_to_rank0: a SIGTERM to this process is passed on to rank 0 alone, which then ends the job (a
@@ -127,7 +126,6 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
         _redirect_output(_log_path(log_dir, rank))
     try:
         backend = backend_for(device)  # imports torch_npu in this process when the device is npu
-        fn = _resolve(entry)
         local_rank = int(os.environ["LOCAL_RANK"])
         if backend != "gloo" and local_rank >= visible_devices(device):
             raise InputError(f"LOCAL_RANK {local_rank}, but this node has {visible_devices(device)} visible {device} "
@@ -148,7 +146,7 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
         else:  # our launch: meet at the supervisor's store
             store = dist.TCPStore(LOCAL_ADDR, store_port, world_size, is_master=False, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        fn(**args) if isinstance(args, dict) else fn(*args)
+        entry(**args) if isinstance(args, dict) else entry(*args)
         # No rank closes its connections while a peer may still be reading from them.
         dist.barrier()
         dist.destroy_process_group()
@@ -158,15 +156,6 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
             return 0
         _record_failure(log_dir, rank, e)
         return USER_ERROR_EXIT if isinstance(e, InputError) else 1
-
-
-def _resolve(entry: str | Callable) -> Callable:
-    if callable(entry):
-        return entry
-    module, sep, name = entry.partition(":")
-    if not sep:
-        raise ValueError(f"entry={entry!r} must be 'module:function'")
-    return getattr(importlib.import_module(module), name)
 
 
 def _redirect_output(path: Path) -> None:

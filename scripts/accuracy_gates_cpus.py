@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsconv.convert.trained import PINNED_CPU_ENV, cpu_description, trained_source, unrecorded_bytes  # noqa: E402
+from tests.trained import PINNED_CPU_ENV, cpu_description, trained_source, unrecorded_bytes  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from tests.accuracy_gates import CONTEXT, gate_report, pinned_gate_figures  # noqa: E402
 from tests.helpers import quantize, shard  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsconv.convert.trained import trained_source  # noqa: E402
+from tests.trained import trained_source  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
 from tests.helpers import expert_scales_to_bf16, quantize, shard  # noqa: E402

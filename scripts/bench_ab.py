@@ -2,6 +2,7 @@
 (a refactoring must leave speed unchanged within noise).
 
     python scripts/bench_ab.py --base REV [--family deepseek_v32] [--rounds 8] [--new-tokens 64] [--work DIR]
+                               [--world16-rounds N] [--skip-serve]
 
 The base revision is checked out into a temporary git worktree; each side runs in its own processes with
 PYTHONPATH pointing `dsconv` at its code, on the same shards (a tiny checkpoint of --family sharded for one
@@ -12,6 +13,8 @@ rank by this tree's code; the shard format is the same on both sides).
 (2) `dsrun serve` at world 1: one server per side, both up for the whole run; bench_serve.py's continuous
     workload (32 streamed completions, prompts 16-256 tokens, outputs 8-128, concurrency 8, seed 0) sent to
     each in turn, round after round.
+(3) With --world16-rounds N: `dsrun generate --json` at world 16 (a real-vocabulary tiny checkpoint sharded EP16,
+    lm_head TP16, attention DP16), each side's own CLI in turn, N rounds: the decode tokens/s rank 0 reports.
 Each side's median and best round are printed with the head/base ratio of each; a ratio within the rounds'
 spread means no change.
 """
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,18 +42,38 @@ def decode_child(shards: str, new_tokens: int) -> None:
     decode tokens/s. Imports whichever layout the side's code has."""
     import torch
 
-    try:
-        from dsconv.runner.engine.offline import greedy
+    try:  # this layout: the engine from core.new_engine, fed through its door
+        from dsconv.runner.engine.client import EngineClient
+        from dsconv.runner.engine.config import SchedulerConfig
+        from dsconv.runner.engine.core import new_engine
+        from dsconv.runner.engine.request import SamplingParams
         from dsconv.runner.engine.worker import build_model
         from dsconv.runner.models.dist import Dist
         from dsconv.runner.models.kv_cache import BLOCK_SIZE
         from dsconv.runner.models.weights import load_manifest
-    except ImportError:  # the runner before issue 23's restructuring
-        from dsconv.runner.cache import BLOCK_SIZE
-        from dsconv.runner.dist import Dist
-        from dsconv.runner.engine import build_model
-        from dsconv.runner.generate import greedy
-        from dsconv.runner.weights import load_manifest
+
+        def greedy(model, cache, prompts, max_new_tokens, eos_id, on_token):
+            engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size,
+                                max_model_len=cache.num_blocks * cache.block_size, eos_token_id=eos_id,
+                                scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompts[0])))
+            door = EngineClient()
+            door.open(engine)
+            door.submit(prompts[0], SamplingParams(max_tokens=max_new_tokens),
+                        lambda out: [on_token(0, token) for token in out.new_token_ids])
+            engine.run(door, until_idle=True)
+    except ImportError:
+        try:  # the engine with its in-process greedy (engine/offline.py)
+            from dsconv.runner.engine.offline import greedy
+            from dsconv.runner.engine.worker import build_model
+            from dsconv.runner.models.dist import Dist
+            from dsconv.runner.models.kv_cache import BLOCK_SIZE
+            from dsconv.runner.models.weights import load_manifest
+        except ImportError:  # the runner as one flat package
+            from dsconv.runner.cache import BLOCK_SIZE
+            from dsconv.runner.dist import Dist
+            from dsconv.runner.engine import build_model
+            from dsconv.runner.generate import greedy
+            from dsconv.runner.weights import load_manifest
     import dsconv
 
     model, _, new_cache = build_model(Path(shards), load_manifest(Path(shards)), 0, Dist(), torch.bfloat16)
@@ -98,6 +122,42 @@ def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> 
     for proc in procs.values():
         proc.stdin.close()
         proc.wait(60)
+    return results
+
+
+def real_vocab_shards16(work: Path, family: str) -> Path:
+    """The family's tiny checkpoint with DeepSeek's real vocabulary (a text prompt's ids fit), sharded for 16."""
+    from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+    from dsconv.family.layout import Layout
+    from dsconv.shard.shard import make_shard_plan, run_shard
+
+    src, out = work / family / "src-real-vocab", work / family / "shards-real-vocab-w16"
+    if not (src / "config.json").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        make_tiny_checkpoint(src, family, real_vocab=True)
+    if not (out / "manifest.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        run_shard(make_shard_plan(src, Layout(), 4 * 10**9), out, 2, lambda n: None)
+    return out
+
+
+def world16_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """`dsrun generate --json` at world 16 (EP16, lm_head TP16, attention DP16), each side's own CLI: the decode
+    tokens/s rank 0 reports (generation after the first token; the start-up of 16 ranks is not in it)."""
+    prompt = " ".join(f"word{i}" for i in range(PROMPT_LEN))
+
+    def one(side: Side) -> float:
+        proc = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards),
+                               "--prompt", prompt, "--no-chat", "--json", "--max-new-tokens", str(new_tokens),
+                               "--dtype", "bfloat16"], capture_output=True, text=True, env=side.env, timeout=900)
+        if proc.returncode:
+            raise SystemExit(f"bench_ab: {side.name}'s world-16 run failed: {proc.stderr[-2000:]}")
+        return json.loads(proc.stdout)["timings"]["decode_tokens_per_s"]
+
+    results = {side.name: [] for side in sides}
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            results[side.name].append(one(side))
     return results
 
 
@@ -158,7 +218,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dsrun-bench-ab")
-    parser.add_argument("--skip-serve", action="store_true", help="decode only")
+    parser.add_argument("--skip-serve", action="store_true", help="no serve rounds")
+    parser.add_argument("--world16-rounds", type=int, default=0,
+                        help="also `dsrun generate` at world 16, this many alternating rounds (each starts 16 ranks)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--decode-child", metavar="SHARDS", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,6 +251,11 @@ def main() -> int:
         figures = {"machine": info, "base": args.base, "head": head_rev,
                    "decode": report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens", "tok/s",
                                     decode_ab(sides, shards, args.new_tokens, args.rounds))}
+        if args.world16_rounds:
+            shards16 = real_vocab_shards16(args.work, args.family)
+            figures["world16"] = report(f"decode tokens/s, world 16 (dsrun generate --json), BF16, {args.new_tokens} "
+                                        f"tokens", "tok/s",
+                                        world16_ab(sides, shards16, args.new_tokens, args.world16_rounds))
         if not args.skip_serve:
             figures["serve"] = report("dsrun serve output tokens/s, world 1, 32 requests, concurrency 8", "tok/s",
                                       serve_ab(sides, shards, args.work, args.rounds))

@@ -26,8 +26,9 @@ from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.family.arch import family_for  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.entrypoints import generate  # noqa: E402
-from dsconv.runner.entrypoints.ranks import RESULTS_NAME  # noqa: E402
+from dsconv.runner.engine import core  # noqa: E402
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
+from dsconv.runner.entrypoints.generate import gather_to_rank0, generate  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
@@ -39,34 +40,36 @@ PAPER_CP = 16
 ENTRY_BYTES = 2  # BF16 cache entries gathered
 
 
-def rank_entry(**kwargs) -> None:
-    """generate.rank_main, with each rank's peak RSS above its loaded model added to its record."""
+def rank_entry(run: RunConfig, prompts, max_new_tokens, record: str) -> None:
+    """dsrun generate's ranks, with each rank's peak RSS above its loaded model: rank 0 writes its time to the
+    first token and every rank's peak to `record`."""
     loaded = {}
-    start_rank, gather_results = generate.start_rank, generate.gather_results
+    start_rank = core.start_rank
 
     def start_and_measure(*args, **kw):
         out = start_rank(*args, **kw)
         loaded["kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return out
 
-    def gather_with_memory(result, rank, result_dir):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        gather_results({**result, "prefill_peak_mib": (peak - loaded["kib"]) / 1024}, rank, result_dir)
-
-    generate.start_rank, generate.gather_results = start_and_measure, gather_with_memory
-    generate.rank_main(**kwargs)
+    core.start_rank = start_and_measure
+    result = generate(run, prompts, max_new_tokens)
+    peaks = gather_to_rank0((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - loaded["kib"]) / 1024)
+    if result is not None:
+        Path(record).write_text(json.dumps([{"prefill_s": result.prefill_s, "prefill_peak_mib": peak}
+                                            for peak in peaks]))
 
 
 def run(shards: Path, prompt: list[int], cp_size: int, dtype: str, results: Path) -> list[dict]:
-    manifest = load_manifest(shards)
-    code = launch("dsconv.scripts.bench_cp:rank_entry",
-                  {"shards": str(shards), "manifest": manifest, "prompts": [prompt], "max_new_tokens": 1,
-                   "eos_id": None, "dtype": dtype, "cache_tokens": len(prompt) + 16, "result_dir": str(results),
-                   "cp_size": cp_size, "cp_min_tokens": len(prompt)},
+    results.mkdir(parents=True, exist_ok=True)
+    config = RunConfig(shards, load_manifest(shards), dtype, "cpu", CacheConfig(len(prompt) + 16),
+                       SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt), cp_size=cp_size,
+                                       cp_min_tokens=len(prompt)))
+    code = launch(rank_entry, {"run": config, "prompts": [prompt], "max_new_tokens": 1,
+                               "record": str(results / "rank0.json")},
                   world_size=WORLD, device="cpu", timeout_s=600.0, log_dir=results / "logs")
     if code:
         raise SystemExit(f"the ranks failed (exit {code}); logs in {results / 'logs'}")
-    return json.loads((results / RESULTS_NAME).read_text())
+    return json.loads((results / "rank0.json").read_text())
 
 
 def on_paper() -> None:

@@ -29,11 +29,14 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.runner.cli import collect  # noqa: E402
-from dsconv.runner.models.kv_cache import BLOCK_SIZE  # noqa: E402
+from dsconv.runner.engine.client import EngineClient  # noqa: E402
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
+from dsconv.runner.engine.core import new_engine  # noqa: E402
+from dsconv.runner.engine.request import SamplingParams  # noqa: E402
 from dsconv.runner.engine.worker import build_model  # noqa: E402
+from dsconv.runner.entrypoints.generate import generate  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.engine.offline import greedy  # noqa: E402
+from dsconv.runner.models.kv_cache import BLOCK_SIZE  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
@@ -60,8 +63,14 @@ def dsrun_decoder(shards: Path, prompt: list[int], new_tokens: int):
 
     def run() -> float:
         stamps = []
-        greedy(model, new_cache(64 * BLOCK_SIZE), [prompt], new_tokens, None,
-               lambda s, t: stamps.append(time.perf_counter()))
+        engine = new_engine(model, new_cache(64 * BLOCK_SIZE), Dist(), vocab_size=model.cfg.vocab_size,
+                            max_model_len=64 * BLOCK_SIZE, eos_token_id=None,
+                            scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt)))
+        door = EngineClient()
+        door.open(engine)
+        door.submit(prompt, SamplingParams(max_tokens=new_tokens),
+                    lambda out: stamps.extend(time.perf_counter() for _ in out.new_token_ids))
+        engine.run(door, until_idle=True)
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     return run
@@ -101,18 +110,27 @@ def interleaved_rounds(runs: dict, repeats: int) -> dict[str, list[float]]:
     return results
 
 
-def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: Path) -> list[dict]:
+def record_generation(run: RunConfig, prompts, max_new_tokens, record: str) -> None:
+    """A rank entry: dsrun generate's ranks, rank 0's account (every rank's steps and time in collectives) to
+    `record`."""
+    result = generate(run, prompts, max_new_tokens)
+    if result is not None:
+        Path(record).write_text(json.dumps({"prefill_s": result.prefill_s, "decode_s": result.decode_s,
+                                            "ranks": result.ranks}))
+
+
+def sixteen_rank_split(shards: Path, prompt: list[int], new_tokens: int, work: Path) -> dict:
     results = work / "results16"
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
-    manifest = load_manifest(shards)
-    code = launch("dsconv.runner.entrypoints.generate:rank_main",
-                  {"shards": str(shards), "manifest": manifest, "prompts": [prompt], "max_new_tokens": new_tokens,
-                   "eos_id": None, "dtype": "bfloat16", "cache_tokens": 1024, "result_dir": str(results)},
+    run = RunConfig(shards, load_manifest(shards), "bfloat16", "cpu", CacheConfig(1024),
+                    SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt)))
+    code = launch(record_generation, {"run": run, "prompts": [prompt], "max_new_tokens": new_tokens,
+                                      "record": str(results / "rank0.json")},
                   world_size=16, device="cpu", timeout_s=600, log_dir=results / "logs")
     if code != 0:
         raise SystemExit(f"16-rank run failed ({code}); logs in {results / 'logs'}")
-    return collect(results, 1)[1]
+    return json.loads((results / "rank0.json").read_text())
 
 
 def main() -> int:
@@ -143,10 +161,11 @@ def main() -> int:
           f"{args.rounds} alternating rounds each): {ours / theirs:.2f}x (target >= {DECODE_TARGET}x); round by "
           f"round: {per_round} (median round {statistics.median(ratios):.2f}x)", flush=True)
 
-    records = sixteen_rank_split(shards_for(src, work / "shards-w16", Layout()), prompt, args.new_tokens, work)
+    split = sixteen_rank_split(shards_for(src, work / "shards-w16", Layout()), prompt, args.new_tokens, work)
+    records = split["ranks"]
     steps = records[0]["steps"]
     for label, record in (("rank 0", records[0]), ("slowest rank", max(records, key=lambda r: r["comm_s"]))):
-        total = records[0]["prefill_s"] + records[0]["decode_s"]
+        total = split["prefill_s"] + split["decode_s"]
         print(f"16 ranks (EP16, TP16), {label}: {steps} steps, {1e3 * total / steps:.1f} ms/step, of which "
               f"communication {1e3 * record['comm_s'] / steps:.1f} ms ({record['comm_s'] / total:.0%}) and "
               f"compute {1e3 * (total - record['comm_s']) / steps:.1f} ms")

@@ -26,11 +26,11 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.engine.core import EngineCore  # noqa: E402
+from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
+from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.grammar import Grammars, json_spec  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.engine.scheduler import Scheduler  # noqa: E402
-from dsconv.runner.engine.worker import DTYPES, Worker, build_model  # noqa: E402
+from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
@@ -57,9 +57,9 @@ def real_vocab_shards(work: Path, family: str) -> Path:
 
 def decode_steps(model, new_cache, grammars, prompts, grammar) -> list[float]:
     cache = new_cache(CACHE_TOKENS)
-    scheduler = Scheduler(dp=1, num_blocks=cache.num_blocks, block_size=cache.block_size, max_num_seqs=SEQUENCES,
-                          max_num_batched_tokens=4096, eos_token_id=None)
-    core = EngineCore(scheduler, Worker(model, cache, Dist(), dp_index=0, grammars=grammars))
+    core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
+                      eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=SEQUENCES), grammars=grammars)
+    scheduler = core.scheduler
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, seed=i, ignore_eos=True,
                                 grammar=grammar)

@@ -26,10 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.engine.core import EngineCore  # noqa: E402
+from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
+from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.engine.scheduler import Scheduler  # noqa: E402
-from dsconv.runner.engine.worker import DTYPES, Worker, build_model  # noqa: E402
+from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
 from dsconv.runner.models.deepseek_v3 import Attention  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
@@ -42,12 +42,12 @@ REGIMES = (8, 2048)  # index_topk: far below the prompt, and half of it
 def prefill_seconds(model, new_cache, prompt: list[int], absorbed: bool) -> float:
     """One step that prefills `prompt` whole (and samples its first token), with the path forced."""
     cache = new_cache(len(prompt) + 16)
-    scheduler = Scheduler(1, cache.num_blocks, cache.block_size, 1, len(prompt), None)
-    core = EngineCore(scheduler, Worker(model, cache, Dist(), 0))
-    scheduler.add("p", prompt, SamplingParams(max_tokens=1), None)
+    engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=len(prompt) + 16,
+                        eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt)))
+    engine.scheduler.add("p", prompt, SamplingParams(max_tokens=1), None)
     with mock.patch.object(Attention, "absorbed_is_cheaper", lambda self, queries, context: absorbed):
         started = time.perf_counter()
-        core.step()
+        engine.step()
         return time.perf_counter() - started
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         if not (shards / "manifest.json").exists():
             run_shard(make_shard_plan(src, Layout(1, 1, 1, 1), 4 * 10**9), shards, 1, lambda n: None)
         model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), DTYPES[args.dtype])
-        prompt = [rng.randrange(2, model.embed.shape[0]) for _ in range(args.tokens)]
+        prompt = [rng.randrange(2, model.cfg.vocab_size) for _ in range(args.tokens)]
         times = {"expanded": [], "absorbed": []}
         for _ in range(args.rounds):
             for path in times:

@@ -28,11 +28,8 @@ sys.path.insert(0, str(REPO))
 from dsconv.convert.plan import TO_INT8, TO_BF16  # noqa: E402
 from dsconv.convert.quantize import build_plan  # noqa: E402
 from dsconv.kernels.int8 import quantize_rows_reference  # noqa: E402
-from scripts.make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from dsconv.convert.tiny_checkpoint import LARGE_CONFIG, LARGE_FILE_BYTES, make_tiny_checkpoint  # noqa: E402
 
-# V3-shaped, >= 2 GB in FP8: the routed experts dominate, as in the real model.
-BENCH_CONFIG = dict(hidden_size=2048, moe_intermediate_size=1024, n_routed_experts=64, num_hidden_layers=6)
-BENCH_FILE_BYTES = 500_000_000
 SPEEDUP_TARGET = 4.0  # dsconv vs naive
 COPY_RATIO_TARGET = 2.0  # dsconv time / copy time
 
@@ -112,7 +109,7 @@ def main() -> int:
     if args.src is None and not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         print(f"generating the benchmark checkpoint in {src} ...", flush=True)
-        make_tiny_checkpoint(src, "deepseek_v3", config_overrides=BENCH_CONFIG, max_file_bytes=BENCH_FILE_BYTES)
+        make_tiny_checkpoint(src, "deepseek_v3", config_overrides=LARGE_CONFIG, max_file_bytes=LARGE_FILE_BYTES)
     runs = args.work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     nbytes = warm(src)

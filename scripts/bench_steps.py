@@ -32,10 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
-from dsconv.runner.engine.core import EngineCore  # noqa: E402
-from dsconv.runner.engine.worker import Worker  # noqa: E402
+from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
+from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.engine.scheduler import Scheduler  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.scripts.bench_serve import (TOKEN_IDS, machine, print_machine, shards_for, step_bound,  # noqa: E402
                                         workload)
@@ -52,9 +51,9 @@ class Engine:
 
     def __init__(self, model, new_cache):
         cache = new_cache(CACHE_TOKENS)
-        self.scheduler = Scheduler(dp=1, num_blocks=cache.num_blocks, block_size=cache.block_size, max_num_seqs=16,
-                                   max_num_batched_tokens=4096, eos_token_id=None)
-        self.core = EngineCore(self.scheduler, Worker(model, cache, Dist(), dp_index=0))
+        self.core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
+                               eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096))
+        self.scheduler = self.core.scheduler
         self.added = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> None:

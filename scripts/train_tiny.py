@@ -1,4 +1,4 @@
-"""Train the tiny DeepSeek checkpoints on the Python standard library's source (see convert/trained.py).
+"""Train the tiny DeepSeek checkpoints on the Python standard library's source (see tests/trained.py).
 
     python scripts/train_tiny.py OUT --family deepseek_v4
 
@@ -8,12 +8,16 @@ Tests and the accuracy gate use the cached copy instead (`trained_source`, built
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import typer
 
-from dsconv.convert.trained import FAMILIES, build_trained
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the training lives with the tests (tests/trained.py), outside the installed package
+
+from tests.trained import FAMILIES, build_trained  # noqa: E402
 
 
 def main(out_dir: Path, family: str = "deepseek_v4") -> None:

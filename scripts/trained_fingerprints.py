@@ -1,4 +1,4 @@
-"""Where a CPU's training of the tiny models parts from the recorded bytes (convert/trained.py, TRAINED_SHA256):
+"""Where a CPU's training of the tiny models parts from the recorded bytes (tests/trained.py, TRAINED_SHA256):
 fingerprints of the training's inputs and of its first dense steps, under PINNED_CPU_ENV, to compare line by line
 with another machine's (docs/benchmarks.md, "Trained tiny models", records an AMD EPYC's).
 
@@ -22,8 +22,11 @@ from pathlib import Path
 
 import torch
 
-from dsconv.convert.trained import FAMILIES, PINNED_CPU_ENV, cpu_description, require_pinned, train_model, \
-    training_config, training_tokens
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the training lives with the tests (tests/trained.py), outside the installed package
+
+from tests.trained import FAMILIES, PINNED_CPU_ENV, cpu_description, require_pinned, train_model, \
+    training_config, training_tokens  # noqa: E402
 
 
 class Enough(Exception):

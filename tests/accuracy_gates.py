@@ -3,7 +3,7 @@ its --kv-cache-dtype, read the same held-out windows through dsrun's model on on
 figures are perplexities, logits cosines and top-1 agreement.
 
 The figures are computed in fresh interpreters (PARTS at once, a share of the windows each) under the same
-pinned environment as training (dsconv.convert.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible
+pinned environment as training (tests.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible
 path, one thread, glibc's baseline function variants), so that every x86-64 CPU gives the same bits; the test
 records them and checks that it reproduced them. Evaluated on the kernels a CPU picks for itself, the
 per-position figures of the V3.2 cache gates moved with the CPU: a near-tied indexer choice that one rounding
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dsconv.convert.trained import PINNED_CPU_ENV, heldout_texts
-from dsconv.runner.engine.offline import greedy
+from tests.trained import PINNED_CPU_ENV, heldout_texts
+from tests.helpers import greedy
 from dsconv.runner.engine.worker import start_rank
 from dsconv.runner.entrypoints.perplexity import windows
 from dsconv.runner.models.weights import load_manifest

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `scripts` is a folder of the repo, not an installed package
+sys.path.insert(0, str(REPO))  # `tests` is a folder of the repo, not an installed package
 
-from scripts.make_tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from tests.helpers import quantize, stable_index_ties  # noqa: E402
 
 
@@ -63,10 +63,10 @@ def w8a8_source(tiny_source, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_source():
-    """trained_source(family, encoding="fp8") -> the family's trained tiny checkpoint (convert/trained.py),
+    """trained_source(family, encoding="fp8") -> the family's trained tiny checkpoint (tests/trained.py),
     trained into the dsconv cache ($DSCONV_CACHE or ~/.cache/dsconv) on first use: every family at once, each on
     one core, 5 to 10 minutes."""
-    from dsconv.convert.trained import train_missing, trained_source as build
+    from tests.trained import train_missing, trained_source as build
 
     train_missing()
     return build

@@ -2,6 +2,7 @@
 ranks. Test modules import from here (or take conftest's fixtures), never from each other."""
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -14,15 +15,21 @@ from dsconv.comm.launch import launch
 from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
-from dsconv.runner.cli import collect
 from dsconv.runner.engine.block_pool import BlockPool
+from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.engine.worker import StepInputs, prepare_inputs
-from dsconv.runner.entrypoints.ranks import RESULTS_NAME
+from dsconv.runner.entrypoints.generate import generate
+from dsconv.runner.entrypoints.perplexity import score
+from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.kv_cache import StepMeta
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.shard import make_shard_plan, run_shard
+from tests.rank_entries import recorded
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 SMALL_FILES = 1_000_000  # bytes: a file cap that gives several output files even on the tiny fixtures
@@ -99,6 +106,18 @@ def window_nll(logits, window: list[int]) -> float:
     targets = torch.tensor(window[1:], device=logits.device)
     log_probs = torch.nn.functional.log_softmax(logits[:-1].float(), dim=-1)  # [len - 1, vocab]
     return -log_probs.gather(1, targets[:, None]).double().sum().item()
+
+
+def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:
+    """transformers' perplexity of the windows, each scored from its second token on -> (perplexity, tokens
+    scored); log-softmax in float64."""
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for window in cut:
+            log_probs = torch.log_softmax(model(torch.tensor([window])).logits[0, :-1].double(), dim=-1)
+            nll -= log_probs.gather(1, torch.tensor(window[1:])[:, None]).sum().item()
+            tokens += len(window) - 1
+    return math.exp(nll / tokens), tokens
 
 
 def quantized_weight(out_features, in_features, gen):
@@ -179,28 +198,68 @@ def source_reference(src):
             for name, value in raw.items() if name not in scale_of.values()}
 
 
-def launch_ranks(entry, args: dict, shards, results) -> list[dict]:
-    """Every rank of the shards' layout as local processes over gloo, running entry(**args, shards=...,
-    manifest=..., result_dir=results) -> every rank's record from rank 0's results file."""
+def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+           vocab_size: int | None = None) -> list[list[int]]:
+    """In-process greedy generation on one rank through the engine dsrun builds (core.new_engine): every prompt
+    admitted at once and prefilled in one step, then one token per sequence per step, each stopping at EOS (None:
+    never) or after max_new_tokens. The finished sequences' room is given back to the cache, which the next call
+    may reuse."""
+    engine = new_engine(model, cache, Dist(), vocab_size=vocab_size or model.cfg.vocab_size,
+                        max_model_len=cache.num_blocks * cache.block_size, eos_token_id=eos_id,
+                        scheduler=SchedulerConfig(max_num_seqs=max(1, len(prompts)),
+                                                  max_num_batched_tokens=max(1, sum(map(len, prompts)))))
+    door = EngineClient()
+    door.open(engine)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for index, prompt in enumerate(prompts):
+        door.submit(prompt, SamplingParams(max_tokens=max_new_tokens),
+                    lambda out, index=index: outputs[index].extend(out.new_token_ids))
+    engine.run(door, until_idle=True)
+    for seq_id in engine.scheduler.releases[0]:  # freed by the scheduler, to free on the rank with a next step
+        cache.release(seq_id)
+    return outputs
+
+
+def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
+               max_num_seqs=16, max_num_batched_tokens=4096) -> RunConfig:
+    return RunConfig(Path(shards), load_manifest(shards), dtype, "cpu", CacheConfig(cache_tokens, None, kv_cache_dtype),
+                     SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size, cp_min_tokens=cp_min_tokens))
+
+
+def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
+    """entry(run=run, **args) on every rank of the run's layout, as local processes over gloo -> rank 0's return
+    value (read from the file tests.rank_entries.recorded writes in `results`)."""
     results.mkdir()
-    manifest = load_manifest(shards)
-    code = launch(entry, {**args, "shards": str(shards), "manifest": manifest, "result_dir": str(results)},
-                  world_size=manifest["layout"]["world_size"], device="cpu", timeout_s=RANKS_TIMEOUT_S,
-                  log_dir=results / "logs")
+    record = results / "rank0.json"
+    code = launch(recorded, {"entry": entry, "record_path": str(record), "run": run, **args},
+                  world_size=run.layout.world_size, device="cpu", timeout_s=RANKS_TIMEOUT_S, log_dir=results / "logs")
     assert code == 0, [p.read_text()[-2000:] for p in (results / "logs").glob("*.log")]
-    return json.loads((results / RESULTS_NAME).read_text())
+    return json.loads(record.read_text())
 
 
-def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS,
-              entry="dsconv.runner.entrypoints.generate:rank_main", results_name=None, kv_cache_dtype="auto",
-              **extra):
-    """Generation on every rank -> each prompt's generated tokens. entry: the ranks' function (rank_main's
-    arguments), e.g. one that installs a test double first; its results directory is tmp_path / results_name
-    (default: named after the shards)."""
+def generate_ranks(shards, results, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS, kv_cache_dtype="auto",
+                   cp_size=1, cp_min_tokens=None, entry=generate, **extra) -> dict:
+    """dsrun generate's ranks (entry: generate, or one that installs a test double first) -> rank 0's account
+    (generate.Generated as a dict)."""
+    run = run_config(shards, dtype, 256, kv_cache_dtype, cp_size, cp_min_tokens, max(1, len(prompts)),
+                     sum(map(len, prompts)))
+    return launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, **extra}, run, results)
+
+
+def run_ranks(shards, tmp_path, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS, results_name=None,
+              **options) -> list[list[int]]:
+    """Generation on every rank -> each prompt's generated tokens; the results directory is tmp_path /
+    results_name (default: named after the shards)."""
     results = tmp_path / (results_name or f"results-{shards.name}")
-    launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, "eos_id": None, "dtype": dtype,
-                         "cache_tokens": 256, "kv_cache_dtype": kv_cache_dtype, **extra}, shards, results)
-    return collect(results, len(prompts))[0]
+    return generate_ranks(shards, results, prompts, dtype, new_tokens, **options)["generated"]
+
+
+def score_ranks(shards, results, windows: list[list[int]], dtype="float32", kv_cache_dtype="auto", cp_size=1,
+                cp_min_tokens=None) -> dict:
+    """dsrun perplexity's ranks on these windows -> rank 0's summary (perplexity, tokens, nll, CP prefills)."""
+    longest = max(map(len, windows))
+    run = run_config(shards, dtype, longest, kv_cache_dtype, cp_size, cp_min_tokens, 1, longest)
+    return launch_ranks(score, {"windows": windows}, run, results)
 
 
 SERVER_START_S = 300  # a 16-rank server loads 16 shard sets on 2 cores

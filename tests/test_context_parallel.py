@@ -15,7 +15,7 @@ from dsconv.family.layout import Layout
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
 from dsconv.runner.engine.scheduler import Scheduler
 from dsconv.runner.models.batch import cp_positions
-from tests.helpers import Server, launch_ranks, shard, stable_index_ties
+from tests.helpers import Server, generate_ranks, score_ranks, shard, stable_index_ties
 
 NEW_TOKENS = 6
 MIN_TOKENS = 4  # prompts this long or longer are prefilled by CP in these tests
@@ -81,10 +81,43 @@ def test_prompt_scores_come_back_in_position_order():
     assert out.finished and [e.logprob for e in out.prompt_logprobs[1:]] == [-float(p) for p in range(10)]
 
 
+def results_of(step, token=5) -> list[list[SeqResult]]:
+    """A 'model' that draws `token` for every sequence that samples; a context-parallel share is one result per
+    member, its owner's drawing."""
+    results = []
+    for batch in step.batches:
+        if batch.cp is not None:
+            results.append([SeqResult(token if batch.cp.sample is not None else None, None)])
+        else:
+            results.append([SeqResult(token if spec is not None else None, None) for spec in batch.samples])
+    return results
+
+
 def test_short_prompts_and_recomputed_requests_are_not_split():
     s = scheduler()
     s.add("short", [1, 2, 3], SamplingParams(max_tokens=2), None, dp_rank=0)
     assert [b.cp for b in s.schedule().batches] == [None] * 4
+
+    # A long prompt prefilled by its group, preempted once it has generated: recomputed (prompt and output) on its
+    # own rank alone. 4 blocks of 4 tokens per DP rank hold "first" (3 + 10) or "long" (10 + 3), not both.
+    s = Scheduler(2, 4, 4, 8, 64, None, cp_size=2, cp_min_tokens=MIN_TOKENS)
+    s.add("first", [1, 2, 3], SamplingParams(max_tokens=10), None, dp_rank=0)
+    step = s.schedule()
+    s.update(step, results_of(step))
+    long = s.add("long", list(range(10, 20)), SamplingParams(max_tokens=3), None, dp_rank=0)
+    step = s.schedule()
+    assert [b.cp is not None for b in step.batches] == [True, True]  # its group's prefill
+    s.update(step, results_of(step))
+    assert long.output == [5]
+    recomputed = 0
+    while s.has_work:
+        step = s.schedule()
+        if long.num_computed == 0 and long.output:  # preempted after its first token: waiting to be recomputed
+            recomputed += 1
+        assert all(b.cp is None for b in step.batches)
+        s.update(step, results_of(step))
+    assert recomputed and s.preemptions >= 1 and s.cp_prefills == 1
+    assert long.output == [5, 5, 5]
 
 
 def test_refusals_in_one_line():
@@ -109,11 +142,8 @@ PROMPTS = [list(range(100, 137)), [42 + i for i in range(23)], [7, 8, 9], [300 +
 
 
 def generate(shards, tmp_path, name, **extra) -> tuple[list[list[int]], int]:
-    records = launch_ranks("dsconv.runner.entrypoints.generate:rank_main",
-                           {"prompts": PROMPTS, "max_new_tokens": NEW_TOKENS, "eos_id": None, "dtype": "float32",
-                            "cache_tokens": 256, **extra}, shards, tmp_path / name)
-    rank0 = records[0]
-    return [rank0["generated"][rank0["prompts"].index(i)] for i in range(len(PROMPTS))], rank0["cp_prefills"]
+    result = generate_ranks(shards, tmp_path / name, PROMPTS, "float32", NEW_TOKENS, **extra)
+    return result["generated"], result["cp_prefills"]
 
 
 @pytest.mark.slow
@@ -134,17 +164,13 @@ def test_greedy_tokens_equal_transformers_at_world_16(tiny_source, tmp_path):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_perplexity_equals_the_run_without_cp(tiny_source, tmp_path, kv_cache_dtype):
     """With the INT8 cache too: the scratch a member attends over stores the gathered entries as the cache does."""
-    from dsconv.runner.entrypoints.perplexity import summarize
-
     shards = tmp_path / "w2"
     shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(2, 2, 2, 1))
     windows = [[0] + list(range(200, 260)), [0] + list(range(500, 530)), [0, 5, 6]]
     scores = {}
     for size in (1, 2):
-        records = launch_ranks("dsconv.runner.entrypoints.perplexity:rank_main",
-                               {"windows": windows, "dtype": "float32", "cp_size": size, "cp_min_tokens": MIN_TOKENS,
-                                "kv_cache_dtype": kv_cache_dtype}, shards, tmp_path / f"ppl-cp{size}")
-        scores[size] = summarize(records)
+        scores[size] = score_ranks(shards, tmp_path / f"ppl-cp{size}", windows, kv_cache_dtype=kv_cache_dtype,
+                                   cp_size=size, cp_min_tokens=MIN_TOKENS)
     assert scores[2]["context_parallel_prefills"] == 2 and scores[1]["context_parallel_prefills"] == 0
     assert scores[2]["tokens"] == scores[1]["tokens"]
     assert abs(scores[2]["perplexity"] / scores[1]["perplexity"] - 1) < 1e-4, scores

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def tiny_shards(tiny_source, tmp_path_factory):
 
 
 def dsrun(demo, *args, timeout=300, command="generate", tmpdir=None):
-    """tmpdir: the run's TMPDIR, where dsrun makes its results directory (dsrun-results-*)."""
+    """tmpdir: the run's TMPDIR, where dsrun makes the ranks' log directory (dsrun-logs-*, kept if a rank fails)."""
     env = {**os.environ, "COLUMNS": "300", "DSCONV_CACHE": str(demo.parent)}  # the demo cache
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
@@ -138,18 +139,18 @@ def test_v3_without_chat_template(tiny_shards):
 
 @pytest.mark.slow
 def test_streamed_text_and_closing_line(demo, tmp_path):
-    """Rank 0 streams prompt 0's text as its tokens arrive, then the CLI prints the other prompts' text and a
-    summary: what it prints must be the decoded ids of the same greedy generation (as --json reports them), each
-    once; and a finished run leaves no results directory behind."""
+    """Rank 0 streams prompt 0's text as its tokens arrive, then prints the other prompts' text and a summary:
+    what it prints must be the decoded ids of the same greedy generation (as --json reports them), each once; and
+    a finished run leaves nothing behind in the temporary directory (no logs, no results)."""
     prompts = ["how are you", "a second, longer prompt here"]
     args = ("--shards", demo, *(arg for p in prompts for arg in ("--prompt", p)), "--max-new-tokens", "8", "--no-chat")
-    # the ids come from a --json run of the same greedy generation (dsrun removes its results directory)
+    # the ids come from a --json run of the same greedy generation
     reference = dsrun(demo, *args, "--json", tmpdir=tmp_path)
     assert reference.returncode == 0, reference.stderr
     generated = json.loads(reference.stdout)["generated_token_ids"]
     proc = dsrun(demo, *args, tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert list(tmp_path.glob("dsrun-results-*")) == []  # nothing left behind by either run
+    assert list(tmp_path.glob("dsrun-*")) == []  # nothing left behind by either run
     assert [len(ids) for ids in generated] == [8, 8]  # the demo's noise reaches no EOS within 8 tokens
     decode = tokenizer().decode
     texts = [decode(ids) for ids in generated]
@@ -235,8 +236,8 @@ def test_killing_one_rank_ends_the_run(demo, tmp_path):
     assert proc.returncode != 0
     assert "failed" in stderr and "SIGKILL" in stderr, stderr
     assert stderr.count("failed:") == 1
-    (results,) = tmp_path.glob("dsrun-results-*")  # a failed run keeps the logs its message names
-    assert f"logs in {results / 'logs'}" in stderr and (results / "logs").is_dir()
+    (logs,) = tmp_path.glob("dsrun-logs-*")  # a failed run keeps the logs its message names
+    assert f"logs in {logs})" in stderr and (logs / "rank5.log").is_file()
 
 
 @pytest.mark.slow
@@ -248,11 +249,12 @@ def test_perplexity_json_on_the_demo(demo, tmp_path):
     proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
                  command="perplexity", tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert list(tmp_path.glob("dsrun-results-*")) == []
+    assert list(tmp_path.glob("dsrun-*")) == []
     out = json.loads(proc.stdout)
     n = len(Tokenizer.from_file(str(demo / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
-    windows = -(-(n + 1) // 8)  # BOS + the text's tokens, 8 a window
-    assert out["windows"] == windows and out["tokens"] == n + 1 - windows
+    n += json.loads((demo / "tokenizer_config.json").read_text())["add_bos_token"]  # BOS first if it says so
+    windows = -(-n // 8)  # 8 ids a window
+    assert out["windows"] == windows and out["tokens"] == n - windows
     assert math.isfinite(out["perplexity"]) and out["perplexity"] > 1
 
 
@@ -300,3 +302,43 @@ def test_torch_npu_without_cann_is_one_line(tiny_shards, tmp_path, autoload):
     assert "libhccl.so" in line and "CANN" in line
     if autoload == "1":
         assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_one_text_gives_the_same_ids_on_every_path(tiny_source, tmp_path, add_bos):
+    """family/text.py's one rule: `generate --no-chat`, `/v1/completions` and `perplexity` turn the same text into
+    the same ids, BOS in front exactly when the tokenizer's config says add_bos_token."""
+    import httpx
+
+    from tests.helpers import Server
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_source("deepseek_v32", real_vocab=True), src)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos}))
+    shards = tmp_path / "shards"
+    shard(src, shards, Layout(1, 1, 1, 1))
+    text = "The same text on every path: 北京故宫"
+    bos = tokenizer().token_to_id("<｜begin▁of▁sentence｜>")
+    want = [bos] * add_bos + token_ids(text)
+
+    generated = dsrun(shards, "--shards", shards, "--no-chat", "--json", "--prompt", text, "--max-new-tokens", "1")
+    assert generated.returncode == 0, generated.stderr
+    assert json.loads(generated.stdout)["prompt_token_ids"] == [want]
+
+    (tmp_path / "text.txt").write_text(text)
+    scored = dsrun(shards, "--shards", shards, "--file", tmp_path / "text.txt", "--context", "512", "--json",
+                   command="perplexity")
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads(scored.stdout)["tokens"] == len(want) - 1  # one window: every id after the first is scored
+
+    server = Server(shards, tmp_path / "serve.log")
+    try:
+        completion = httpx.post(f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 1}, timeout=120)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["usage"]["prompt_tokens"] == len(want)
+        tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=60).json()
+        assert tokenized["tokens"] == want
+    finally:
+        assert server.stop() == 0

@@ -21,7 +21,7 @@ from dsconv.manifest.verify import verify
 from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES
 from dsconv.shard.sizes import entries, footprint
-from scripts.make_tiny_checkpoint import make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
 
 TOY = "toy_moe"
 WORLD = 16

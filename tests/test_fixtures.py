@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from dsconv.family.arch import ArchError, Encoding, family_for
 from dsconv.family.deepseek_v3 import parse_config, tiny_config
-from scripts.make_tiny_checkpoint import make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
 
 V3_FAMILIES = ("deepseek_v3", "deepseek_v32")
 BLOCK = 128

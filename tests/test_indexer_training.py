@@ -1,14 +1,14 @@
-"""The indexer training of the trained tiny V3.2 (convert/indexer_training.py) against transformers' own
+"""The indexer training of the trained tiny V3.2 (tests/indexer_training.py) against transformers' own
 indexer: the scores it recomputes with gradients select what transformers' DeepseekV32Indexer selects, and its
 KL loss reaches the indexer's weights alone."""
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsconv.convert.indexer_training import (capture_attention, index_logits, indexer_kl, indexer_parameters,
+from tests.indexer_training import (capture_attention, index_logits, indexer_kl, indexer_parameters,
                                              set_index_topk)
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
-from dsconv.convert.trained import training_config, transformers_config
+from tests.trained import training_config, transformers_config
 
 
 def tiny_v32(tmp_path, index_topk: int):

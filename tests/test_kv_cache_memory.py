@@ -18,7 +18,7 @@ from tests.helpers import Steps, shard
 
 REAL_V32 = Path(__file__).parent / "data" / "deepseek_v32_exp.config.json"
 PLAN_TOLERANCE = 0.02
-INT8_TOKENS_MIN = 1.7  # issue 24: int8 holds at least 1.7x the tokens of the 16-bit cache in the same bytes
+INT8_TOKENS_MIN = 1.7  # the INT8 cache's target: int8 holds at least 1.7x the tokens of the 16-bit cache in the same bytes
 
 
 def _model(tiny_source, tmp_path, family: str):

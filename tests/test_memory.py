@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from scripts.bench_quantize import BENCH_CONFIG, BENCH_FILE_BYTES
-from scripts.make_tiny_checkpoint import make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import LARGE_CONFIG, LARGE_FILE_BYTES, make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # multi-process or large-checkpoint runs
 
@@ -34,7 +33,7 @@ def big_checkpoint(tmp_path_factory):
     """A >= 2 GB checkpoint, deleted when this module is done: the suite must not hold gigabytes of disk."""
     root = tmp_path_factory.mktemp("big")
     src = make_tiny_checkpoint(root / "src", "deepseek_v3",
-                               config_overrides=BENCH_CONFIG, max_file_bytes=BENCH_FILE_BYTES)
+                               config_overrides=LARGE_CONFIG, max_file_bytes=LARGE_FILE_BYTES)
     size = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     assert size >= MIN_CHECKPOINT_BYTES
     yield src

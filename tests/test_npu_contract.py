@@ -19,11 +19,11 @@ from dsconv.kernels.linear import quantize_activations, w8a8_linear
 from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp, token_mlp
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.worker import build_model
-from dsconv.runner.engine.offline import greedy
+from tests.helpers import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, expert_scales_to_bf16, quantized_weight, run_ranks, shard
-from tests.npu_double import (CALLS_NAME, INT8_CACHE_NPU_OPS, MODELLED, SYNCS_NAME, ZEROS_NAME, ContractError, TorchNpuDouble,
+from tests.npu_double import (CALLS_NAME, generate_on_double, INT8_CACHE_NPU_OPS, MODELLED, SYNCS_NAME, ZEROS_NAME, ContractError, TorchNpuDouble,
                               forbid_cpu_int8_path, install, keep_cpu_attention)
 from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered
 
@@ -374,8 +374,8 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
     shard(npu_source(family), shards, Layout(16, 16, 16, 1))
     prompts = [PROMPTS[1]]
     want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
-    got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
-                    results_name="npu")
+    got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry=generate_on_double,
+                    results_name="npu", result_dir=str(tmp_path / "npu"))
     assert got == want
     calls = [json.loads((tmp_path / "npu" / CALLS_NAME.format(rank=rank)).read_text()) for rank in range(16)]
     # idle ranks run a throwaway token, a rank that receives no rows skips its experts, and empty state pieces are
@@ -406,8 +406,8 @@ def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(npu_source
     shard(npu_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
     prompts = [PROMPTS[1], PROMPTS[2]]  # 37 and 20 rows: shares of 5 and 3, the last ones shorter or empty
     want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
-    got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry="tests.npu_double:rank_main",
-                    results_name="npu")
+    got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry=generate_on_double,
+                    results_name="npu", result_dir=str(tmp_path / "npu"))
     assert got == want
     # a rank whose share is empty routes a throwaway copy of the group's first row instead: no zero-size tensor
     zeros = [json.loads((tmp_path / "npu" / ZEROS_NAME.format(rank=rank)).read_text()) for rank in range(16)]
@@ -420,6 +420,6 @@ def test_local_launch_refuses_more_ranks_than_devices(monkeypatch, tmp_path):
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InputError) as error:
-        launch("tests.npu_double:rank_main", {}, world_size=16, device="npu", timeout_s=5, log_dir=tmp_path)
+        launch(generate_on_double, {}, world_size=16, device="npu", timeout_s=5, log_dir=tmp_path)
     message = str(error.value)
     assert "torchrun" in message and "16 ranks" in message and "sees 8" in message and "\n" not in message

@@ -5,6 +5,7 @@ installed under `dsconv.` they cannot collide. Built and installed as a user wou
 next to PyPI's `comm`, into a fresh virtual environment.
 """
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -34,8 +35,14 @@ def _run(*cmd, cwd=None):
 def test_wheel_installs_only_dsconv_next_to_jupyters_comm(tmp_path):
     _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", tmp_path / "wheel", cwd=REPO)
     (wheel,) = (tmp_path / "wheel").glob("dsconv-*.whl")
-    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    archive = zipfile.ZipFile(wheel)
+    tops = {name.split("/")[0] for name in archive.namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"dsconv"}, tops
+    # no test-only code: the tests, the scripts, and the tiny models' training (which needs transformers)
+    modules = [name for name in archive.namelist() if name.endswith(".py")]
+    assert not [m for m in modules if m.split("/")[1] in ("tests", "scripts")], modules
+    training = [m for m in modules if re.search(r"^\s*(from|import) transformers\b", archive.read(m).decode(), re.M)]
+    assert training == [], training
 
     env = tmp_path / "env"
     _run(sys.executable, "-m", "venv", "--without-pip", env)

@@ -1,17 +1,15 @@
 """`dsrun perplexity`'s scoring equals transformers' perplexity of the same windows (float32), on one rank and
 on 16, with one window and with several."""
 
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from dsconv.errors import InputError
-from dsconv.runner.entrypoints.perplexity import summarize, windows
+from dsconv.runner.entrypoints.perplexity import windows
 from dsconv.family.layout import Layout
-from tests.helpers import launch_ranks, shard
+from tests.helpers import score_ranks, shard, transformers_perplexity
 
 RELATIVE_TOLERANCE = 1e-4
 TEXT_TOKENS = 45  # with BOS: one window at --context 64, three (16, 16, 14) at --context 16
@@ -22,17 +20,6 @@ def text_ids(vocab: int) -> list[int]:
     return torch.randint(2, vocab, (TEXT_TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def transformers_perplexity(model, cut: list[list[int]]) -> tuple[float, int]:
-    nll, tokens = 0.0, 0
-    with torch.no_grad():
-        for window in cut:
-            logits = model(torch.tensor([window])).logits[0]
-            log_probs = F.log_softmax(logits[:-1].double(), dim=-1)
-            nll -= log_probs.gather(1, torch.tensor(window[1:])[:, None]).sum().item()
-            tokens += len(window) - 1
-    return math.exp(nll / tokens), tokens
-
-
 def test_windows_cut_and_score_every_token_after_the_first():
     ids = list(range(10))
     assert windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -40,11 +27,6 @@ def test_windows_cut_and_score_every_token_after_the_first():
     assert windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a last window of one token scores nothing
     with pytest.raises(InputError, match="--context 1 must be at least 2"):
         windows(ids, 1)
-
-
-def test_summary_is_exp_of_the_mean_nll():
-    records = [{"nll": 3.0, "tokens": 2, "cp_prefills": 3}, {"nll": 0.0, "tokens": 0}, {"nll": 1.0, "tokens": 2}]
-    assert summarize(records) == {"perplexity": math.exp(1.0), "tokens": 4, "nll": 4.0, "context_parallel_prefills": 3}
 
 
 @pytest.mark.slow
@@ -62,9 +44,7 @@ def test_perplexity_equals_transformers(tiny_source, tmp_path, family, layout):
     for context in (64, 16):
         cut = windows(ids, context)
         assert len(cut) == (1 if context == 64 else 3)
-        records = launch_ranks("dsconv.runner.entrypoints.perplexity:rank_main", {"windows": cut, "dtype": "float32"}, shards,
-                               tmp_path / f"results-{context}")
-        ours = summarize(records)
+        ours = score_ranks(shards, tmp_path / f"results-{context}", cut)
         expected, tokens = transformers_perplexity(reference, cut)
         assert ours["tokens"] == tokens == len(ids) - len(cut)
         assert abs(ours["perplexity"] - expected) <= RELATIVE_TOLERANCE * expected, (ours, expected)

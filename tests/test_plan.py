@@ -206,7 +206,7 @@ def test_cli_errors(tmp_path):
 
 
 def test_cli_json_shows_the_v32_memory_plan(models, expected):
-    """The plan of issue 24 for V3.2-Exp on 16 cards of 64 GB: W8A8 (indexer recipe), INT8 caches, o_proj and
+    """The deployment plan for V3.2-Exp on 16 cards of 64 GB: W8A8 (indexer recipe), INT8 caches, o_proj and
     embedding TP over all 16 attention-DP ranks, as one JSON object."""
     result = run_plan("--config", V32_EXP, "--oproj-tp", 16, "--embed-tp", 16, "--kv-cache-dtype", "int8",
                       "--recipe", "v32-indexer", "--json")

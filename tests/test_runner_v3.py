@@ -9,7 +9,7 @@ from dsconv.errors import InputError
 from dsconv.runner.models import kv_cache as cache_module
 from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.engine.offline import greedy
+from tests.helpers import greedy
 from dsconv.runner.models.layers import Proj
 from dsconv.family.deepseek_v3 import cache_fields
 from dsconv.runner.models.deepseek_v3 import Attention, DeepseekV3

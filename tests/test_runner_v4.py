@@ -11,7 +11,7 @@ from dsconv.errors import InputError
 from dsconv.runner.models import kv_cache as cache_module
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.engine.offline import greedy
+from tests.helpers import greedy
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
 from dsconv.runner.models.weights import load_manifest, load_rank
 from dsconv.family.layout import Layout

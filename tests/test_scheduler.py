@@ -12,9 +12,9 @@ import torch
 from dsconv.errors import InputError
 from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.worker import build_model
-from dsconv.runner.engine.core import EngineCore
-from dsconv.runner.engine.worker import Worker
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
 from dsconv.runner.engine.sampler import sample, step_results, uniform
 from dsconv.runner.engine.scheduler import Scheduler
@@ -288,6 +288,12 @@ def test_prompt_scoring_without_generation():
     assert finished.finished and finished.finish_reason == "length" and len(finished.prompt_logprobs) == 10
 
 
+def engine(model, cache, max_num_seqs: int, budget: int):
+    """dsrun's engine on one rank, stepped by the test through its scheduler."""
+    return new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
+                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
+
+
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
 def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_path):
     """The real step function: tokens with a cache too small for both requests (preemption, recompute) and a
@@ -296,12 +302,12 @@ def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_p
     shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, model.embed.shape[0], (n,), generator=gen).tolist() for n in (21, 30)]
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (21, 30)]
 
     def generate(cache_tokens, budget, ps):
         cache = new_cache(cache_tokens)
-        s = Scheduler(1, cache.num_blocks, cache.block_size, 4, budget, None)
-        core = EngineCore(s, Worker(model, cache, Dist(), 0))
+        core = engine(model, cache, 4, budget)
+        s = core.scheduler
         outputs = {str(i): [] for i in range(len(ps))}
         for i, p in enumerate(ps):
             s.add(str(i), p, greedy(12), None)
@@ -325,15 +331,15 @@ def test_model_samples_equal_requests_with_their_seeds(family, kv_cache_dtype, t
     shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(2, model.embed.shape[0], (n,), generator=gen).tolist() for n in (21, 37)]
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (21, 37)]
 
     def params(n, seed):
         return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, n=n)
 
     def generate(cache_tokens, requests):
         cache = new_cache(cache_tokens, kv_cache_dtype)
-        s = Scheduler(1, cache.num_blocks, cache.block_size, 8, 64, None, share_blocks=cache.paged)
-        core = EngineCore(s, Worker(model, cache, Dist(), 0))
+        core = engine(model, cache, 8, 64)
+        s = core.scheduler
         outputs = {}
         for request_id, prompt, p in requests:
             s.add(request_id, prompt, p, None)

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from dsconv.family.arch import families
 from dsconv.family.dsml import V4, V32
+from dsconv.family.text import TextTokenizer
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai import app as api
 from dsconv.runner.entrypoints.openai.app import create_app
@@ -41,17 +42,19 @@ LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, an
 
 
 class FakeEngine:
-    """EngineClient with a trivial model: it predicts `script[k]` for the k-th new token when given a script, else
+    """The front end's view of the engine (app.Front) with a trivial model: it predicts `script[k]` for the k-th new token when given a script, else
     the previous token + 1; sample i of n > 1 starts i tokens further on. Outputs come one token at a time from
     the engine's own thread."""
 
     def __init__(self, script=None, ready=True, max_model_len=4096, dp_size=2, fail_after=None):
         self.model_name = MODEL
+        # BOS in front of a text, as the hub's DeepSeek tokenizer_config.json asks (add_bos_token)
+        self.text = TextTokenizer(TOKENIZER, TOKENIZER_PATH.parent, {"add_bos_token": True}, 0)
         self.tokenizer = TOKENIZER
         self.family = families()["deepseek_v32"]
-        self.tokenizer_config = {}
+        self.tokenizer_config = self.text.config
         self.vocab_size = TOKENIZER.get_vocab_size()
-        self.bos_token_id, self.eos_token_id = 0, 1
+        self.eos_token_id = 1
         self.max_model_len = max_model_len
         self.grammars = GRAMMARS  # compiles (and refuses) constrained-decoding specs; the fake model ignores them
         self.ready, self.draining, self.paused = ready, False, False
@@ -932,7 +935,7 @@ def test_tool_choice_none_leaves_tools_out():
     assert "get_weather" not in engine.tokenizer.decode(engine.submitted[next(iter(engine.submitted))][0])
 
 
-# --- what real clients send by default (issue: LangChain, instructor, pydantic-ai, OpenAI Agents) ------------
+# --- what real clients send by default (LangChain, instructor, pydantic-ai, OpenAI Agents) ------------------
 
 def submitted_last(engine):
     """(prompt ids, params) of the engine's latest request."""

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dsconv.family.deepseek_v4 import AttnType, parse_config as parse_v4
 from dsconv.cli import app
 from dsconv.convert.source import open_checkpoint
-from dsconv.convert.trained import transformers_config
+from tests.trained import transformers_config
 from dsconv.errors import InputError
 from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, SMALL_FILES, quantize, read_all, run_ranks, shard

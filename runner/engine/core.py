@@ -1,24 +1,35 @@
-"""The engine's step loop, shared by `dsrun serve`, `dsrun generate`, `dsrun perplexity` and in-process generation.
+"""The engine, built in one function (`new_engine`; `start_engine` loads a rank's model first) and the owner of
+the step loop, shared by `dsrun serve`, `dsrun generate`, `dsrun perplexity`, the benchmarks and the tests.
 
-Rank 0 schedules (scheduler.py) and sends every rank the step's batches; each rank runs its attention-DP
-index's batch through the model (a DP rank with nothing to do runs a zero-token step, so every rank enters the
-MoE and lm_head collectives of the step), samples, and the attention-TP rank 0 of every DP index sends its
-sequences' tokens back to rank 0. When no rank has work, rank 0 waits for requests without running any
-collective; it only sends a keep-alive message often enough that no waiting rank's collective times out.
+Rank 0 runs the loop (`EngineCore.run`): it takes requests from its door (client.py), schedules (scheduler.py)
+and sends every rank the step's batches; each rank runs its attention-DP index's batch through the model
+(worker.py; a DP rank with nothing to do runs a zero-token step, so every rank enters the MoE and lm_head
+collectives of the step), samples, and the attention-TP rank 0 of every DP index sends its sequences' tokens
+back to rank 0. The other ranks follow rank 0's plans until it says stop. When no rank has work, rank 0 waits
+for requests without running any collective; it only sends a keep-alive often enough that no waiting rank's
+collective times out.
 """
 
 from __future__ import annotations
 
+import queue
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
-from dsconv.runner.models.batch import Batch
+from dsconv.errors import InputError
+from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.config import RunConfig, SchedulerConfig
+from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
-from dsconv.runner.engine.request import SeqResult
+from dsconv.runner.engine.request import RequestOutput, SamplingParams, SeqResult, check_prompt, \
+    resolve_max_model_len
 from dsconv.runner.engine.scheduler import Scheduler, Step
-from dsconv.runner.engine.worker import Worker
+from dsconv.runner.engine.worker import Worker, start_rank
+from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.dist import Dist
 
 
 @dataclass(frozen=True)
@@ -29,13 +40,114 @@ class Plan:
     stop: bool = False
 
 
-class EngineCore:
-    """Rank 0's step: schedule, run on every rank, collect the tokens, update the requests."""
+def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: ServeMetrics | None = None
+                 ) -> EngineCore:
+    """On every rank, after the launcher's init_process_group: this rank's model from its shards, its KV cache as
+    `run.cache` asks, and the engine around them."""
+    _, dist, model, new_cache = start_rank(run.shards, run.manifest, run.dtype, run.device, run.scheduler.cp_size)
+    tokens = run.cache.tokens
+    if run.cache.memory_bytes is not None:  # every rank computes the same count from the same shapes
+        tokens = new_cache.tokens_in(run.cache.memory_bytes, run.cache.dtype)
+        if tokens < 1:
+            raise InputError(f"--kv-cache-memory-bytes {run.cache.memory_bytes} holds less than one block of the KV "
+                             f"cache")
+    cache = new_cache(tokens, run.cache.dtype)
+    config = run.model_config
+    max_model_len = resolve_max_model_len(run.max_model_len, config["max_position_embeddings"],
+                                          cache.num_blocks * cache.block_size)
+    return new_engine(model, cache, dist, vocab_size=config["vocab_size"], max_model_len=max_model_len,
+                      eos_token_id=config.get("eos_token_id"), scheduler=run.scheduler, grammars=grammars,
+                      metrics=metrics, keepalive_s=run.keepalive_s, drain_timeout_s=run.drain_timeout_s)
 
-    def __init__(self, scheduler: Scheduler, worker: Worker, world_size: int = 1, attn_tp: int = 1,
-                 metrics: ServeMetrics | None = None):
-        self.scheduler, self.worker, self.metrics = scheduler, worker, metrics
+
+def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int, eos_token_id: int | None,
+               scheduler: SchedulerConfig = SchedulerConfig(), grammars: Grammars | None = None,
+               metrics: ServeMetrics | None = None, keepalive_s: float | None = None,
+               drain_timeout_s: float = 30.0) -> EngineCore:
+    """The one place an engine is assembled: this rank's worker around its model and cache, and on rank 0 the
+    scheduler, whose block pools mirror every DP rank's cache."""
+    worker = Worker(model, cache, dist, dp_index=dist.rank // dist.attn_tp, grammars=grammars)
+    if dist.rank != 0:
+        return EngineCore(worker, None, dist.world_size, dist.attn_tp)
+    s = scheduler
+    plan = Scheduler(dist.world_size // dist.attn_tp, cache.num_blocks, cache.block_size, s.max_num_seqs,
+                     s.max_num_batched_tokens, eos_token_id, s.balancing, share_blocks=cache.paged,
+                     cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens)
+    return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
+                      metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
+
+
+class EngineCore:
+    """One rank's engine. On rank 0 (the one with a scheduler) `run` is the loop: requests from the door, steps on
+    every rank, outputs to each request's callback. On the others `run` follows rank 0's steps."""
+
+    def __init__(self, worker: Worker, scheduler: Scheduler | None, world_size: int = 1, attn_tp: int = 1, *,
+                 vocab_size: int = 0, max_model_len: int = 0, metrics: ServeMetrics | None = None,
+                 keepalive_s: float | None = None, drain_timeout_s: float = 30.0):
+        self.worker, self.scheduler, self.metrics = worker, scheduler, metrics
         self.world_size, self.attn_tp = world_size, attn_tp
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
+
+    @property
+    def leads(self) -> bool:
+        return self.scheduler is not None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, dp_rank: int | None) -> None:
+        """Refuses at once what could never run: ids outside the vocabulary, more than max_model_len tokens, more
+        than a DP rank's cache or sequences. Reads only what never changes, so the door calls it from any thread."""
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, self.max_model_len)
+        self.scheduler.check(len(prompt_ids), params, dp_rank)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self, door: EngineClient | None = None, until_idle: bool = False) -> None:
+        """Rank 0: the loop, until the door is drained, or (until_idle) until every submitted request has
+        finished; a loop that waits for requests sends a keep-alive every keepalive_s while idle. Other ranks:
+        follow rank 0's steps until it says stop."""
+        if not self.leads:
+            self._follow()
+            return
+        scheduler, deadline = self.scheduler, None
+        try:
+            while True:
+                for command in door.pending():
+                    self._apply(command, door)
+                if door.draining:
+                    deadline = deadline or time.monotonic() + self.drain_timeout_s
+                    if time.monotonic() > deadline:
+                        for request_id, index in list(scheduler.requests):
+                            self._apply(("abort", request_id, index), door)
+                    if not scheduler.has_work:
+                        return
+                if not scheduler.has_work:
+                    if until_idle:
+                        return
+                    try:  # idle: no collectives until a request comes, a keep-alive before any could time out
+                        self._apply(door.next_command(self.keepalive_s), door)
+                    except queue.Empty:
+                        self._send(Plan())
+                    continue
+                for request, out in self.step():
+                    _deliver(request.on_output, out)
+        finally:
+            self._send(Plan(stop=True))
+
+    def _apply(self, command: tuple, door: EngineClient) -> None:
+        kind, *args = command
+        if kind == "add":
+            request_id, prompt, params, on_output, dp_rank = args
+            if door.draining:
+                for index in range(params.n):
+                    _deliver(on_output, RequestOutput(request_id, len(prompt), index=index, finished=True,
+                                                      finish_reason="abort", error="the server is shutting down",
+                                                      unavailable=True))
+            else:
+                self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
+        elif kind == "abort":
+            for request, out in self.scheduler.abort(*args):
+                _deliver(request.on_output, out)
+        self._record_queues()
 
     def step(self) -> list[tuple]:
         """One step -> (request, output) pairs to deliver; [] when there was nothing to run."""
@@ -52,21 +164,31 @@ class EngineCore:
         """-> per DP index, one result per sequence of its batch."""
         if self.world_size == 1:
             return [self.worker.execute(batches[0])]
-        _send(Plan(batches))
+        self._send(Plan(batches))
         mine = self.worker.execute(batches[self.worker.dp_index])
         everyone = [None] * self.world_size
         torch.distributed.gather_object(mine, everyone, dst=0)
         return [everyone[dp_index * self.attn_tp] for dp_index in range(len(batches))]  # each index's reporter
 
-    def keepalive(self) -> None:
+    def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
-            _send(Plan())
+            torch.distributed.broadcast_object_list([plan], src=0)
 
-    def stop(self) -> None:
-        if self.world_size > 1:
-            _send(Plan(stop=True))
+    def _follow(self) -> None:
+        while True:
+            message = [None]
+            torch.distributed.broadcast_object_list(message, src=0)
+            plan: Plan = message[0]
+            if plan.stop:
+                return
+            if plan.batches is None:  # keep-alive
+                continue
+            mine = self.worker.execute(plan.batches[self.worker.dp_index])
+            torch.distributed.gather_object(mine, None, dst=0)
 
-    def record_queues(self) -> None:
+    # -- metrics -----------------------------------------------------------------------------------------------
+
+    def _record_queues(self) -> None:
         """The running / waiting / KV gauges, after a step and after requests come or go between steps."""
         m, s = self.metrics, self.scheduler
         if m is None:
@@ -85,7 +207,7 @@ class EngineCore:
             for rank, count in enumerate(tokens):
                 if not count:
                     m.rank(m.zero_token_steps, rank).inc()
-        self.record_queues()
+        self._record_queues()
         for rank, count in enumerate(step.preempted):
             if count:
                 m.rank(m.preemptions, rank).inc(count)
@@ -108,20 +230,9 @@ class EngineCore:
                 m.model(m.e2e).observe(now - request.arrival)
 
 
-def _send(plan: Plan) -> None:
-    message = [plan]
-    torch.distributed.broadcast_object_list(message, src=0)
-
-
-def follow(worker: Worker) -> None:
-    """Ranks other than 0: run the steps rank 0 sends until it says stop."""
-    while True:
-        message = [None]
-        torch.distributed.broadcast_object_list(message, src=0)
-        plan: Plan = message[0]
-        if plan.stop:
-            return
-        if plan.batches is None:  # keep-alive
-            continue
-        mine = worker.execute(plan.batches[worker.dp_index])
-        torch.distributed.gather_object(mine, None, dst=0)
+def _deliver(on_output, out: RequestOutput) -> None:
+    try:
+        on_output(out)
+    except Exception as exc:  # noqa: BLE001  (one client's broken callback must not stop the engine)
+        print(f"dsrun: dropping an output of request {out.request_id}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, StepMeta
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, StepMeta
 from dsconv.runner.models.registry import model_for
 from dsconv.runner.models.weights import load_rank
 
@@ -75,7 +75,7 @@ class StepInputs:
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
 
 
-def prepare_inputs(cache, batch: Batch) -> StepInputs:
+def prepare_inputs(cache: KVCache, batch: Batch) -> StepInputs:
     """One step's model inputs from its batch, on the cache's device: the batch checked as received (before
     anything is written), the samples forked since the last step copied from their parents, the sequences
     finished, aborted or preempted since then released, the step's metadata from the batch's block tables and
@@ -101,10 +101,11 @@ def prepare_inputs(cache, batch: Batch) -> StepInputs:
 class Worker:
     """One rank's side of a step: its DP index's batch through the model and the sampler."""
 
-    def __init__(self, model, cache, dist, dp_index: int, grammars: Grammars | None = None):
+    def __init__(self, model, cache: KVCache, dist: Dist, dp_index: int, grammars: Grammars | None = None):
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
+        self.steps = 0  # steps this rank has run
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[SeqResult] | None:
@@ -114,7 +115,7 @@ class Worker:
         if self.grammars is not None:
             for seq_id in batch.releases:
                 self.grammars.release(seq_id)
-        self.dist.steps += 1
+        self.steps += 1
         logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
         if inputs.dummy:
             self.cache.release(DUMMY_SEQ_ID)

@@ -1,84 +1,120 @@
-"""What every rank runs: map its shards, build the model, and run `dsrun generate`'s prompts through the
-serving engine's loop (rank 0 schedules and streams the first prompt's text; the others follow its steps).
-Every rank's timings go to rank 0, which writes them for the launcher to collect.
+"""`dsrun generate` on every rank: the engine built from the run's shards, every prompt submitted at the start (prompt
+i pinned to attention-DP index i % dp), greedy, until all have finished. Rank 0 streams the first prompt's text as
+it comes, then prints the others and the closing line (or the --json object); the other ranks follow its steps.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from dsconv.console import console
+from dsconv.family.text import TextTokenizer
 from dsconv.runner.engine.client import EngineClient
-from dsconv.runner.engine.core import EngineCore, follow
+from dsconv.runner.engine.config import RunConfig
+from dsconv.runner.engine.core import start_engine
 from dsconv.runner.engine.detokenizer import Detokenizer
 from dsconv.runner.engine.request import SamplingParams
-from dsconv.runner.engine.scheduler import Scheduler
-from dsconv.runner.engine.worker import Worker, start_rank
-from dsconv.runner.entrypoints.ranks import gather_results
 
 
-def rank_main(shards: str, manifest: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-              dtype: str, cache_tokens: int, result_dir: str, stream_tokenizer: str | None = None,
-              device: str = "cpu", kv_cache_dtype: str = "auto", cp_size: int = 1,
-              cp_min_tokens: int | None = None, max_model_len: int | None = None) -> None:
-    """`dsrun generate`: the serving engine's loop with every prompt submitted at the start (prompt i pinned to
-    attention-DP index i % dp), greedy, until all have finished; with cp_size > 1, prompts of at least
-    cp_min_tokens tokens are prefilled by context parallelism."""
-    rank, dist, model, new_cache = start_rank(shards, manifest, dtype, device, cp_size)
-    layout = manifest["layout"]
-    worker = Worker(model, new_cache(cache_tokens, kv_cache_dtype), dist, dp_index=rank // layout["attn_tp"])
-    result = {"rank": rank, "prompts": [], "generated": [], "prefill_s": 0.0, "decode_s": 0.0}
-    if rank == 0:
-        result.update(_generate_on_rank0(worker, manifest, prompts, max_new_tokens, eos_id, stream_tokenizer,
-                                         cp_size, cp_min_tokens, max_model_len))
-    elif torch.distributed.is_initialized():
-        follow(worker)
-    result.update(comm_s=dist.comm_seconds, steps=dist.steps)
-    gather_results(result, rank, result_dir)
+@dataclass
+class Generated:
+    """Rank 0's account of a run: each prompt's new tokens, when they came, and every rank's share of the work."""
+    generated: list[list[int]]
+    prefill_s: float = 0.0  # from the first step to the first token
+    decode_s: float = 0.0  # from the first token to the last
+    cp_prefills: int = 0  # prompts a context-parallel group prefilled
+    ranks: list[dict] = field(default_factory=list)  # per rank: comm_s (inside collectives), steps
 
 
-def _generate_on_rank0(worker: Worker, manifest: dict, prompts, max_new_tokens, eos_id, stream_tokenizer,
-                       cp_size: int = 1, cp_min_tokens: int | None = None, max_model_len: int | None = None) -> dict:
-    cache, layout, config = worker.cache, manifest["layout"], manifest["model"]["config"]
-    scheduler = Scheduler(layout["dp"], cache.num_blocks, cache.block_size, max_num_seqs=max(1, len(prompts)),
-                          max_num_batched_tokens=max(1, sum(map(len, prompts))), eos_token_id=eos_id,
-                          cp_size=cp_size, cp_min_tokens=cp_min_tokens)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    client = EngineClient(EngineCore(scheduler, worker, world, layout["attn_tp"]), vocab_size=config["vocab_size"],
-                          max_model_len=max_model_len or config["max_position_embeddings"])
-    printer = _Streamer(stream_tokenizer) if stream_tokenizer else None
-    generated: list[list[int]] = [[] for _ in prompts]
-    stamps: list[float] = []
+def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None) -> Generated | None:
+    """Every rank: the prompts through the engine -> rank 0's account (None on the other ranks). on_token(index,
+    token) is called on rank 0 as each token comes."""
+    engine = start_engine(run)
+    result = None
+    if engine.leads:
+        door = EngineClient()
+        door.open(engine)
+        result = Generated([[] for _ in prompts])
+        stamps: list[float] = []
 
-    def on_output(index: int, out) -> None:
-        stamps.extend(time.perf_counter() for _ in out.new_token_ids)
-        generated[index].extend(out.new_token_ids)
-        if printer is not None and index == 0:
-            for token in out.new_token_ids:
-                printer.add(token)
+        def on_output(index: int, out) -> None:
+            stamps.extend(time.perf_counter() for _ in out.new_token_ids)
+            result.generated[index].extend(out.new_token_ids)
+            if on_token is not None:
+                for token in out.new_token_ids:
+                    on_token(index, token)
 
-    started = time.perf_counter()
-    client.set_ready()
-    for index, prompt in enumerate(prompts):
-        client.submit(prompt, SamplingParams(max_tokens=max_new_tokens), partial(on_output, index),
-                      dp_rank=index % layout["dp"])
-    client.run(until_idle=True)
+        started = time.perf_counter()
+        for index, prompt in enumerate(prompts):
+            door.submit(prompt, SamplingParams(max_tokens=max_new_tokens), partial(on_output, index),
+                        dp_rank=index % run.layout.dp)
+        engine.run(door, until_idle=True)
+        first = stamps[0] if stamps else started
+        result.prefill_s, result.decode_s = first - started, (stamps[-1] - first) if stamps else 0.0
+        result.cp_prefills = engine.scheduler.cp_prefills
+    else:
+        engine.run()
+    ranks = gather_to_rank0({"comm_s": engine.worker.dist.comm_seconds, "steps": engine.worker.steps})
+    if result is not None:
+        result.ranks = ranks
+    return result
+
+
+def gather_to_rank0(record: dict) -> list[dict] | None:
+    """Every rank's record on rank 0, over the process group (None elsewhere)."""
+    if not torch.distributed.is_initialized():
+        return [record]
+    rank = torch.distributed.get_rank()
+    everyone = [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(record, everyone, dst=0)
+    return everyone
+
+
+def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, json_output: bool,
+              started_at: float) -> None:
+    """`dsrun generate`'s ranks (started_at: the command's start, time.time())."""
+    tokenizer = printer = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        tokenizer = TextTokenizer.load(run.shards, run.model_config)
+        printer = None if json_output else _Streamer(tokenizer)
+    result = generate(run, prompts, max_new_tokens,
+                      on_token=None if printer is None else lambda index, token: index == 0 and printer.add(token))
+    if result is None:
+        return
     if printer is not None:
         printer.close()
-    first = stamps[0] if stamps else started
-    return {"prompts": list(range(len(prompts))), "generated": generated, "prefill_s": first - started,
-            "decode_s": (stamps[-1] - first) if stamps else 0.0, "cp_prefills": scheduler.cp_prefills}
+    _report(result, prompts, tokenizer, json_output, time.time() - started_at)
+
+
+def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenizer, json_output: bool,
+            seconds: float) -> None:
+    prefill_tps = sum(map(len, prompts)) / result.prefill_s if result.prefill_s else 0.0
+    decoded = sum(len(g) - 1 for g in result.generated if g)
+    decode_tps = decoded / result.decode_s if result.decode_s else 0.0
+    if json_output:
+        print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": result.generated,
+                          "text": [tokenizer.decode(o) for o in result.generated],
+                          "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+                                      "wall_s": seconds},
+                          "context_parallel_prefills": result.cp_prefills}, ensure_ascii=False), flush=True)
+        return
+    for i, out in list(enumerate(result.generated))[1:]:  # the first prompt was streamed; show the rest
+        console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
+    console.print(f"[dim]{sum(map(len, prompts))} prompt tokens, {sum(map(len, result.generated))} new tokens; "
+                  f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]",
+                  highlight=False)
 
 
 class _Streamer:
     """Prints the text of one sequence as its tokens arrive, a whole character at a time."""
 
-    def __init__(self, tokenizer_path: str):
-        from tokenizers import Tokenizer
-
-        self.detokenizer = Detokenizer(Tokenizer.from_file(tokenizer_path), skip_special_tokens=True)
+    def __init__(self, tokenizer: TextTokenizer):
+        self.detokenizer = Detokenizer(tokenizer.tokenizer, skip_special_tokens=True)
         self.printed = 0
 
     def add(self, token: int) -> None:

@@ -24,6 +24,7 @@ from dsconv.runner.models.kv_cache import DECODE_GATHER_ROWS, DecodeRows, Latent
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel
+from dsconv.runner.models.parallel import OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding, check_rows
 from dsconv.runner.models.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
@@ -50,8 +51,10 @@ class Attention:
             self.input_split += [cfg.index_head_dim, cfg.index_n_heads]
         self.wqkv_a = Proj.merged(w, names, dtype)
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
-        # this rank's heads: the rows of the q_b_proj slice the placement table gave it (all heads without TP)
-        self.heads = self.wq_b.weight.shape[0] // (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        # this rank's heads under attention TP (all of them without), checked against its q_b_proj slice
+        self.heads = cfg.num_attention_heads // dist.attn_tp
+        check_rows(f"{prefix}.q_b_proj", self.wq_b.weight.shape[0],
+                   cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), dist.attn_tp, "attention TP")
         self.q_norm = RMSNorm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
         # expands the latent with them, decode absorbs them. Copies (dequantized if INT8) in the dtype decode
@@ -64,7 +67,7 @@ class Attention:
                                                                         memory_format=torch.contiguous_format)
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:].to(product_dtype, copy=True, memory_format=torch.contiguous_format)
         self.kv_norm = RMSNorm(w, f"{prefix}.kv_a_layernorm.weight", cfg.rms_norm_eps, dtype)
-        self.wo = Proj(w, f"{prefix}.o_proj", dtype)
+        self.wo = OutputSplitLinear(Proj(w, f"{prefix}.o_proj", dtype), cfg.hidden_size, dist, f"{prefix}.o_proj")
         self.indexer = Indexer(cfg, w, f"{prefix}.indexer", dtype) if cfg.has_indexer else None
         self.dist = dist
 
@@ -103,7 +106,7 @@ class Attention:
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         """[T, heads, v] -> o_proj's output [T, hidden]."""
-        o = self.dist.oproj(out.flatten(1), self.wo)  # o_proj TP: an exchange
+        o = self.wo(out.flatten(1))  # o_proj TP: an exchange
         return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
 
     def context_parallel(self, out, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, entries: dict,
@@ -322,7 +325,7 @@ class MoE:
 class DeepseekV3:
     def __init__(self, cfg: V3Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
-        self.embed = w.take("model.embed_tokens.weight")
+        self.embed = VocabParallelEmbedding(w.take("model.embed_tokens.weight"), cfg.vocab_size, dist)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
@@ -332,7 +335,7 @@ class DeepseekV3:
                                 RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
         self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
         # [vocab / tp, hidden]: this rank's vocabulary rows
-        self.head = Proj.of(w.take("lm_head.weight").to(dtype), None)
+        self.head = ParallelLMHead(Proj.of(w.take("lm_head.weight").to(dtype), None), cfg.vocab_size, dist)
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
             w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
         w.finish()
@@ -346,7 +349,7 @@ class DeepseekV3:
                 ) -> torch.Tensor:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
         self.dist.start_step(tokens.shape[0])
-        x = cast(self.dist.embed(tokens, self.embed), self.dtype)  # embedding TP: an exchange
+        x = cast(self.embed(tokens), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
@@ -358,7 +361,7 @@ class DeepseekV3:
         return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.dist.lm_head_logits(h, self.head)  # [T, vocab]: lm_head TP, gathered to full vocabulary
+        return self.head(h)  # [T, vocab]: lm_head TP, gathered to full vocabulary
 
 
 def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:

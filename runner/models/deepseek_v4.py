@@ -37,6 +37,7 @@ from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.models.moe import expert_parallel
+from dsconv.runner.models.parallel import ParallelLMHead, VocabParallelEmbedding
 from dsconv.runner.models.weights import RankWeights
 
 ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
@@ -426,13 +427,14 @@ class DeepseekV4:
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
         ropes = {"main": Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None, dist.device),
                  "compress": Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, _yarn_dict(cfg), dist.device)}
-        self.embed = w.take("embed.weight")
+        table = w.take("embed.weight")
+        self.embed = VocabParallelEmbedding(table, cfg.vocab_size, dist)
         self.layers = [Block(cfg, w, layer, ropes, dist, dtype) for layer in range(cfg.num_hidden_layers)]
         self.hc_head = HyperHead(cfg, w)
         self.norm = norm(w, "norm.weight", cfg)
-        head = self.embed if cfg.tie_word_embeddings else w.take("head.weight")
+        head = table if cfg.tie_word_embeddings else w.take("head.weight")
         # [vocab / tp, hidden]: this rank's vocabulary rows
-        self.head = Proj.of(head.to(dtype), None)
+        self.head = ParallelLMHead(Proj.of(head.to(dtype), None), cfg.vocab_size, dist)
         for name in [n for n in w.tensors if n.startswith("mtp.")]:
             w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
         w.finish()
@@ -445,11 +447,11 @@ class DeepseekV4:
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
         self.dist.start_step(tokens.shape[0])
-        x = self.dist.embed(tokens, self.embed).to(self.dtype)  # [T, D]; embedding TP: an exchange
+        x = self.embed(tokens).to(self.dtype)  # [T, D]; embedding TP: an exchange
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
         for layer, block in enumerate(self.layers):
             streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
-        return self.dist.lm_head_logits(h, self.head)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
+        return self.head(h)  # [rows, vocab]: lm_head TP, gathered to full vocabulary

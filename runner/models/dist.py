@@ -1,4 +1,6 @@
-"""The collectives the model's forward calls, over this rank's process groups.
+"""This rank's process groups and the exchanges of attention TP, context-parallel prefill and MoE EP; the
+tensor-parallel layers (embedding, o_proj, lm_head) are declared in models/parallel.py and exchange through these
+groups.
 
 `Dist()` is the one-process case (every collective is the identity). The distributed case wraps the
 groups built from the manifest's layout; each method is one explicit exchange, so every rank enters them in
@@ -11,17 +13,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
 from dsconv.kernels.device import takes_npu_path
-from dsconv.kernels.linear import quantize_activations
-
-if TYPE_CHECKING:
-    from dsconv.runner.models.layers import Proj
 
 
 @dataclass
@@ -38,7 +35,6 @@ class Dist:
     device: torch.device = torch.device("cpu")  # where the collectives' buffers live (gloo: cpu)
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
-    steps: int = 0  # engine steps this rank has run (the Worker counts them)
     # this step's most rows on one rank of each fine-grained TP group (o_proj, embedding): `start_step`
     step_most: dict = field(default_factory=dict)
 
@@ -53,8 +49,12 @@ class Dist:
                    ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, oproj_tp=groups.oproj_tp.size,
                    embed_tp=groups.embed_tp.size, cp=groups.cp.size, device=device, groups=groups)
 
+    @property
+    def world_size(self) -> int:
+        return 1 if self.groups is None else self.groups.world.size
+
     @contextmanager
-    def _timed(self):
+    def timed(self):
         started = time.perf_counter()
         try:
             yield
@@ -65,7 +65,7 @@ class Dist:
         """Heads split over attention TP: sum the partial o_proj outputs."""
         if self.attn_tp == 1:
             return x
-        with self._timed():
+        with self.timed():
             return all_reduce_sum(x.contiguous(), self.groups.attn_tp)
 
     def attn_tp_share(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ class Dist:
         if self.attn_tp == 1:
             return share
         per = -(-rows // self.attn_tp)
-        with self._timed():
+        with self.timed():
             padded = F.pad(share, (0, 0, 0, per - share.shape[0])).contiguous()
             return all_gather_cat(padded, self.groups.attn_tp, dim=0)[:rows]
 
@@ -98,7 +98,7 @@ class Dist:
         each padded to `most`)."""
         if self.cp == 1:
             return x.index_select(0, order)
-        with self._timed():
+        with self.timed():
             everyone = all_gather_cat(F.pad(x, (0, 0, 0, most - x.shape[0])).contiguous(), self.groups.cp, dim=0)
         return everyone.index_select(0, order)
 
@@ -113,7 +113,7 @@ class Dist:
         packed = torch.cat([c.contiguous().view(torch.uint8).reshape(c.shape[0], w) for c, w in zip(columns, widths)],
                            dim=1)
         sent = send_counts.tolist()  # host sync: the all-to-all takes its split sizes as lists
-        with self._timed():
+        with self.timed():
             recv, received = all_to_all_variable(packed, sent, self.groups.ep)
         if not sum(received):  # no rows for this rank: None, so that nothing reads an empty buffer
             return None, (received, sent)
@@ -128,7 +128,7 @@ class Dist:
         if self.ep == 1:
             return out
         received, sent = counts
-        with self._timed():
+        with self.timed():
             back, _ = all_to_all_variable(out, received, self.groups.ep, recv_counts=sent)
         return back
 
@@ -138,81 +138,13 @@ class Dist:
         self.step_most = {}
         for name, size in (("oproj_tp", self.oproj_tp), ("embed_tp", self.embed_tp)):
             if size > 1:
-                self.step_most[name] = self._most_rows(rows, getattr(self.groups, name))
+                self.step_most[name] = self.most_rows(rows, getattr(self.groups, name))
 
-    def _most_rows(self, rows: int, group) -> int:
-        with self._timed():
+    def most_rows(self, rows: int, group) -> int:
+        """The most rows any member of `group` holds (each member passes its own count)."""
+        with self.timed():
             counts = all_gather_cat(torch.tensor([rows], device=self.device), group, dim=0)  # rows per member
         return int(counts.max())  # host sync: the exchanges take their sizes as ints
-
-    def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """tokens [T] -> their embedding rows [T, hidden] in the table's dtype. Under embedding TP the table is
-        this rank's slice of the vocabulary (contiguous rows, in group-rank order), as vllm-ascend's embedding TP
-        splits it: the group's token ids are gathered, each rank looks up the ids in its slice (zeros for the
-        rest), and an all-to-all brings each rank its own rows' partial rows, summed. Exactly one partial is
-        nonzero, so the sum is the row itself, bit for bit."""
-        if self.embed_tp == 1:
-            return F.embedding(tokens, table)
-        group, most = self.groups.embed_tp, self.step_most["embed_tp"]
-        if most == 0:
-            return table.new_empty(0, table.shape[1])
-        with self._timed():
-            everyone = all_gather_cat(F.pad(tokens, (0, most - tokens.shape[0])), group, dim=0)  # [size * most]
-        local = everyone - group.rank * table.shape[0]
-        outside = (local < 0) | (local >= table.shape[0])
-        partial = F.embedding(local.clamp(0, table.shape[0] - 1), table).masked_fill_(outside[:, None], 0)
-        with self._timed():
-            # every member sends `most` rows to each, so the counts need no exchange (nor a host sync)
-            mine, _ = all_to_all_variable(partial, [most] * group.size, group, recv_counts=[most] * group.size)
-        return mine.view(group.size, most, -1).sum(0)[:tokens.shape[0]]
-
-    def oproj(self, x: torch.Tensor, proj: "Proj") -> torch.Tensor:
-        """o_proj of this rank's rows x [T, heads * v] -> [T, hidden]. Under o_proj TP each rank holds a slice of
-        its output rows [hidden / size, heads * v]: the group's inputs are gathered (INT8 with their per-token
-        scales under W8A8, quantized once by their owner, as the whole layer would), each rank computes its
-        output columns for all of them, and an all-to-all hands each rank its rows' columns. Every output is
-        one rank's whole dot product: the same values as the unsplit layer (vllm-ascend splits the input
-        columns instead and sums partial products in a reduce-scatter, moving fewer bytes)."""
-        if self.oproj_tp == 1:
-            return proj(x)
-        group, most = self.groups.oproj_tp, self.step_most["oproj_tp"]
-        if most == 0:
-            return x.new_empty(0, proj.weight.shape[0] * group.size)
-        pad = most - x.shape[0]
-        with self._timed():
-            if proj.scale is None:
-                sliced_in = (all_gather_cat(F.pad(x, (0, 0, 0, pad)), group, dim=0),)
-            else:
-                x_q, x_scale = quantize_activations(x)
-                sliced_in = (all_gather_cat(F.pad(x_q, (0, 0, 0, pad)), group, dim=0),
-                             all_gather_cat(F.pad(x_scale, (0, 0, 0, pad)), group, dim=0))
-        sliced = proj(*sliced_in) if proj.scale is None else proj.quantized(*sliced_in, x.dtype)
-        return self._own_rows(sliced, group, most, x.shape[0])
-
-    def _own_rows(self, sliced: torch.Tensor, group, most: int, rows: int) -> torch.Tensor:
-        """sliced [size * most, n / size]: this rank's output columns of every member's rows (padded to `most`)
-        -> [rows, n], this rank's rows with every member's columns, in group-rank order."""
-        with self._timed():
-            # slice i, from rank i: `most` rows from each, known here, so no exchange of counts
-            mine, _ = all_to_all_variable(sliced.contiguous(), [most] * group.size, group,
-                                          recv_counts=[most] * group.size)
-        return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:rows]
-
-    def lm_head_logits(self, h: torch.Tensor, head: Proj) -> torch.Tensor:
-        """h [rows, hidden] (this rank's own rows; DP ranks differ) and head, the projection by this rank's
-        vocabulary slice [vocab / tp, hidden] -> [rows, vocab], the full logits of this rank's rows.
-
-        Every rank's rows are gathered (padded to the group's largest count), each rank computes its vocabulary
-        slice for all of them, and an all-to-all hands each rank the slices of its own rows."""
-        if self.tp == 1:
-            return head(h)
-        group = self.groups.tp
-        most = self._most_rows(h.shape[0], group)
-        if most == 0:  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
-            return h.new_empty(0, head.weight.shape[0] * group.size)
-        with self._timed():
-            everyone = all_gather_cat(F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous(), group, dim=0)
-        return self._own_rows(head(everyone), group, most, h.shape[0])  # my vocabulary slice of everyone's rows
 
 
 def _row_bytes(t: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ step's metadata. DeepSeek-V4's state (window, compressors) is in v4_state.py, wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -167,7 +168,26 @@ def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
 
 
-class LatentCache:
+@runtime_checkable
+class KVCache(Protocol):
+    """What the engine (engine/worker.py) asks of a model's cache, whichever the family: its size in the block
+    pool's units (num_blocks of block_size tokens; `paged`: forked samples share their full blocks), and per step
+    a batch's metadata, forks, releases and an idle rank's throwaway batch. LatentCache (V3 / V3.2, below) and
+    V4Cache (v4_state.py) implement it; the model's forward writes and reads its own entries."""
+    num_blocks: int
+    block_size: int
+    paged: bool
+
+    def prepare_meta(self, batch: Batch) -> StepMeta: ...
+
+    def fork(self, fork: Fork) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+    def dummy_batch(self) -> Batch | None: ...
+
+
+class LatentCache(KVCache):
     paged = True  # a token's entries sit in its block: samples forked from one prompt share its full blocks
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
                  dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):

@@ -24,7 +24,7 @@ import torch
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
 from dsconv.runner.models.batch import Batch, Fork, dummy_batch
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, SeqStep, StepMeta, cache_blocks, concat, rows_from
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, SeqStep, StepMeta, cache_blocks, concat, rows_from
 
 
 @dataclass
@@ -90,7 +90,7 @@ class LayerState:
                           self.indexer and self.indexer.copy())
 
 
-class V4Cache:
+class V4Cache(KVCache):
     block_size = BLOCK_SIZE  # what the block pool accounts in; the state is per request, not paged
     paged = False  # a fork copies the whole state: the pool gives the copy blocks of its own
 

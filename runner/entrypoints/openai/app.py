@@ -1,5 +1,5 @@
-"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine (runner/engine/client.py's
-EngineClient).
+"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine's door (runner/engine/client.py),
+with what HTTP needs beside it (`Front`: the tokenizer, the chat format, the grammars, the model's name).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
 (chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -21,15 +21,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from dsconv.errors import InputError
+from dsconv.family.text import TextTokenizer
 from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
 from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
 from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                        DetokenizeRequest, TokenizeRequest, check_token_id,
                                                        model_not_found, parse_body)
-from dsconv.runner.engine.request import NotAccepting
+from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from dsconv.runner.engine.client import EngineClient
+    from dsconv.runner.engine.grammar import Grammars
 
 DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests, debugging)
 # With --api-key, the routes that need `Authorization: Bearer KEY` (vLLM's server guards the same ones); /health
@@ -37,7 +39,42 @@ DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests,
 KEYED_PREFIX, KEYED_PATHS = "/v1/", ("/tokenize", "/detokenize")
 
 
-def create_app(engine: EngineClient, metrics_registry: prometheus_client.CollectorRegistry,
+class Front:
+    """What the routes serve from: the engine's door (submit, abort, readiness) and the model's text side."""
+
+    def __init__(self, door: EngineClient, text: TextTokenizer, family, model_name: str, vocab_size: int,
+                 max_model_len: int, grammars: Grammars | None):
+        self.door, self.text, self.family, self.model_name = door, text, family, model_name
+        self.vocab_size, self.grammars = vocab_size, grammars
+        self._max_model_len = max_model_len  # until the engine is loaded (its cache may lower it)
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
+
+    @property
+    def tokenizer_config(self) -> dict:
+        return self.text.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.door.max_model_len or self._max_model_len
+
+    def is_ready(self) -> bool:
+        return self.door.is_ready()
+
+    def accepting(self) -> bool:
+        return self.door.accepting()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               dp_rank: int | None = None) -> str:
+        return self.door.submit(prompt_ids, params, on_output, dp_rank)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.door.abort(request_id, index)
+
+
+def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegistry,
                api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="dsrun serve", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
@@ -82,7 +119,7 @@ def create_app(engine: EngineClient, metrics_registry: prometheus_client.Collect
         elif body.add_special_tokens:
             ids = text_prompt(engine, body.prompt).ids
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids  # the text's own tokens only
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
@@ -121,14 +158,14 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _check_serving(engine: EngineClient) -> None:
+def _check_serving(engine: Front) -> None:
     if not engine.is_ready():
         raise APIError(503, "the model is still loading; try again when GET /health answers 200")
     if not engine.accepting():
         raise APIError(503, "the server is shutting down and takes no new requests")
 
 
-def _check_model(engine: EngineClient, model: str | None) -> None:
+def _check_model(engine: Front, model: str | None) -> None:
     if model is not None and model != engine.model_name:
         raise model_not_found(model, engine.model_name)
 

@@ -18,24 +18,23 @@ from dsconv.runner.entrypoints.openai.tool_calls import CallStream, Reply, parti
 from dsconv.runner.entrypoints.openai.messages import chat_messages
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, check_chat_fields, check_common,
                                                        sampling_params, stop_strings, thinking_flag)
-from dsconv.family.chat import check_tools, encode_chat_ids
+from dsconv.family.chat import check_tools
 from dsconv.family.dsml import Dialect
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
 if TYPE_CHECKING:
-    from dsconv.runner.engine.client import EngineClient
+    from dsconv.runner.entrypoints.openai.app import Front
 
 
-def chat_prompt_ids(engine: EngineClient, messages: list, kwargs: dict | None,
+def chat_prompt_ids(engine: Front, messages: list, kwargs: dict | None,
                     tools: list | None = None, reasoning_effort: str | None = None) -> tuple[list[int], bool]:
     """(prompt ids, thinking); the rendered text carries BOS itself."""
     thinking = thinking_flag(kwargs, reasoning_effort)
-    ids = encode_chat_ids(engine.tokenizer, engine.family, chat_messages(messages), thinking, engine.tokenizer_config,
-                          tools)
+    ids = engine.text.encode_chat(engine.family, chat_messages(messages), thinking, tools)
     return ids, thinking
 
 
-def chat_tools(engine: EngineClient, body: ChatCompletionRequest,
+def chat_tools(engine: Front, body: ChatCompletionRequest,
                thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
     """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
     tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
@@ -79,7 +78,7 @@ def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec
     raise InputError(f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}")
 
 
-async def chat_completions(engine: EngineClient, request: Request, body: ChatCompletionRequest,
+async def chat_completions(engine: Front, request: Request, body: ChatCompletionRequest,
                            dp_rank: int | None) -> Response:
     check_common(body, engine.model_name, engine.vocab_size)
     check_chat_fields(body)
@@ -111,7 +110,7 @@ async def chat_completions(engine: EngineClient, request: Request, body: ChatCom
 
 
 class ChatCompletion(Envelope):
-    def __init__(self, engine: EngineClient, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
+    def __init__(self, engine: Front, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
                  dialect: Dialect | None = None, n: int = 1):
         super().__init__(engine, "chatcmpl", [Choice(i, prompt_ids, stop_strings(body),
                                                      Detokenizer(engine.tokenizer, skip_special_tokens=True), i)

@@ -152,13 +152,11 @@ def chat_logprobs(tokenizer, ids: list[int], entries: list[TokenLogprob], top_n:
     return {"content": content}
 
 
-def prompt_offsets(tokenizer, prompt_ids: list[int], added_bos: bool) -> list[int]:
-    """Where each prompt token starts in the echoed prompt. A BOS the server added is not in the client's text:
-    it gets offset 0 and takes no room."""
+def prompt_offsets(tokenizer, prompt_ids: list[int], added: int) -> list[int]:
+    """Where each prompt token starts in the echoed prompt. The `added` tokens the server put in front (BOS) are not
+    in the client's text: they get offset 0 and take no room."""
     detokenizer = Detokenizer(tokenizer, skip_special_tokens=False)
-    if added_bos:
-        return [0] + detokenizer.add(prompt_ids[1:])
-    return detokenizer.add(prompt_ids)
+    return [0] * added + detokenizer.add(prompt_ids[added:])
 
 
 class Envelope:

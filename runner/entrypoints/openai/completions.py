@@ -17,23 +17,22 @@ from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, Co
                                       check_token_id, sampling_params, stop_strings)
 
 if TYPE_CHECKING:
-    from dsconv.runner.engine.client import EngineClient
+    from dsconv.runner.entrypoints.openai.app import Front
 
 
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
     text: str  # what echo returns: the client's text, or the decoded ids
-    added_bos: bool  # the server put BOS in front of the client's text
+    added: int  # how many tokens the server put in front of the client's text (BOS)
 
 
-def text_prompt(engine: EngineClient, text: str) -> Prompt:
-    # DeepSeek's Hugging Face tokenizer adds BOS (add_bos_token); `tokenizers` alone does not
-    bos = [] if engine.bos_token_id is None else [engine.bos_token_id]
-    return Prompt(bos + engine.tokenizer.encode(text, add_special_tokens=False).ids, text, bool(bos))
+def text_prompt(engine: Front, text: str) -> Prompt:
+    ids, added = engine.text.encode_counted(text)  # the one text -> ids rule (family/text.py)
+    return Prompt(ids, text, added)
 
 
-def prompts(engine: EngineClient, prompt: str | list) -> list[Prompt]:
+def prompts(engine: Front, prompt: str | list) -> list[Prompt]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # one prompt: a text, or one list of ids
     if not prompt:
@@ -48,11 +47,11 @@ def prompts(engine: EngineClient, prompt: str | list) -> list[Prompt]:
             continue
         for token_id in one:
             check_token_id(token_id, engine.vocab_size, name)
-        out.append(Prompt(list(one), engine.tokenizer.decode(one, skip_special_tokens=False), False))
+        out.append(Prompt(list(one), engine.tokenizer.decode(one, skip_special_tokens=False), 0))
     return out
 
 
-async def completions(engine: EngineClient, request: Request, body: CompletionRequest,
+async def completions(engine: Front, request: Request, body: CompletionRequest,
                       dp_rank: int | None) -> Response:
     check_common(body, engine.model_name, engine.vocab_size)
     if body.best_of not in (None, 1):
@@ -69,7 +68,7 @@ async def completions(engine: EngineClient, request: Request, body: CompletionRe
 
 
 class Completion(Envelope):
-    def __init__(self, engine: EngineClient, body: CompletionRequest, inputs: list[Prompt], n: int):
+    def __init__(self, engine: Front, body: CompletionRequest, inputs: list[Prompt], n: int):
         super().__init__(engine, "cmpl", [Choice(i * n + sample, p.ids, stop_strings(body),
                                                  Detokenizer(engine.tokenizer, skip_special_tokens=True), sample)
                                           for i, p in enumerate(inputs) for sample in range(n)])
@@ -101,7 +100,7 @@ class Completion(Envelope):
                                   f"gave {None if choice.prompt_logprobs is None else len(choice.prompt_logprobs)}")
             ids = prompt.ids + ids
             entries = choice.prompt_logprobs + entries
-            offsets = prompt_offsets(self.engine.tokenizer, prompt.ids, prompt.added_bos) + offsets
+            offsets = prompt_offsets(self.engine.tokenizer, prompt.ids, prompt.added) + offsets
         return completion_logprobs(self.engine.tokenizer, ids, entries, offsets, self.body.return_tokens_as_token_ids)
 
     async def chunks(self, requests: RequestGroup):

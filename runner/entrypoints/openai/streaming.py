@@ -21,7 +21,7 @@ from dsconv.runner.entrypoints.openai.choice import Choice, EngineError
 from dsconv.runner.engine.request import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from dsconv.runner.engine.client import EngineClient
+    from dsconv.runner.entrypoints.openai.app import Front
 
 
 CLIENT_GONE = 499  # nginx's status for "client closed request"; logged, never read
@@ -74,7 +74,7 @@ class RequestGroup:
     """The engine requests of one HTTP request (one per prompt), and the queue their outputs reach the event loop
     through; each sample of each request is one choice."""
 
-    def __init__(self, engine: EngineClient, request: Request, dp_rank: int | None):
+    def __init__(self, engine: Front, request: Request, dp_rank: int | None):
         self.engine = engine
         self.dp_rank = dp_rank
         self.inbox = LoopInbox.of(asyncio.get_running_loop())

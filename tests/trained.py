@@ -13,7 +13,7 @@ written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 expert
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
 Training is meant to give the same bytes on every x86-64 CPU (fixed seed and data order, and PINNED_CPU_ENV, which
 says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2 also
-trains its Lightning indexer, which the LM loss cannot reach (convert/indexer_training.py says how).
+trains its Lightning indexer, which the LM loss cannot reach (tests/indexer_training.py says how).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from dsconv.family.arch import Encoding, family_for
 from dsconv.kernels.device import cpu_model_and_flags
 from dsconv.convert.demo import build_once, cache_dir
-from dsconv.convert.indexer_training import capture_attention, indexer_parameters, set_index_topk
+from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
@@ -62,7 +62,7 @@ LR = 3e-3
 WARMUP = 10
 MIN_LR_FRACTION = 0.1  # cosine decay to this fraction of LR
 GRAD_CLIP = 1.0
-# V3.2's indexer (convert/indexer_training.py): after STEPS of dense LM training, the indexer's dense warm-up (the
+# V3.2's indexer (tests/indexer_training.py): after STEPS of dense LM training, the indexer's dense warm-up (the
 # model frozen) and a short sparse stage at the end of the LM schedule's learning rate
 INDEXER_WARMUP_STEPS = 100
 INDEXER_LR = 3e-3
@@ -321,7 +321,7 @@ def build_trained(out: Path, family: str) -> Path:
     """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
     model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json.
     Runs in a fresh interpreter with PINNED_CPU_ENV."""
-    subprocess.run([sys.executable, "-m", "dsconv.convert.trained", family, str(out)],
+    subprocess.run([sys.executable, "-m", "tests.trained", family, str(out)],
                    env={**os.environ, **PINNED_CPU_ENV}, check=True)
     return out
 
