@@ -192,8 +192,7 @@ def test_rank_that_raises_ends_the_job(tmp_path, capsys):
 
 
 def test_rank_killed_by_signal_ends_the_job(tmp_path, capsys):
-    entry = f"{_sigkill_while_others_wait.__module__}:{_sigkill_while_others_wait.__name__}"  # by name
-    code = launch(entry, (str(tmp_path),), world_size=4, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
+    code = launch(_sigkill_while_others_wait, (str(tmp_path),), world_size=4, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
     ended = time.time()
     err = capsys.readouterr().err
     assert code != 0
