@@ -6,6 +6,7 @@ next to PyPI's `comm`, into a fresh virtual environment.
 """
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,7 +34,12 @@ def _run(*cmd, cwd=None):
 
 @pytest.mark.slow
 def test_wheel_installs_only_dsconv_next_to_jupyters_comm(tmp_path):
-    _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", tmp_path / "wheel", cwd=REPO)
+    # built from a copy of the sources: setuptools reuses a checkout's build/ folder, whose stale copies of deleted
+    # modules would land in the wheel
+    sources = tmp_path / "sources"
+    shutil.copytree(REPO, sources, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                                 ".import_linter_cache", ".whl", ".pytest_cache"))
+    _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", tmp_path / "wheel", cwd=sources)
     (wheel,) = (tmp_path / "wheel").glob("dsconv-*.whl")
     archive = zipfile.ZipFile(wheel)
     tops = {name.split("/")[0] for name in archive.namelist()}
