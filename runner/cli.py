@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -76,24 +77,6 @@ def _cache_capacity(cache_tokens: int) -> int:
     return cache_blocks(cache_tokens) * BLOCK_SIZE
 
 
-def _open_shards(shards: Path, world_size: int | None, dtype: str, kv_cache_dtype: str = "auto", cp_size: int = 1,
-                 cp_min_tokens: int = DEFAULT_CP_MIN_TOKENS) -> dict:
-    """The checked manifest of SHARDS (it must pass `dsconv verify`), after the flags every command shares."""
-    from dsconv.family.arch import check_context_parallel, check_kv_cache_dtype, family_for
-    from dsconv.runner.engine.worker import DTYPES
-    from dsconv.runner.models.weights import load_manifest
-
-    if dtype not in DTYPES:
-        raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    manifest = load_manifest(shards)
-    check_kv_cache_dtype(family_for(manifest["model"]["config"]), kv_cache_dtype)
-    check_context_parallel(family_for(manifest["model"]["config"]), manifest["layout"], cp_size, cp_min_tokens)
-    world = manifest["layout"]["world_size"]
-    if world_size is not None and world_size != world:
-        raise InputError(f"--world-size {world_size} does not match the shards' world size {world}")
-    return manifest
-
-
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch (prompts are "
@@ -123,7 +106,6 @@ def generate(
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
-    from dsconv.family.arch import family_for
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
@@ -144,24 +126,23 @@ def generate(
                               "(real vocabulary, FP8 + FP4 source) with RANDOM weights (the text is noise), "
                               "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
-                                prefill_cp_min_tokens)
-        config = manifest["model"]["config"]
-        text = TextTokenizer.load(Path(shards), config)
-        prompts = [_prompt_ids(text, p, family_for(config), not no_chat, system, thinking) for p in prompt]
-        model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"],
-                                          _cache_capacity(cache_tokens))
+        run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
+                             cache=CacheConfig(cache_tokens, None, kv_cache_dtype),
+                             scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
+                                                       cp_min_tokens=prefill_cp_min_tokens))
+        text = TextTokenizer.load(run.shards, run.model_config)
+        prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
+        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, _cache_capacity(cache_tokens))
         for ids in prompts:
-            check_prompt(ids, max_new_tokens, config["vocab_size"], model_len)
-        dp = manifest["layout"]["dp"]  # prompt i runs on attention-DP index i % dp, all of its prompts at once
+            check_prompt(ids, max_new_tokens, run.vocab_size, model_len)
+        dp = run.layout.dp  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
         if need > cache_tokens:
             raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
                              f"exceed the KV cache (--cache-tokens {cache_tokens})")
-        run = RunConfig(Path(shards), manifest, dtype, device, CacheConfig(cache_tokens, None, kv_cache_dtype),
-                        SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)),
-                                        cp_size=prefill_context_parallel_size, cp_min_tokens=prefill_cp_min_tokens),
-                        max_model_len=model_len)
+        # every prompt admitted at once and prefilled in one step
+        run = replace(run, max_model_len=model_len, scheduler=replace(
+            run.scheduler, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts))))
         _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens,
                             "json_output": json_output, "started_at": started}, run, timeout)
     except InputError as exc:
@@ -197,9 +178,10 @@ def perplexity(
 
     started = time.time()
     try:
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
-                                prefill_cp_min_tokens)
-        config = manifest["model"]["config"]
+        run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
+                             cache=CacheConfig(dtype=kv_cache_dtype),
+                             scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
+                                                       cp_min_tokens=prefill_cp_min_tokens))
         try:
             text = file.read_bytes().decode("utf-8")
         except OSError as exc:
@@ -208,18 +190,17 @@ def perplexity(
             raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
-        model_len = resolve_max_model_len(max_model_len, config["max_position_embeddings"], None)
-        cut = windows(TextTokenizer.load(Path(shards), config).encode(text), context)
+        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, None)
+        cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), context)
         if not cut:
             raise InputError(f"--file {file} is one token: nothing to score")
         for window in cut:  # each window is scored as a prompt of the engine
-            check_prompt(window, 0, config["vocab_size"], model_len)
+            check_prompt(window, 0, run.vocab_size, model_len)
         # A DP rank scores one window at a time, with a cache and a token budget of one window: a step's logits are
         # one window's at most, never a [tokens, vocab] tensor of the file.
         longest = max(map(len, cut))
-        run = RunConfig(Path(shards), manifest, dtype, device, CacheConfig(longest, None, kv_cache_dtype),
-                        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=longest,
-                                        cp_size=prefill_context_parallel_size, cp_min_tokens=prefill_cp_min_tokens))
+        run = replace(run, cache=replace(run.cache, tokens=longest),
+                      scheduler=replace(run.scheduler, max_num_seqs=1, max_num_batched_tokens=longest))
         _launch(rank_main, {"run": run, "windows": cut, "context": context, "json_output": json_output,
                             "started_at": started}, run, timeout)
     except InputError as exc:
@@ -290,21 +271,16 @@ def serve(
             shards = demo_shards()
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
             raise InputError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} must be at least 1")
-        manifest = _open_shards(shards, world_size, dtype, kv_cache_dtype, prefill_context_parallel_size,
-                                prefill_cp_min_tokens)
-        if kv_cache_memory_bytes is not None and manifest["model"]["family"] == "deepseek_v4":
+        run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
+                             cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype),
+                             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
+                                                       prefill_context_parallel_size, prefill_cp_min_tokens),
+                             max_model_len=max_model_len, drain_timeout_s=drain_timeout)
+        if kv_cache_memory_bytes is not None and run.family.name == "deepseek_v4":
             raise InputError("--kv-cache-memory-bytes is not available for deepseek_v4 (its windows and compressor "
                              "state are per sequence): size its cache with --cache-tokens")
-        config = manifest["model"]["config"]
-        if "max_position_embeddings" not in config:
-            raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         if kv_cache_memory_bytes is None:  # else the cache's size is known once a rank has built it
-            resolve_max_model_len(max_model_len, config["max_position_embeddings"], _cache_capacity(cache_tokens))
-        run = RunConfig(Path(shards), manifest, dtype, device,
-                        CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype),
-                        SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
-                                        prefill_context_parallel_size, prefill_cp_min_tokens),
-                        max_model_len=max_model_len, drain_timeout_s=drain_timeout)
+            resolve_max_model_len(max_model_len, run.max_position_embeddings, _cache_capacity(cache_tokens))
         _launch(rank_main, {"run": run, "host": host, "port": port,
                             "model_name": served_model_name or Path(shards).resolve().name, "timeout_s": timeout,
                             "api_key": api_key}, run, timeout, sigterm_to_rank0=True)

@@ -28,9 +28,9 @@ import torch
 
 from tests.trained import PINNED_CPU_ENV, heldout_texts
 from tests.helpers import greedy
+from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.worker import start_rank
 from dsconv.runner.entrypoints.perplexity import windows
-from dsconv.runner.models.weights import load_manifest
 from tests.helpers import Steps, window_nll
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def heldout_ids(tokenizer) -> list[list[int]]:
 
 def window_logits(shards, cut: list[list[int]], kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Every window's logits [len, vocab] from dsrun's model on one rank, in this process, float32."""
-    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    _, model, new_cache = start_rank(RunConfig.open(shards, dtype="float32"))
     out = []
     with torch.inference_mode():
         for window in cut:
@@ -57,7 +57,7 @@ def window_logits(shards, cut: list[list[int]], kv_cache_dtype: str = "auto") ->
 
 
 def greedy_tokens(shards, prompts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[int]]:
-    _, _, model, new_cache = start_rank(str(shards), load_manifest(shards), "float32", "cpu")
+    _, model, new_cache = start_rank(RunConfig.open(shards, dtype="float32"))
     with torch.inference_mode():
         return greedy(model, new_cache(sum(len(p) + NEW_TOKENS for p in prompts), kv_cache_dtype), prompts,
                       NEW_TOKENS, None)

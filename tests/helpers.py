@@ -27,7 +27,6 @@ from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.kv_cache import StepMeta
 from dsconv.runner.models.v4_state import V4Cache
-from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.shard import make_shard_plan, run_shard
 from tests.rank_entries import recorded
 
@@ -222,8 +221,9 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
 
 def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
                max_num_seqs=16, max_num_batched_tokens=4096) -> RunConfig:
-    return RunConfig(Path(shards), load_manifest(shards), dtype, "cpu", CacheConfig(cache_tokens, None, kv_cache_dtype),
-                     SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size, cp_min_tokens=cp_min_tokens))
+    return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype),
+                          scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size,
+                                                    cp_min_tokens=cp_min_tokens))
 
 
 def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:

@@ -65,3 +65,23 @@ def test_w8a8_oproj_tp_and_int8_cache_same_tokens_as_world_1(w8a8_source, tmp_pa
         alone = [run_ranks(w1, tmp_path, prompts=[ids], kv_cache_dtype=kv, results_name=f"w1-{kv}-{i}")[0]
                  for i, ids in enumerate(PROMPTS)]
         assert run_ranks(w16, tmp_path, kv_cache_dtype=kv, results_name=f"w16-{kv}") == alone, kv
+
+
+def test_parallel_layers_check_their_shard_against_the_config():
+    """A parallel layer computes its local size from the config and the group's size: a shard of another size (shards
+    written for another config or layout) is one line naming both, before any step runs."""
+    from dsconv.errors import InputError
+    from dsconv.runner.models.dist import Dist
+    from dsconv.runner.models.layers import Proj
+    from dsconv.runner.models.parallel import OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding
+
+    four = Dist(tp=4, embed_tp=4, oproj_tp=4)
+    VocabParallelEmbedding(torch.zeros(16, 8), 64, four)  # 64 / 4
+    with pytest.raises(InputError, match="the embedding: this rank's shard has 32 rows, but the config's 64 over "
+                                         "embed-tp 4 give 16"):
+        VocabParallelEmbedding(torch.zeros(32, 8), 64, four)
+    with pytest.raises(InputError, match="lm_head: this rank's shard has 16 rows, but the config's 60 over tp 4 "
+                                         "give 15"):
+        ParallelLMHead(Proj.of(torch.zeros(16, 8), None), 60, four)
+    with pytest.raises(InputError, match="o_proj: this rank's shard has 8 rows, but the config's 64 over oproj-tp 4"):
+        OutputSplitLinear(Proj.of(torch.zeros(8, 8), None), 64, four, "o_proj")

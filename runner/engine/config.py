@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsconv.errors import InputError
+from dsconv.family.arch import Family, check_context_parallel, check_kv_cache_dtype, family_for
 from dsconv.family.layout import Layout
+from dsconv.runner.engine.worker import DTYPES
+from dsconv.runner.models.weights import load_manifest
 
 DEFAULT_CACHE_TOKENS = 4096
 
@@ -46,6 +50,24 @@ class RunConfig:
     keepalive_s: float | None = None
     drain_timeout_s: float = 30.0
 
+    @classmethod
+    def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
+        """The run of SHARDS (its manifest must pass `dsconv verify`), the options checked against it: the dtype,
+        the cache dtype and context parallelism the family takes, and world_size (None: the shards')."""
+        run = cls(Path(shards), load_manifest(Path(shards)), **options)
+        if run.dtype not in DTYPES:
+            raise InputError(f"--dtype {run.dtype!r} is not one of {', '.join(DTYPES)}")
+        check_kv_cache_dtype(run.family, run.cache.dtype)
+        cp_size, cp_min_tokens = run.scheduler.cp_size, run.scheduler.cp_min_tokens
+        check_context_parallel(run.family, run.manifest["layout"], cp_size,
+                               1 if cp_min_tokens is None else cp_min_tokens)  # None: context parallelism off
+        if world_size is not None and world_size != run.layout.world_size:
+            raise InputError(f"--world-size {world_size} does not match the shards' world size "
+                             f"{run.layout.world_size}")
+        if "max_position_embeddings" not in run.model_config:
+            raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
+        return run
+
     @property
     def layout(self) -> Layout:
         return Layout.from_json(self.manifest["layout"])
@@ -56,5 +78,17 @@ class RunConfig:
         return self.manifest["model"]["config"]
 
     @property
-    def family_name(self) -> str:
-        return self.manifest["model"]["family"]
+    def family(self) -> Family:
+        return family_for(self.model_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config["vocab_size"]
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.model_config["max_position_embeddings"]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model_config.get("eos_token_id")

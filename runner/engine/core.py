@@ -44,7 +44,7 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
                  ) -> EngineCore:
     """On every rank, after the launcher's init_process_group: this rank's model from its shards, its KV cache as
     `run.cache` asks, and the engine around them."""
-    _, dist, model, new_cache = start_rank(run.shards, run.manifest, run.dtype, run.device, run.scheduler.cp_size)
+    dist, model, new_cache = start_rank(run)
     tokens = run.cache.tokens
     if run.cache.memory_bytes is not None:  # every rank computes the same count from the same shapes
         tokens = new_cache.tokens_in(run.cache.memory_bytes, run.cache.dtype)
@@ -52,11 +52,10 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
             raise InputError(f"--kv-cache-memory-bytes {run.cache.memory_bytes} holds less than one block of the KV "
                              f"cache")
     cache = new_cache(tokens, run.cache.dtype)
-    config = run.model_config
-    max_model_len = resolve_max_model_len(run.max_model_len, config["max_position_embeddings"],
+    max_model_len = resolve_max_model_len(run.max_model_len, run.max_position_embeddings,
                                           cache.num_blocks * cache.block_size)
-    return new_engine(model, cache, dist, vocab_size=config["vocab_size"], max_model_len=max_model_len,
-                      eos_token_id=config.get("eos_token_id"), scheduler=run.scheduler, grammars=grammars,
+    return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,
+                      eos_token_id=run.eos_token_id, scheduler=run.scheduler, grammars=grammars,
                       metrics=metrics, keepalive_s=run.keepalive_s, drain_timeout_s=run.drain_timeout_s)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, StepMeta
 from dsconv.runner.models.registry import model_for
 from dsconv.runner.models.weights import load_rank
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.config import RunConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -56,14 +60,13 @@ def rank_device(device: str) -> torch.device:
     return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
 
 
-def start_rank(shards: str, manifest: dict, dtype: str, device: str, cp_size: int = 1):
-    """On every rank, after the launcher's init_process_group: -> (rank, Dist, model, new_cache). cp_size: the
-    context-parallel prefill's group size."""
+def start_rank(run: RunConfig):
+    """On every rank, after the launcher's init_process_group: -> (Dist, model, new_cache) of this rank's shards."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    dist = Dist.from_layout(manifest["layout"], rank_device(device), cp_size) \
-        if torch.distributed.is_initialized() else Dist(device=rank_device(device))
-    model, _, new_cache = build_model(Path(shards), manifest, rank, dist, DTYPES[dtype])
-    return rank, dist, model, new_cache
+    dist = Dist.from_layout(run.manifest["layout"], rank_device(run.device), run.scheduler.cp_size) \
+        if torch.distributed.is_initialized() else Dist(device=rank_device(run.device))
+    model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype])
+    return dist, model, new_cache
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ the second half of each window only; here every position after the first counts,
 `exp(loss)` of a causal LM over the same windows gives).
 
 Each window is a prompt the engine scores and generates nothing for (prompt logprobs, max_tokens 0): rank 0
-submits window i to attention-DP index i % dp, sums the negative log-likelihood from the logprobs it gets back and
-prints the figure; the other ranks follow its steps. A DP rank runs one window at a time, with a cache and a token budget
-of one window, so a step's logits are one window's at most, never a [tokens, vocab] tensor of the file.
+submits window i to attention-DP index i % dp, sums the negative log-likelihood from the logprobs it gets back
+and prints the figure; the other ranks follow its steps. A DP rank runs one window at a time, with a cache and a
+token budget of one window, so a step's logits are one window's at most, never a [tokens, vocab] tensor of the
+file.
 """
 
 from __future__ import annotations

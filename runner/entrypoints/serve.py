@@ -18,7 +18,6 @@ from dataclasses import replace
 import torch
 
 from dsconv.errors import InputError
-from dsconv.family.arch import family_for
 from dsconv.family.text import TextTokenizer
 from dsconv.runner.engine.client import EngineClient
 from dsconv.runner.engine.config import RunConfig
@@ -37,9 +36,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
               api_key: str | None = None) -> None:
     """Every rank of `dsrun serve` (timeout_s: the collectives' timeout, which the keep-alive stays under)."""
     run = replace(run, keepalive_s=timeout_s * KEEPALIVE_FRACTION)
-    config = run.model_config
-    text = TextTokenizer.load(run.shards, config)
-    grammars = Grammars(text.path, config["vocab_size"], config.get("eos_token_id"))
+    text = TextTokenizer.load(run.shards, run.model_config)
+    grammars = Grammars(text.path, run.vocab_size, run.eos_token_id)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -53,8 +51,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     layout = run.layout
     metrics = ServeMetrics(model_name, layout.dp)
     door = EngineClient()
-    front = Front(door, text, family_for(config), model_name, config["vocab_size"],
-                  resolve_max_model_len(run.max_model_len, config["max_position_embeddings"], None), grammars)
+    front = Front(door, text, run.family, model_name, run.vocab_size,
+                  resolve_max_model_len(run.max_model_len, run.max_position_embeddings, None), grammars)
     server, port, thread = _start_http(create_app(front, metrics.registry, api_key), host, port)
     if api_key is None and not _loopback(host):
         print(f"dsrun serve: WARNING: listening on {host} without --api-key: anyone who can reach the port can use "

@@ -24,7 +24,9 @@ from dsconv.runner.models.kv_cache import DECODE_GATHER_ROWS, DecodeRows, Latent
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel
-from dsconv.runner.models.parallel import OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding, check_rows
+from dsconv.runner.models.parallel import (OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding,
+                                          attention_tp_share, attention_tp_sum, attention_tp_unshare, check_rows,
+                                          cp_gather)
 from dsconv.runner.models.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
@@ -53,8 +55,9 @@ class Attention:
         self.wq_b = Proj(w, f"{prefix}.q_b_proj", dtype)
         # this rank's heads under attention TP (all of them without), checked against its q_b_proj slice
         self.heads = cfg.num_attention_heads // dist.attn_tp
-        check_rows(f"{prefix}.q_b_proj", self.wq_b.weight.shape[0],
-                   cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), dist.attn_tp, "attention TP")
+        q_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        check_rows(f"{prefix}.q_b_proj", self.wq_b.weight.shape[0], cfg.num_attention_heads * q_head_dim, dist.attn_tp,
+                   "attention TP")
         self.q_norm = RMSNorm(w, f"{prefix}.q_a_layernorm.weight", cfg.rms_norm_eps, dtype)
         # kv_b_proj [heads * (nope + v), lora] split once into per-head W_UK and W_UV [heads, v, lora]: prefill
         # expands the latent with them, decode absorbs them. Copies (dequantized if INT8) in the dtype decode
@@ -107,7 +110,7 @@ class Attention:
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         """[T, heads, v] -> o_proj's output [T, hidden]."""
         o = self.wo(out.flatten(1))  # o_proj TP: an exchange
-        return self.dist.attn_all_reduce(o)  # heads split over attention TP: sum the partial projections
+        return attention_tp_sum(self.dist, o)  # heads split over attention TP: sum the partial projections
 
     def context_parallel(self, out, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, entries: dict,
                          cache: LatentCache, layer: int, cp, scale: float) -> None:
@@ -116,7 +119,7 @@ class Attention:
         scratch cache as the owner's cache stores them (the same rounding, INT8 included) and by the owner in
         its cache; then this rank's queries attend over the whole prompt, causally by position, as one prefill
         chunk does."""
-        whole = {name: self.dist.cp_gather(value, cp.most, cp.order) for name, value in entries.items()}
+        whole = {name: cp_gather(self.dist, value, cp.most, cp.order) for name, value in entries.items()}
         cp.scratch.write(0, cp.scratch_meta, **whole)
         if cp.owner_meta is not None:
             cache.write(layer, cp.owner_meta, **whole)
@@ -314,8 +317,8 @@ class MoE:
         return experts, weights * cfg.routed_scaling_factor
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
-        return self.dist.attn_tp_unshare(self.routed(share) + self.shared(share), x.shape[0])
+        share = attention_tp_share(self.dist, x)  # attention-TP ranks hold the same rows: each routes its share
+        return attention_tp_unshare(self.dist, self.routed(share) + self.shared(share), x.shape[0])
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)

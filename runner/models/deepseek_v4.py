@@ -37,7 +37,8 @@ from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.models.moe import expert_parallel
-from dsconv.runner.models.parallel import ParallelLMHead, VocabParallelEmbedding
+from dsconv.runner.models.parallel import (ParallelLMHead, VocabParallelEmbedding, attention_tp_share,
+                                          attention_tp_unshare)
 from dsconv.runner.models.weights import RankWeights
 
 ROUTER_NORM_EPS = 1e-20  # as transformers' V4 routers
@@ -343,9 +344,9 @@ class MoE:
         return experts, weights * self.cfg.routed_scaling_factor
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        share = self.dist.attn_tp_share(x)  # attention-TP ranks hold the same rows: each routes its share
-        share_tokens = self.dist.attn_tp_share(tokens[:, None])[:, 0]
-        return self.dist.attn_tp_unshare(self.routed(share, share_tokens) + self.shared(share), x.shape[0])
+        share = attention_tp_share(self.dist, x)  # attention-TP ranks hold the same rows: each routes its share
+        share_tokens = attention_tp_share(self.dist, tokens[:, None])[:, 0]
+        return attention_tp_unshare(self.dist, self.routed(share, share_tokens) + self.shared(share), x.shape[0])
 
     def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x, tokens)

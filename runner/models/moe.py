@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsconv.comm.collectives import all_to_all_variable
 from dsconv.kernels.device import is_npu
 from dsconv.kernels.linear import quantize_activations
 from dsconv.runner.models.dist import Dist
@@ -33,11 +34,11 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get INT8
     # activations and their per-token scales, quantized once here (what the expert itself would compute)
     columns = [*quantize_activations(rows), local_ids] if local.int8 else [rows, local_ids]
-    received, exchanged = dist.ep_dispatch(columns, send_counts)
+    received, exchanged = ep_dispatch(dist, columns, send_counts)
     if received is None:  # no row for this rank's experts in this layer: only the rows' way back to take part in
-        back = dist.ep_combine(torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device), exchanged)
+        back = ep_combine(dist, torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device), exchanged)
     else:
-        back = dist.ep_combine(_run_local(received, local, dist, x.dtype), exchanged)
+        back = ep_combine(dist, _run_local(received, local, dist, x.dtype), exchanged)
     combined = torch.empty_like(back)
     combined[order] = back
     # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
@@ -61,6 +62,45 @@ def _run_local(received: list[torch.Tensor], local: RoutedExperts, dist: Dist,
     out = torch.empty_like(grouped)
     out[by_expert] = grouped
     return out  # rows return to their senders in this order
+
+
+def ep_dispatch(dist: Dist, columns: list[torch.Tensor], send_counts: torch.Tensor):
+    """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows
+    grouped by destination EP rank (send_counts[d] rows for rank d) -> the same columns as received (None
+    when no row arrived), and the row counts per peer as lists, (received, sent), for `ep_combine`. The
+    columns travel packed as bytes in one all-to-all."""
+    if dist.ep == 1:
+        return columns, None
+    widths = [_row_bytes(c) for c in columns]
+    packed = torch.cat([c.contiguous().view(torch.uint8).reshape(c.shape[0], w) for c, w in zip(columns, widths)],
+                       dim=1)
+    sent = send_counts.tolist()  # host sync: the all-to-all takes its split sizes as lists
+    with dist.timed():
+        recv, received = all_to_all_variable(packed, sent, dist.groups.ep)
+    if not sum(received):  # no rows for this rank: None, so that nothing reads an empty buffer
+        return None, (received, sent)
+    # clone, not contiguous(): a one-row column slice counts as contiguous at an unaligned storage offset
+    out = [part.clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(-1, *c.shape[1:])
+           for part, c in zip(recv.split(widths, dim=1), columns)]
+    return out, (received, sent)
+
+
+def ep_combine(dist: Dist, out: torch.Tensor, counts: tuple[list[int], list[int]] | None) -> torch.Tensor:
+    """The reverse exchange: expert outputs travel back to the ranks that sent their rows, in order. counts:
+    what ep_dispatch returned; both sides of this exchange are known, so no counts travel again."""
+    if dist.ep == 1:
+        return out
+    received, sent = counts
+    with dist.timed():
+        back, _ = all_to_all_variable(out, received, dist.groups.ep, recv_counts=sent)
+    return back
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    count = 1
+    for dim in t.shape[1:]:
+        count *= dim
+    return count * t.element_size()
 
 
 def _count(values: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The model's tensor-parallel layers, declared where the model is built (as DeepSeek's `inference/model.py` and
 nano-vllm's `layers/linear.py` declare theirs): the vocabulary-parallel embedding (embedding TP), o_proj with its
-output rows split (o_proj TP) and the parallel lm_head (lm_head TP). Each takes its group's size from the rank's
+output rows split (o_proj TP) and the parallel lm_head (lm_head TP); and attention TP's exchanges (the heads'
+partial sums, the MoE's row shares) and context-parallel prefill's gather. Each takes its group's size from the rank's
 process groups (models/dist.py), computes its local size from the model's config, checks it against the mapped
 shard with a one-line error naming both, and runs its exchange.
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsconv.comm.collectives import all_gather_cat, all_to_all_variable
+from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
 from dsconv.errors import InputError
+from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.linear import quantize_activations
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import Proj
@@ -118,3 +120,48 @@ def _own_rows(dist: Dist, sliced: torch.Tensor, group, most: int, rows: int) -> 
         # slice i, from rank i: `most` rows from each, known here, so no exchange of counts
         mine, _ = all_to_all_variable(sliced.contiguous(), [most] * group.size, group, recv_counts=[most] * group.size)
     return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:rows]
+
+
+def attention_tp_sum(dist: Dist, x: torch.Tensor) -> torch.Tensor:
+    """Heads split over attention TP: sum the partial o_proj outputs."""
+    if dist.attn_tp == 1:
+        return x
+    with dist.timed():
+        return all_reduce_sum(x.contiguous(), dist.groups.attn_tp)
+
+
+def attention_tp_share(dist: Dist, x: torch.Tensor) -> torch.Tensor:
+    """Under attention TP every rank of the group holds the same rows: each takes its share, rows
+    [rank * per, (rank + 1) * per) with per = ceil(rows / size) (the last shares may be shorter or empty). No
+    padding rows: an all-zero row would reach the MoE's quantizer, whose documented NPU formula (no floor
+    on the scale) divides 0 by 0. On an accelerator an empty share is the group's first row instead, a
+    throwaway that `attention_tp_unshare` drops, so that no kernel is handed a zero-size tensor."""
+    if dist.attn_tp == 1:
+        return x
+    per = -(-x.shape[0] // dist.attn_tp)
+    start = dist.attn_tp_rank * per
+    if start >= x.shape[0] and x.shape[0] and takes_npu_path(x.device):
+        return x[:1]
+    return x[start:start + per]
+
+
+def attention_tp_unshare(dist: Dist, share: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group's shares of `rows` rows gathered back into all of them (each padded to an equal size for
+    the gather only; a throwaway share lands past `rows` and is dropped)."""
+    if dist.attn_tp == 1:
+        return share
+    per = -(-rows // dist.attn_tp)
+    with dist.timed():
+        padded = F.pad(share, (0, 0, 0, per - share.shape[0])).contiguous()
+        return all_gather_cat(padded, dist.groups.attn_tp, dim=0)[:rows]
+
+
+def cp_gather(dist: Dist, x: torch.Tensor, most: int, order: torch.Tensor) -> torch.Tensor:
+    """A context-parallel prefill's new rows: x [T, d], this member's positions -> [length, d], every
+    member's rows in position order (`order`: each position's row among the gathered, member after member,
+    each padded to `most`)."""
+    if dist.cp == 1:
+        return x.index_select(0, order)
+    with dist.timed():
+        everyone = all_gather_cat(F.pad(x, (0, 0, 0, most - x.shape[0])).contiguous(), dist.groups.cp, dim=0)
+    return everyone.index_select(0, order)
