@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -123,22 +122,6 @@ def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> 
         proc.stdin.close()
         proc.wait(60)
     return results
-
-
-def real_vocab_shards16(work: Path, family: str) -> Path:
-    """The family's tiny checkpoint with DeepSeek's real vocabulary (a text prompt's ids fit), sharded for 16."""
-    from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
-    from dsconv.family.layout import Layout
-    from dsconv.shard.shard import make_shard_plan, run_shard
-
-    src, out = work / family / "src-real-vocab", work / family / "shards-real-vocab-w16"
-    if not (src / "config.json").exists():
-        shutil.rmtree(src, ignore_errors=True)
-        make_tiny_checkpoint(src, family, real_vocab=True)
-    if not (out / "manifest.json").exists():
-        shutil.rmtree(out, ignore_errors=True)
-        run_shard(make_shard_plan(src, Layout(), 4 * 10**9), out, 2, lambda n: None)
-    return out
 
 
 def world16_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> dict[str, list[float]]:
@@ -252,7 +235,7 @@ def main() -> int:
                    "decode": report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens", "tok/s",
                                     decode_ab(sides, shards, args.new_tokens, args.rounds))}
         if args.world16_rounds:
-            shards16 = real_vocab_shards16(args.work, args.family)
+            shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True)
             figures["world16"] = report(f"decode tokens/s, world 16 (dsrun generate --json), BF16, {args.new_tokens} "
                                         f"tokens", "tok/s",
                                         world16_ab(sides, shards16, args.new_tokens, args.world16_rounds))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -24,7 +23,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
 from dsconv.runner.engine.core import new_engine  # noqa: E402
@@ -33,8 +31,7 @@ from dsconv.runner.engine.request import SamplingParams  # noqa: E402
 from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
-from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
+from dsconv.scripts.bench_serve import machine, print_machine, shards_for  # noqa: E402
 
 SEQUENCES = 8
 DECODE_STEPS = 40
@@ -42,17 +39,6 @@ CACHE_TOKENS = 8192
 SCHEMA = {"type": "array", "minItems": 16, "maxItems": 64, "items": {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"},
     "tag": {"type": "string", "enum": ["alpha", "beta", "gamma"]}}, "required": ["id", "ok", "tag"]}}
-
-
-def real_vocab_shards(work: Path, family: str) -> Path:
-    src, out = work / family / "src-real-vocab", work / family / "shards-real-vocab-w1"
-    if not (src / "config.json").exists():
-        shutil.rmtree(src, ignore_errors=True)
-        make_tiny_checkpoint(src, family, real_vocab=True)
-    if not (out / "manifest.json").exists():
-        shutil.rmtree(out, ignore_errors=True)
-        run_shard(make_shard_plan(src, Layout(1, 1, 1, 1), 4 * 10**9), out, 2, lambda n: None)
-    return out
 
 
 def decode_steps(model, new_cache, grammars, prompts, grammar) -> list[float]:
@@ -82,7 +68,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be positive")
-    shards = real_vocab_shards(args.work, args.family)
+    shards = shards_for(args.work, args.family, Layout(1, 1, 1, 1), real_vocab=True)
     print_machine(machine(1), 1)
     manifest = load_manifest(shards)
     config = manifest["model"]["config"]

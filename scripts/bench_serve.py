@@ -262,12 +262,15 @@ def imbalance(url: str) -> tuple[float, float]:
     return values["dsrun:dp_imbalance_sum"], values["dsrun:dp_imbalance_count"]
 
 
-def shards_for(work: Path, family: str, layout: Layout) -> Path:
-    src = work / family / "src"
+def shards_for(work: Path, family: str, layout: Layout, real_vocab: bool = False) -> Path:
+    """The family's tiny checkpoint sharded for `layout`, built under `work` once; real_vocab: with DeepSeek's real
+    vocabulary (a text prompt's ids fit)."""
+    kind = "-real-vocab" if real_vocab else ""
+    src = work / family / f"src{kind}"
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
-        make_tiny_checkpoint(src, family)
-    out = work / family / f"shards-w{layout.world_size}"
+        make_tiny_checkpoint(src, family, real_vocab=real_vocab)
+    out = work / family / f"shards{kind}-w{layout.world_size}"
     if not (out / "manifest.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         run_shard(make_shard_plan(src, layout, 4 * 10**9), out, 2, lambda n: None)

@@ -82,8 +82,12 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         tokenizer = TextTokenizer.load(run.shards, run.model_config)
         printer = None if json_output else _Streamer(tokenizer)
-    result = generate(run, prompts, max_new_tokens,
-                      on_token=None if printer is None else lambda index, token: index == 0 and printer.add(token))
+
+    def stream_first(index: int, token: int) -> None:
+        if index == 0:
+            printer.add(token)
+
+    result = generate(run, prompts, max_new_tokens, on_token=None if printer is None else stream_first)
     if result is None:
         return
     if printer is not None:
