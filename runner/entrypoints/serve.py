@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from dsconv.errors import InputError
-from dsconv.family.text import TextTokenizer
+from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
 from dsconv.runner.engine.client import EngineClient
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_engine
@@ -36,8 +36,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
               api_key: str | None = None) -> None:
     """Every rank of `dsrun serve` (timeout_s: the collectives' timeout, which the keep-alive stays under)."""
     run = replace(run, keepalive_s=timeout_s * KEEPALIVE_FRACTION)
-    text = TextTokenizer.load(run.shards, run.model_config)
-    grammars = Grammars(text.path, run.vocab_size, run.eos_token_id)
+    # every rank applies the grammars' masks; their tables are built from the tokenizer on first use
+    grammars = Grammars(tokenizer_dir(run.shards) / TOKENIZER_FILE, run.vocab_size, run.eos_token_id)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -51,7 +51,7 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     layout = run.layout
     metrics = ServeMetrics(model_name, layout.dp)
     door = EngineClient()
-    front = Front(door, text, run.family, model_name, run.vocab_size,
+    front = Front(door, TextTokenizer.load(run.shards, run.model_config), run.family, model_name, run.vocab_size,
                   resolve_max_model_len(run.max_model_len, run.max_position_embeddings, None), grammars)
     server, port, thread = _start_http(create_app(front, metrics.registry, api_key), host, port)
     if api_key is None and not _loopback(host):
