@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from dsconv.errors import InputError
 
 if TYPE_CHECKING:
+    from dsconv.family.layout import Layout
     from dsconv.family.recipes import Recipe
 
 
@@ -158,7 +159,7 @@ class Family:
     kv_cache_bytes_per_token: Callable[[Any, int, str], dict[str, float]]
     kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
     tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
-    # family/chat.py's encoder: (messages, thinking, tokenizer_config.json, tools) -> prompt text; None: no chat
+    # family/text.py's encoder: (messages, thinking, tokenizer_config.json, tools) -> prompt text; None: no chat
     # format (prompts are fed as raw text, dsrun --no-chat)
     encode_chat: Callable[[Any, bool, Mapping, list], str] | None
     # why --kv-cache-dtype int8 is refused for this family; None: its caches have an INT8 form
@@ -177,7 +178,7 @@ def check_kv_cache_dtype(family: Family, kv_cache_dtype: str) -> None:
         raise InputError(f"--kv-cache-dtype int8 is not available for {family.name}: {family.kv_cache_int8_refusal}")
 
 
-def check_context_parallel(family: Family, layout: dict, cp_size: int, cp_min_tokens: int) -> None:
+def check_context_parallel(family: Family, layout: Layout, cp_size: int, cp_min_tokens: int) -> None:
     """Refuses, in one line, a context-parallel prefill the family or the layout cannot run: a group is cp_size
     attention-DP ranks (attention TP 1), and cp_size divides the attention-DP size."""
     if cp_size < 1 or cp_min_tokens < 1:
@@ -188,9 +189,9 @@ def check_context_parallel(family: Family, layout: dict, cp_size: int, cp_min_to
     if family.context_parallel_refusal is not None:
         raise InputError(f"--prefill-context-parallel-size is not available for {family.name}: "
                          f"{family.context_parallel_refusal}")
-    if layout["attn_tp"] != 1 or layout["dp"] % cp_size:
+    if layout.attn_tp != 1 or layout.dp % cp_size:
         raise InputError(f"--prefill-context-parallel-size {cp_size} needs attention TP 1 and an attention-DP size "
-                         f"it divides; the shards have attention DP {layout['dp']} x TP {layout['attn_tp']}")
+                         f"it divides; the shards have attention DP {layout.dp} x TP {layout.attn_tp}")
 
 
 # The families that ship with dsconv; each module registers its Family when imported.

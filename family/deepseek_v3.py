@@ -25,7 +25,7 @@ from dsconv.family.arch import ArchError, CacheField, Encoding, Family, Role, Te
 from dsconv.family.deepseek_v3_config import ARCHITECTURES, FP8_BLOCK, V32, V3Config, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
 from dsconv.family import dsml
-from dsconv.family.chat import encode_v32, render_template
+from dsconv.family.text import encode_v32, render_template
 
 __all__ = ["V3Config", "parse_config", "inventory", "tiny_config"]
 

@@ -25,7 +25,7 @@ from dsconv.family.arch import ArchError, Encoding, Family, Role, TensorSpec, re
 from dsconv.family.deepseek_v4_config import AttnType, MlpType, V4Config, attn_type_of, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
 from dsconv.family import dsml
-from dsconv.family.chat import encode_v4
+from dsconv.family.text import encode_v4
 
 __all__ = ["AttnType", "MlpType", "V4Config", "attn_type_of", "parse_config", "inventory", "tiny_config", "FAMILY"]
 

@@ -181,7 +181,7 @@ def _call(name: str, body: str) -> dict:
 
 def check_arguments(arguments: Any, where: str) -> dict:
     """An assistant message's function.arguments (a JSON object as text) -> the object."""
-    from dsconv.family.chat import ChatError  # late: chat imports this module
+    from dsconv.family.text import ChatError  # late: family/text.py imports this module
 
     if not isinstance(arguments, str):
         raise ChatError(f"{where}.function.arguments must be a JSON object as text, got {type(arguments).__name__}")

@@ -102,13 +102,16 @@ def generate(
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
+    logprobs: Annotated[Optional[int], typer.Option(
+        help="With --json: each new token's logprob and this many most likely tokens' (vLLM's "
+             "SamplingParams.logprobs; the server's top_logprobs limit applies).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
-    from dsconv.runner.engine.request import check_prompt, resolve_max_model_len
+    from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, check_prompt, resolve_max_model_len
     from dsconv.runner.entrypoints.generate import rank_main
 
     started = time.time()
@@ -119,6 +122,8 @@ def generate(
             raise InputError("--thinking and --system shape the chat prompt; they cannot be used with --no-chat")
         if system is not None and not system.strip():
             raise InputError("--system is empty")
+        if logprobs is not None and (not json_output or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise InputError(f"--logprobs takes 0 to {MAX_TOP_LOGPROBS} and goes with --json")
         if shards is None:
             from dsconv.shard.demo import demo_shards
 
@@ -143,7 +148,7 @@ def generate(
         # every prompt admitted at once and prefilled in one step
         run = replace(run, max_model_len=model_len, scheduler=replace(
             run.scheduler, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts))))
-        _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens,
+        _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens, "logprobs": logprobs,
                             "json_output": json_output, "started_at": started}, run, timeout)
     except InputError as exc:
         fail(str(exc))

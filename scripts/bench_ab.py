@@ -41,12 +41,16 @@ def decode_child(shards: str, new_tokens: int) -> None:
     decode tokens/s. Imports whichever layout the side's code has."""
     import torch
 
-    try:  # this layout: the engine from core.new_engine, fed through its door
-        from dsconv.runner.engine.client import EngineClient
+    try:  # this layout: the engine from core.new_engine, fed through its door (in core.py, or in client.py before)
+        try:
+            from dsconv.runner.engine.core import EngineClient
+            from dsconv.runner.models.registry import build_model
+        except ImportError:
+            from dsconv.runner.engine.client import EngineClient
+            from dsconv.runner.engine.worker import build_model
         from dsconv.runner.engine.config import SchedulerConfig
         from dsconv.runner.engine.core import new_engine
         from dsconv.runner.engine.request import SamplingParams
-        from dsconv.runner.engine.worker import build_model
         from dsconv.runner.models.dist import Dist
         from dsconv.runner.models.kv_cache import BLOCK_SIZE
         from dsconv.runner.models.weights import load_manifest

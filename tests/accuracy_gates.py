@@ -29,7 +29,7 @@ import torch
 from tests.trained import PINNED_CPU_ENV, heldout_texts
 from tests.helpers import greedy
 from dsconv.runner.engine.config import RunConfig
-from dsconv.runner.engine.worker import start_rank
+from dsconv.runner.engine.core import start_rank
 from dsconv.runner.entrypoints.perplexity import windows
 from tests.helpers import Steps, window_nll
 

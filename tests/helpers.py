@@ -16,16 +16,16 @@ from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.engine.block_pool import BlockPool
-from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.request import SamplingParams
-from dsconv.runner.engine.worker import StepInputs, prepare_inputs
+from dsconv.runner.engine.worker import InputBuilder, StepInputs
 from dsconv.runner.entrypoints.generate import generate
 from dsconv.runner.entrypoints.perplexity import score
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.batch import Batch
-from dsconv.runner.models.kv_cache import StepMeta
+from dsconv.runner.models.step import StepMeta
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.shard.shard import make_shard_plan, run_shard
 from tests.rank_entries import recorded
@@ -43,10 +43,11 @@ RANKS_TIMEOUT_S = 120
 class Steps:
     """Steps chosen by a test rather than a scheduler, on one cache: each step's (seq_id, new tokens) pairs become a
     Batch whose block tables a BlockPool of the cache's size gives, as the scheduler's does, and the worker's
-    prepare_inputs turns it into the model's inputs."""
+    InputBuilder turns it into the model's inputs."""
 
     def __init__(self, cache):
         self.cache, self.pool = cache, BlockPool(cache.num_blocks, cache.block_size)
+        self.builder = InputBuilder(cache)
         self.lengths: dict[int, int] = {}  # seq_id -> tokens fed so far
 
     def inputs(self, new_tokens: list[tuple[int, list[int]]]) -> StepInputs:
@@ -56,7 +57,7 @@ class Steps:
             table = self.pool.grow(seq_id, stop)  # InputError when the cache cannot hold it
             batch.add(seq_id, list(tokens), stop, table, self.pool.block_size, None, None)
             self.lengths[seq_id] = stop
-        return prepare_inputs(self.cache, batch)
+        return self.builder(batch)
 
     def forward(self, model, new_tokens: list[tuple[int, list[int]]]) -> torch.Tensor:
         """One step -> the logits of every row [T, vocab]."""
@@ -65,7 +66,7 @@ class Steps:
 
     def release(self, seq_id: int) -> None:
         self.pool.release(seq_id)
-        self.cache.release(seq_id)
+        self.builder.release(seq_id)
         self.lengths.pop(seq_id, None)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsconv.family.arch import CacheField
-from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models import step as step_module
 from dsconv.runner.models.kv_cache import LatentCache
 from tests.helpers import Steps
 
@@ -17,10 +17,10 @@ def row(seq_id: int, position: int) -> list[float]:
     return [seq_id, position, seq_id * 1000 + position]
 
 
-@pytest.mark.parametrize("gather_rows,groups", [(cache_module.DECODE_GATHER_ROWS, 1), (20, 3)],
+@pytest.mark.parametrize("gather_rows,groups", [(step_module.DECODE_GATHER_ROWS, 1), (20, 3)],
                          ids=["one-group", "groups"])
 def test_reads_return_every_position_in_order_for_consecutive_and_scattered_blocks(gather_rows, groups, monkeypatch):
-    monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)  # 20: decodes split into several groups
+    monkeypatch.setattr(step_module, "DECODE_GATHER_ROWS", gather_rows)  # 20: decodes split into several groups
     cache = LatentCache(layers=2, num_blocks=16, block_size=BLOCK, fields={"a": CacheField(DIM)}, dtype=torch.float32)
     runner = Steps(cache)
     lengths = {0: 0, 1: 0, 2: 0, 3: 0}
@@ -72,7 +72,7 @@ def check_decode_reads(cache, meta):
             assert decode.rows.tolist() == rows
         longest = max(seq.context_len for seq in group)
         assert decode.max_context == longest
-        assert len(group) == 1 or len(group) * longest <= cache_module.DECODE_GATHER_ROWS
+        assert len(group) == 1 or len(group) * longest <= step_module.DECODE_GATHER_ROWS
         for layer in range(2):
             padded = cache.read_decode(layer, decode, "a")
             assert padded.shape == (len(group), longest, DIM)

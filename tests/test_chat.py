@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsconv.family.arch import families
-from dsconv.family.chat import ChatError, encode_chat, encode_chat_ids, read_tokenizer_config
+from dsconv.family.text import ChatError, encode_chat, encode_chat_ids, read_tokenizer_config
 
 DATA = Path(__file__).parent / "data"
 

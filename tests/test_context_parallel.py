@@ -123,14 +123,14 @@ def test_short_prompts_and_recomputed_requests_are_not_split():
 def test_refusals_in_one_line():
     v32, v4 = families()["deepseek_v32"], families()["deepseek_v4"]
     with pytest.raises(InputError, match="not available for deepseek_v4: its compressed entries pool windows"):
-        check_context_parallel(v4, {"dp": 16, "attn_tp": 1}, 2, 2048)
+        check_context_parallel(v4, Layout(16, ep=16, tp=16), 2, 2048)
     with pytest.raises(InputError, match="needs attention TP 1 and an attention-DP size it divides"):
-        check_context_parallel(v32, {"dp": 2, "attn_tp": 8}, 2, 2048)
+        check_context_parallel(v32, Layout(16, ep=16, tp=16, attn_tp=8), 2, 2048)
     with pytest.raises(InputError, match="needs attention TP 1 and an attention-DP size it divides"):
-        check_context_parallel(v32, {"dp": 16, "attn_tp": 1}, 3, 2048)
+        check_context_parallel(v32, Layout(16, ep=16, tp=16), 3, 2048)
     with pytest.raises(InputError, match="must be at least 1"):
-        check_context_parallel(v32, {"dp": 16, "attn_tp": 1}, 2, 0)
-    check_context_parallel(v4, {"dp": 16, "attn_tp": 1}, 1, 2048)  # CP off: nothing to refuse
+        check_context_parallel(v32, Layout(16, ep=16, tp=16), 2, 0)
+    check_context_parallel(v4, Layout(16, ep=16, tp=16), 1, 2048)  # CP off: nothing to refuse
 
 
 # -- sharded runs ----------------------------------------------------------------------------------------------

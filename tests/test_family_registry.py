@@ -216,7 +216,7 @@ def test_the_toy_layout_check_and_recipes_are_its_own(toy, toy_run):
 
 def test_build_model_refuses_a_family_without_a_runner(toy_run):
     from dsconv.runner.models.dist import Dist
-    from dsconv.runner.engine.worker import build_model
+    from dsconv.runner.models.registry import build_model
 
     manifest = json.loads((toy_run / "dp" / "manifest.json").read_text())
     with pytest.raises(InputError) as error:

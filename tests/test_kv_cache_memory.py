@@ -9,7 +9,7 @@ import torch
 from dsconv.family.arch import family_for
 from dsconv.family.deepseek_v3 import cache_fields
 from dsconv.family.layout import Layout
-from dsconv.runner.engine.worker import build_model
+from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
 from dsconv.runner.models.weights import load_manifest

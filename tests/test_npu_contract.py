@@ -18,7 +18,7 @@ from dsconv.kernels.device import reset_npu_path
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
 from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp, token_mlp
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.engine.worker import build_model
+from dsconv.runner.models.registry import build_model
 from tests.helpers import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from dsconv.family.deepseek_v3 import parse_config
 from dsconv.errors import InputError
-from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models import step as step_module
 from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.dist import Dist
 from tests.helpers import greedy
@@ -118,12 +118,12 @@ def test_batch_of_different_lengths_equals_each_alone(pair):
     assert greedy(model, cache, prompts, new_tokens, eos_id=None) == alone
 
 
-@pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 40], ids=["one-group", "two-groups"])
+@pytest.mark.parametrize("gather_rows", [step_module.DECODE_GATHER_ROWS, 40], ids=["one-group", "two-groups"])
 def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch):
     # a step whose one-token sequences (attended together, padded to the longest context) are not its first rows:
     # a prefill chunk comes first and another between them; contexts below and above V3.2's index_topk of 8.
     # 40 gather rows: the two decodes (contexts 4 and 31) attend in two groups
-    monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)
+    monkeypatch.setattr(step_module, "DECODE_GATHER_ROWS", gather_rows)
     ours, _ = pair
     model, _, cfg = ours()
     short, long_, fresh, other = (prompt(cfg.vocab_size, n, seed=n) for n in (3, 30, 17, 11))

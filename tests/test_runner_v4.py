@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from dsconv.family.deepseek_v4 import AttnType, parse_config
 from dsconv.errors import InputError
-from dsconv.runner.models import kv_cache as cache_module
+from dsconv.runner.models import step as step_module
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.dist import Dist
 from tests.helpers import greedy
@@ -159,7 +159,7 @@ def test_batched_step_equals_each_sequence_alone(pair):
         assert empty.forward(model, []).shape == (0, cfg.vocab_size)
 
 
-@pytest.mark.parametrize("gather_rows", [cache_module.DECODE_GATHER_ROWS, 16], ids=["one-group", "groups"])
+@pytest.mark.parametrize("gather_rows", [step_module.DECODE_GATHER_ROWS, 16], ids=["one-group", "groups"])
 def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch):
     """Steps whose one-row sequences (attended together, keys padded to the longest) sit between prefill
     chunks: each sequence's logits at every step equal its own run and its whole forward (the prefill path).
@@ -169,7 +169,7 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
     same step, and again four steps later from the state that batched pooling left; two complete an HCA entry
     (positions 127 and 255) in the same step. 16 gather rows split the CSA decodes into groups, one of them
     holding two sequences."""
-    monkeypatch.setattr(cache_module, "DECODE_GATHER_ROWS", gather_rows)
+    monkeypatch.setattr(step_module, "DECODE_GATHER_ROWS", gather_rows)
     model, cfg, _, _ = pair
     ratio, hca = cfg.csa_compress_rate, cfg.hca_compress_rate
     lengths = (2, 5, ratio * cfg.index_topk - 1, 60, hca - 1, 2 * hca - 1)

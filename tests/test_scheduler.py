@@ -14,7 +14,7 @@ from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.core import new_engine
-from dsconv.runner.engine.worker import build_model
+from dsconv.runner.models.registry import build_model
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
 from dsconv.runner.engine.sampler import sample, step_results, uniform
 from dsconv.runner.engine.scheduler import Scheduler

@@ -426,7 +426,7 @@ def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_so
     from tokenizers import Tokenizer
 
     from dsconv.family.arch import family_for
-    from dsconv.family.chat import encode_chat_ids
+    from dsconv.family.text import encode_chat_ids
 
     source = tiny_source("deepseek_v4", "fp8", real_vocab=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "介绍下北京故宫"}]

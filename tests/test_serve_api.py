@@ -27,7 +27,7 @@ from dsconv.family.text import TextTokenizer
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai import app as api
 from dsconv.runner.entrypoints.openai.app import create_app
-from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.family.text import Detokenizer
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.entrypoints.openai.choice import partial_tail, split_reasoning
 from dsconv.runner.engine.request import NotAccepting
@@ -551,7 +551,7 @@ def test_draining_between_our_check_and_submit_is_a_503():
 
 
 def test_request_refused_as_draining_begins_is_a_503():
-    # submit() took it, then the engine loop saw the drain before running it (runner/engine/client.py)
+    # submit() took it, then the engine loop saw the drain before running it (runner/engine/core.py)
     class Refusing(FakeEngine):
         def submit(self, prompt_ids, params, on_output, dp_rank=None):
             on_output(RequestOutput("req-x", len(prompt_ids), finished=True, finish_reason=FINISH_ABORT,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dsconv.family.arch import families
-from dsconv.family.chat import encode_chat_ids
+from dsconv.family.text import encode_chat_ids
 from dsconv.family.layout import Layout
 from dsconv.runner.engine.grammar import GrammarSpec, Grammars, json_spec
 from tests.helpers import Server, shard

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconv.family.chat import ASSISTANT, EOS, END_THINK, THINK
+from dsconv.family.text import ASSISTANT, EOS, END_THINK, THINK
 from dsconv.family.dsml import V4, V32
 from dsconv.runner.entrypoints.openai.choice import split_reasoning
 from dsconv.runner.entrypoints.openai.tool_calls import sendable, split_calls

@@ -9,7 +9,7 @@ from pathlib import Path
 from dsconv.errors import InputError
 from dsconv.family.arch import Family, check_context_parallel, check_kv_cache_dtype, family_for
 from dsconv.family.layout import Layout
-from dsconv.runner.engine.worker import DTYPES
+from dsconv.runner.models.registry import DTYPES
 from dsconv.runner.models.weights import load_manifest
 
 DEFAULT_CACHE_TOKENS = 4096
@@ -59,7 +59,7 @@ class RunConfig:
             raise InputError(f"--dtype {run.dtype!r} is not one of {', '.join(DTYPES)}")
         check_kv_cache_dtype(run.family, run.cache.dtype)
         cp_size, cp_min_tokens = run.scheduler.cp_size, run.scheduler.cp_min_tokens
-        check_context_parallel(run.family, run.manifest["layout"], cp_size,
+        check_context_parallel(run.family, run.layout, cp_size,
                                1 if cp_min_tokens is None else cp_min_tokens)  # None: context parallelism off
         if world_size is not None and world_size != run.layout.world_size:
             raise InputError(f"--world-size {world_size} does not match the shards' world size "

@@ -1,35 +1,105 @@
 """The engine, built in one function (`new_engine`; `start_engine` loads a rank's model first) and the owner of
 the step loop, shared by `dsrun serve`, `dsrun generate`, `dsrun perplexity`, the benchmarks and the tests.
 
-Rank 0 runs the loop (`EngineCore.run`): it takes requests from its door (client.py), schedules (scheduler.py)
+Rank 0 runs the loop (`EngineCore.run`): it takes requests from its door (`EngineClient`), schedules (scheduler.py)
 and sends every rank the step's batches; each rank runs its attention-DP index's batch through the model
 (worker.py; a DP rank with nothing to do runs a zero-token step, so every rank enters the MoE and lm_head
 collectives of the step), samples, and the attention-TP rank 0 of every DP index sends its sequences' tokens
 back to rank 0. The other ranks follow rank 0's plans until it says stop. When no rank has work, rank 0 waits
 for requests without running any collective; it only sends a keep-alive often enough that no waiting rank's
 collective times out.
+
+The door: requests come in from any thread (the HTTP server's, or `dsrun generate`'s list of prompts) and wait on a
+queue for the loop, which runs in rank 0's main thread, the only one that enters collectives. `submit` checks a
+request against what never changes (vocabulary, lengths, cache size) and answers at once; the loop picks it up
+before its next step and places it on a DP rank. Outputs go to each request's callback from the loop's thread. The
+door exists before the engine does (a server answers 503 while the model loads); the engine opens it once loaded.
 """
 
 from __future__ import annotations
 
 import queue
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.client import EngineClient
 from dsconv.runner.engine.config import RunConfig, SchedulerConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
-from dsconv.runner.engine.request import RequestOutput, SamplingParams, SeqResult, check_prompt, \
+from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt, \
     resolve_max_model_len
 from dsconv.runner.engine.scheduler import Scheduler, Step
-from dsconv.runner.engine.worker import Worker, start_rank
+from dsconv.runner.engine.worker import Worker
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import DTYPES, build_model
+
+
+class EngineClient:
+    """The engine's door on rank 0 (the module's docstring says how requests pass it)."""
+
+    def __init__(self):
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready, self._draining = threading.Event(), threading.Event()
+        self._check = None  # the engine's admission check, once open
+        self.max_model_len: int | None = None  # the engine's, once open
+
+    # -- any thread ------------------------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and not self._draining.is_set()
+
+    def accepting(self) -> bool:
+        return not self._draining.is_set()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               dp_rank: int | None = None) -> str:
+        if not self.accepting():
+            raise NotAccepting("the server is shutting down")
+        if not self._ready.is_set():
+            raise NotAccepting("the model is still loading")
+        self._check(prompt_ids, params, dp_rank)
+        request_id = uuid.uuid4().hex
+        self._commands.put(("add", request_id, list(prompt_ids), params, on_output, dp_rank))
+        return request_id
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Ends sample `index` of the request, or all of its samples."""
+        self._commands.put(("abort", request_id, index))
+
+    def drain(self) -> None:
+        """Stop admitting; the loop finishes what is in flight (aborting it after its drain timeout) and ends."""
+        self._draining.set()
+        self._commands.put(("wake",))
+
+    # -- the engine's side -----------------------------------------------------------------------------------
+
+    def open(self, engine: EngineCore) -> None:
+        """Admit requests to `engine` (rank 0's, loaded)."""
+        self._check, self.max_model_len = engine.check, engine.max_model_len
+        self._ready.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def pending(self) -> Iterator[tuple]:
+        """The commands waiting now, oldest first."""
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def next_command(self, timeout: float | None) -> tuple:
+        """The next command, waiting up to `timeout` seconds (queue.Empty after that)."""
+        return self._commands.get(timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -38,6 +108,22 @@ class Plan:
     keep-alive), or the end of the loop."""
     batches: list[Batch] | None = None
     stop: bool = False
+
+
+def rank_device(device: str) -> torch.device:
+    """The device this rank computes on: the launcher has already selected its accelerator (set_device)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
+
+
+def start_rank(run: RunConfig):
+    """On every rank, after the launcher's init_process_group: -> (Dist, model, new_cache) of this rank's shards."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size) \
+        if torch.distributed.is_initialized() else Dist(device=rank_device(run.device))
+    model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype])
+    return dist, model, new_cache
 
 
 def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: ServeMetrics | None = None

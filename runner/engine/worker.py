@@ -1,72 +1,26 @@
-"""One rank's side of the engine: its model built from its shards, and each step's batch turned into the model's
-inputs (here only) and run through the model and the sampler."""
+"""One rank's side of a step: the step's batch turned into the model's inputs (here only: `InputBuilder`), run
+through the model, and its logits through the sampler.
+
+The batch (runner/models/batch.py) is what the scheduler decided, in lists; the inputs are tensors on the rank's
+device: the token ids, the rows whose logits are needed, and the step's metadata (runner/models/step.py) that the
+model's attention reads: each sequence's rows, positions and context, for a paged cache the slots of its context
+and its causal mask, the decode sequences in groups, and a context-parallel prefill's share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from dsconv.family.arch import family_for
-from dsconv.kernels.device import flush_denormals
+from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
-from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch
+from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, cp_positions, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, StepMeta
-from dsconv.runner.models.registry import model_for
-from dsconv.runner.models.weights import load_rank
-
-if TYPE_CHECKING:
-    from dsconv.runner.engine.config import RunConfig
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class CacheFactory:
-    """A model's caches: `factory(tokens, kv_cache_dtype)` makes one holding `tokens` tokens per rank;
-    `tokens_in(nbytes, kv_cache_dtype)` says how many tokens fit in a byte budget (whole blocks)."""
-
-    def __init__(self, entry, cfg, model, device: torch.device):
-        self.entry, self.cfg, self.model, self.device = entry, cfg, model, device
-
-    def __call__(self, tokens: int, kv_cache_dtype: str = "auto"):
-        return self.entry.new_cache(self.cfg, self.model, tokens, self.device, kv_cache_dtype)
-
-    def tokens_in(self, nbytes: int, kv_cache_dtype: str = "auto") -> int:
-        per_block = self.entry.bytes_per_token(self.cfg, self.model, kv_cache_dtype) * BLOCK_SIZE
-        return nbytes // per_block * BLOCK_SIZE
-
-
-def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
-    """-> (model, its config, a CacheFactory for the cache its forward takes), by the shards' family."""
-    config = manifest["model"]["config"]
-    family = family_for(config)
-    entry = model_for(family.name)
-    cfg = family.parse_config(config)
-    flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
-    weights = load_rank(shards, manifest, rank, dist.device)
-    model = entry.new_model(cfg, weights, dist, dtype)
-    return model, cfg, CacheFactory(entry, cfg, model, dist.device)
-
-
-def rank_device(device: str) -> torch.device:
-    """The device this rank computes on: the launcher has already selected its accelerator (set_device)."""
-    if device == "cpu":
-        return torch.device("cpu")
-    return torch.device(device, getattr(torch, device).current_device())  # torch.cuda / torch.npu
-
-
-def start_rank(run: RunConfig):
-    """On every rank, after the launcher's init_process_group: -> (Dist, model, new_cache) of this rank's shards."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    dist = Dist.from_layout(run.manifest["layout"], rank_device(run.device), run.scheduler.cp_size) \
-        if torch.distributed.is_initialized() else Dist(device=rank_device(run.device))
-    model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype])
-    return dist, model, new_cache
+from dsconv.runner.models.kv_cache import KVCache
+from dsconv.runner.models.step import (CPStep, DecodeRows, SeqStep, StepMeta, concat, gather_groups, lengths_mask,
+                                       range_start)
 
 
 @dataclass(frozen=True)
@@ -78,27 +32,116 @@ class StepInputs:
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
 
 
-def prepare_inputs(cache: KVCache, batch: Batch) -> StepInputs:
-    """One step's model inputs from its batch, on the cache's device: the batch checked as received (before
-    anything is written), the samples forked since the last step copied from their parents, the sequences
-    finished, aborted or preempted since then released, the step's metadata from the batch's block tables and
-    slots, and the token ids."""
-    batch.validate(cache.block_size, cache.num_blocks)
-    for fork in batch.forks:
-        cache.fork(fork)
-    for seq_id in batch.releases:
-        cache.release(seq_id)
-    dummy = cache.dummy_batch() if batch.num_tokens == 0 and batch.cp is None else None
-    if dummy is not None:  # an idle rank on an accelerator: one throwaway token, its logits computed and dropped
-        meta = cache.prepare_meta(dummy)
-        return StepInputs(torch.tensor(dummy.input_ids, dtype=torch.long, device=meta.positions.device), meta,
-                          None, dummy=True)
-    meta = cache.prepare_meta(batch)
-    device = meta.positions.device
-    rows = batch.logit_rows()
-    every_row = rows == list(range(batch.num_tokens))
-    return StepInputs(torch.tensor(batch.input_ids, dtype=torch.long, device=device), meta,
-                      None if every_row else torch.tensor(rows, dtype=torch.long, device=device))
+class InputBuilder:
+    """Each step's model inputs from its batch, on the cache's device. It keeps, for a paged cache, the slots of
+    each running sequence's context so far, so a decode step extends them by its new slots instead of reading
+    the whole block table again."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.device = cache.device
+        self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [context] the slots of its positions so far
+
+    def __call__(self, batch: Batch) -> StepInputs:
+        """The batch checked as received (before anything is written), the samples forked since the last step
+        copied from their parents, the sequences finished, aborted or preempted since then released, then the
+        step's metadata and token ids."""
+        cache = self.cache
+        batch.validate(cache.block_size, cache.num_blocks)
+        for fork in batch.forks:
+            cache.fork(fork)
+        for seq_id in batch.releases:
+            self.release(seq_id)
+        if batch.num_tokens == 0 and batch.cp is None and cache.dummy_block is not None:
+            # an idle rank on an accelerator: one throwaway token, its logits computed and dropped
+            dummy = dummy_batch(cache.dummy_block, cache.block_size)
+            return StepInputs(self._ids(dummy), self.meta(dummy), None, dummy=True)
+        rows = batch.logit_rows()
+        every_row = rows == list(range(batch.num_tokens))
+        return StepInputs(self._ids(batch), self.meta(batch),
+                          None if every_row else torch.tensor(rows, dtype=torch.long, device=self.device))
+
+    def release(self, seq_id: int) -> None:
+        self.cache.release(seq_id)
+        self.context_slots.pop(seq_id, None)
+
+    def _ids(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+
+    def meta(self, batch: Batch) -> StepMeta:
+        """The step's metadata: positions, slots, each sequence's context (and, paged, its slots and causal mask),
+        the decode groups; a context-parallel share's own."""
+        if batch.cp is not None:
+            if not self.cache.paged:
+                raise ValueError(f"invalid step batch: {type(self.cache).__name__} has no context-parallel prefill")
+            return self._cp_meta(batch.cp)
+        seqs, positions = [], []
+        for i, seq_id in enumerate(batch.seq_ids):
+            row, stop, context = batch.span(i)
+            start = context - (stop - row)
+            self.cache.advance(seq_id, start, context)
+            positions.append(torch.arange(start, context, device=self.device))
+            seqs.append(self._seq(batch, i) if self.cache.paged else SeqStep(seq_id, row, stop, context))
+        flat = concat(positions, self.device)
+        if not self.cache.paged:  # a state per request (DeepSeek-V4): no slots, a token is its position
+            return StepMeta(seqs, flat, flat)
+        step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
+        return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs))
+
+    def _seq(self, batch: Batch, i: int) -> SeqStep:
+        """Sequence i of a paged step: its context's slots (the last step's extended by this one's, or read from
+        its block table), its causal mask, and its first slot when its blocks are consecutive."""
+        seq_id, (row, stop, context) = batch.seq_ids[i], batch.span(i)
+        n_new, start = stop - row, context - (stop - row)
+        table = batch.block_tables[i]
+        new_slots = torch.tensor(batch.slot_mapping[row:stop], dtype=torch.long, device=self.device)
+        known = self.context_slots.get(seq_id)
+        if start and known is not None and known.shape[0] == start:  # extended once per step, read by every layer
+            context_slots = torch.cat([known, new_slots])
+        else:
+            context_slots = torch.tensor(slots(table, self.cache.block_size, 0, context), dtype=torch.long,
+                                         device=self.device)
+        self.context_slots[seq_id] = context_slots
+        causal = causal_mask(n_new, context, self.device) if n_new > 1 else None
+        first_block = range_start(table)  # consecutive blocks: the context is one range of slots
+        return SeqStep(seq_id, row, stop, context, context_slots, causal,
+                       None if first_block is None else first_block * self.cache.block_size)
+
+    def _cp_meta(self, cp: CPShare) -> StepMeta:
+        device, length, size, block_size = self.device, cp.length, len(cp.group), self.cache.block_size
+        shares = [cp_positions(length, size, member) for member in range(size)]
+        most = max(map(len, shares))
+        order = torch.empty(length, dtype=torch.long, device=device)
+        ranks = sorted(cp.group)  # the gather is in rank order; members are in group order, the owner first
+        for member, share in enumerate(shares):
+            order[share] = torch.arange(len(share), device=device) + ranks.index(cp.group[member]) * most
+        positions = torch.tensor(shares[cp.member], dtype=torch.long, device=device)
+        everything = torch.arange(length, device=device)
+        causal = positions[:, None] >= everything[None]  # [T, length]
+        seq = SeqStep(cp.seq_id, 0, len(shares[cp.member]), length, everything, causal, 0)
+        owner_meta = None
+        if cp.member == 0:
+            owner_slots = slots(list(cp.block_table), block_size, 0, length)
+            owner_meta = StepMeta([], everything, torch.tensor(owner_slots, dtype=torch.long, device=device),
+                                  range_start(owner_slots))
+        step = CPStep(positions, length, most, order, self.cache.scratch(length),
+                      StepMeta([], everything, everything, 0), seq, owner_meta)
+        return StepMeta([], positions, positions, None, (), step)
+
+    def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
+        """The one-token sequences in step order, in groups whose padded gather stays under DECODE_GATHER_ROWS."""
+        decodes = [seq for seq in seqs if seq.query_len == 1]
+        return tuple(self._decode_rows([decodes[i] for i in group])
+                     for group in gather_groups([seq.context_len for seq in decodes]))
+
+    def _decode_rows(self, decodes: list[SeqStep]) -> DecodeRows:
+        rows = [seq.start for seq in decodes]
+        lens = [seq.context_len for seq in decodes]
+        padded = torch.nn.utils.rnn.pad_sequence([seq.context_slots for seq in decodes], batch_first=True)
+        valid = lengths_mask(lens, self.device) if min(lens) < max(lens) else None
+        first_rows = rows == list(range(len(rows)))  # a slice of the step: views, no index copies
+        return DecodeRows(slice(0, len(rows)) if first_rows else torch.tensor(rows, device=self.device), padded, valid,
+                          decodes[0].first_slot if len(decodes) == 1 else None)
 
 
 class Worker:
@@ -106,6 +149,7 @@ class Worker:
 
     def __init__(self, model, cache: KVCache, dist: Dist, dp_index: int, grammars: Grammars | None = None):
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
+        self.inputs = InputBuilder(cache)
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
         self.steps = 0  # steps this rank has run
@@ -114,14 +158,14 @@ class Worker:
     def execute(self, batch: Batch) -> list[SeqResult] | None:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
         others)."""
-        inputs = prepare_inputs(self.cache, batch)
+        inputs = self.inputs(batch)
         if self.grammars is not None:
             for seq_id in batch.releases:
                 self.grammars.release(seq_id)
         self.steps += 1
         logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
         if inputs.dummy:
-            self.cache.release(DUMMY_SEQ_ID)
+            self.inputs.release(DUMMY_SEQ_ID)
             return [] if self.reports else None
         if not self.reports:
             return None

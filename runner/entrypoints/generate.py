@@ -14,44 +14,49 @@ import torch
 
 from dsconv.console import console
 from dsconv.family.text import TextTokenizer
-from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_engine
-from dsconv.runner.engine.detokenizer import Detokenizer
-from dsconv.runner.engine.request import SamplingParams
+from dsconv.family.text import Detokenizer
+from dsconv.runner.engine.request import SamplingParams, TokenLogprob
 
 
 @dataclass
 class Generated:
     """Rank 0's account of a run: each prompt's new tokens, when they came, and every rank's share of the work."""
     generated: list[list[int]]
+    logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per new token (--logprobs)
     prefill_s: float = 0.0  # from the first step to the first token
     decode_s: float = 0.0  # from the first token to the last
     cp_prefills: int = 0  # prompts a context-parallel group prefilled
     ranks: list[dict] = field(default_factory=list)  # per rank: comm_s (inside collectives), steps
 
 
-def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None) -> Generated | None:
+def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None,
+             logprobs: int | None = None) -> Generated | None:
     """Every rank: the prompts through the engine -> rank 0's account (None on the other ranks). on_token(index,
-    token) is called on rank 0 as each token comes."""
+    token) is called on rank 0 as each token comes; logprobs: also each new token's logprob and this many top
+    entries."""
     engine = start_engine(run)
     result = None
     if engine.leads:
         door = EngineClient()
         door.open(engine)
-        result = Generated([[] for _ in prompts])
+        result = Generated([[] for _ in prompts], None if logprobs is None else [[] for _ in prompts])
         stamps: list[float] = []
 
         def on_output(index: int, out) -> None:
             stamps.extend(time.perf_counter() for _ in out.new_token_ids)
             result.generated[index].extend(out.new_token_ids)
+            if result.logprobs is not None:
+                result.logprobs[index].extend(out.new_logprobs)
             if on_token is not None:
                 for token in out.new_token_ids:
                     on_token(index, token)
 
         started = time.perf_counter()
         for index, prompt in enumerate(prompts):
-            door.submit(prompt, SamplingParams(max_tokens=max_new_tokens), partial(on_output, index),
+            door.submit(prompt, SamplingParams(max_tokens=max_new_tokens, logprobs=logprobs), partial(on_output, index),
                         dp_rank=index % run.layout.dp)
         engine.run(door, until_idle=True)
         first = stamps[0] if stamps else started
@@ -76,7 +81,7 @@ def gather_to_rank0(record: dict) -> list[dict] | None:
 
 
 def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, json_output: bool,
-              started_at: float) -> None:
+              started_at: float, logprobs: int | None = None) -> None:
     """`dsrun generate`'s ranks (started_at: the command's start, time.time())."""
     tokenizer = printer = None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -87,7 +92,8 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
         if index == 0:
             printer.add(token)
 
-    result = generate(run, prompts, max_new_tokens, on_token=None if printer is None else stream_first)
+    result = generate(run, prompts, max_new_tokens, on_token=None if printer is None else stream_first,
+                      logprobs=logprobs)
     if result is None:
         return
     if printer is not None:
@@ -101,11 +107,16 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
     decoded = sum(len(g) - 1 for g in result.generated if g)
     decode_tps = decoded / result.decode_s if result.decode_s else 0.0
     if json_output:
-        print(json.dumps({"prompt_token_ids": prompts, "generated_token_ids": result.generated,
-                          "text": [tokenizer.decode(o) for o in result.generated],
-                          "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
-                                      "wall_s": seconds},
-                          "context_parallel_prefills": result.cp_prefills}, ensure_ascii=False), flush=True)
+        report = {"prompt_token_ids": prompts, "generated_token_ids": result.generated,
+                  "text": [tokenizer.decode(o) for o in result.generated],
+                  "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+                              "wall_s": seconds},
+                  "context_parallel_prefills": result.cp_prefills}
+        if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
+            report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
+                                    "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}
+                                   for lp in per_prompt] for per_prompt in result.logprobs]
+        print(json.dumps(report, ensure_ascii=False), flush=True)
         return
     for i, out in list(enumerate(result.generated))[1:]:  # the first prompt was streamed; show the rest
         console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)

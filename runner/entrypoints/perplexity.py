@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dsconv.console import console
 from dsconv.errors import InputError
-from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_engine
 from dsconv.runner.engine.request import RequestOutput, SamplingParams

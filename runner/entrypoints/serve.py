@@ -19,7 +19,7 @@ import torch
 
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
-from dsconv.runner.engine.client import EngineClient
+from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_engine
 from dsconv.runner.engine.grammar import Grammars

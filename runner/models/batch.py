@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # An idle attention-DP rank on an accelerator runs a throwaway one-token sequence in each step instead of zero rows
-# (runner/engine/worker.py, prepare_inputs), as vllm-ascend's idle ranks run a dummy batch: no device kernel sees
+# (runner/engine/worker.py, InputBuilder), as vllm-ascend's idle ranks run a dummy batch: no device kernel sees
 # a zero-size tensor there. Its id is no request's (the scheduler numbers sequences from 0), its token any id of
 # the vocabulary.
 DUMMY_SEQ_ID = -1

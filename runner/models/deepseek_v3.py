@@ -20,7 +20,8 @@ from dsconv.kernels.device import cast
 from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.kv_cache import DECODE_GATHER_ROWS, DecodeRows, LatentCache, StepMeta
+from dsconv.runner.models.kv_cache import LatentCache
+from dsconv.runner.models.step import DECODE_GATHER_ROWS, DecodeRows, StepMeta
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel

@@ -31,8 +31,7 @@ from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.kv_cache import (SeqStep, StepMeta, cat_rows, gather_groups, lengths_mask, pad_rows,
-                                           rows_from)
+from dsconv.runner.models.step import SeqStep, StepMeta, cat_rows, gather_groups, lengths_mask, pad_rows, rows_from
 from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm

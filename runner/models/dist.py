@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsconv.comm.collectives import all_gather_cat
+from dsconv.family.layout import Layout
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Dist:
     step_most: dict = field(default_factory=dict)
 
     @classmethod
-    def from_layout(cls, layout: dict, device: torch.device, cp_size: int = 1) -> "Dist":
+    def from_layout(cls, layout: Layout, device: torch.device, cp_size: int = 1) -> "Dist":
         """After init_process_group: this rank's groups from the manifest's layout and the context-parallel
         prefill's group size (called on every rank)."""
         from dsconv.comm.groups import make_groups

@@ -1,18 +1,25 @@
-"""dsrun's model per family: model_type -> how to build its forward and its cache. The family layer
-(`dsconv.family`) describes checkpoints and knows nothing of the runner; a family with no entry here has no
-runner, which `model_for` says in one line."""
+"""dsrun's model per family: model_type -> how to build its forward and its cache, and `build_model`, which loads
+one rank's model from its shards. The family layer (`dsconv.family`) describes checkpoints and knows nothing of the
+runner; a family with no entry here has no runner, which `model_for` says in one line."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from dsconv.errors import InputError
+from dsconv.family.arch import family_for
 from dsconv.family.deepseek_v3 import cache_fields
+from dsconv.kernels.device import flush_denormals
 from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
+from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache, cache_blocks
 from dsconv.runner.models.v4_state import V4Cache
+from dsconv.runner.models.weights import load_rank
 
 
 @dataclass(frozen=True)
@@ -55,3 +62,33 @@ def model_for(model_type: str) -> ModelEntry:
     if model_type not in MODELS:
         raise InputError(f"dsrun has no model for {model_type} shards (supported: {', '.join(sorted(MODELS))})")
     return MODELS[model_type]
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class CacheFactory:
+    """A model's caches: `factory(tokens, kv_cache_dtype)` makes one holding `tokens` tokens per rank;
+    `tokens_in(nbytes, kv_cache_dtype)` says how many tokens fit in a byte budget (whole blocks)."""
+
+    def __init__(self, entry, cfg, model, device: torch.device):
+        self.entry, self.cfg, self.model, self.device = entry, cfg, model, device
+
+    def __call__(self, tokens: int, kv_cache_dtype: str = "auto"):
+        return self.entry.new_cache(self.cfg, self.model, tokens, self.device, kv_cache_dtype)
+
+    def tokens_in(self, nbytes: int, kv_cache_dtype: str = "auto") -> int:
+        per_block = self.entry.bytes_per_token(self.cfg, self.model, kv_cache_dtype) * BLOCK_SIZE
+        return nbytes // per_block * BLOCK_SIZE
+
+
+def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
+    """-> (model, its config, a CacheFactory for the cache its forward takes), by the shards' family."""
+    config = manifest["model"]["config"]
+    family = family_for(config)
+    entry = model_for(family.name)
+    cfg = family.parse_config(config)
+    flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
+    weights = load_rank(shards, manifest, rank, dist.device)
+    model = entry.new_model(cfg, weights, dist, dtype)
+    return model, cfg, CacheFactory(entry, cfg, model, dist.device)

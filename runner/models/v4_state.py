@@ -9,10 +9,10 @@ rest is fixed in size (the window, the unfinished windows).
   [< ratio, series * dim], which the next steps complete; and for the overlapping (CSA) compressors the last
   complete window's first series with its gates [ratio, dim], which the next entry pools.
 
-The model (deepseek_v4.py) reads and advances this state; here it is only held. The methods are LatentCache's:
-`prepare_meta` turns a step's Batch into its metadata (and starts a new request's state), `release` drops a
-finished request. Capacity is the scheduler's block pool's, in blocks of BLOCK_SIZE tokens as for the paged
-caches (the state grows with the tokens it holds); the slots the batch carries are not used.
+The model (deepseek_v4.py) reads and advances this state; here it is only held, behind kv_cache.KVCache's protocol:
+`advance` starts a new request's state (and checks a running one continues where it stopped), `fork` copies one,
+`release` drops a finished request. Capacity is the scheduler's block pool's, in blocks of BLOCK_SIZE tokens as for
+the paged caches (the state grows with the tokens it holds); the slots the batch carries are not used.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
-from dsconv.runner.models.batch import Batch, Fork, dummy_batch
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, SeqStep, StepMeta, cache_blocks, concat, rows_from
+from dsconv.runner.models.batch import Fork
+from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, cache_blocks
+from dsconv.runner.models.step import rows_from
 
 
 @dataclass
@@ -97,29 +98,22 @@ class V4Cache(KVCache):
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.num_blocks = cache_blocks(capacity_tokens)  # the pool's size, as LatentCache's
+        # on an accelerator an idle rank's throwaway token goes into a fresh state; its block (any) is only the
+        # pool's count, the state holds no blocks
+        self.dummy_block = 0 if takes_npu_path(self.device) else None
         self.lengths: dict[int, int] = {}  # seq_id -> tokens its state has taken in
         self.states: dict[int, list[LayerState]] = {}  # seq_id -> one state per layer
 
-    def prepare_meta(self, batch: Batch) -> StepMeta:
-        """The step's metadata (a sequence's slots are its positions: V4 keeps no paged token cache). Each
-        sequence's tokens continue its state, which a new sequence gets empty."""
-        if batch.cp is not None:
-            raise ValueError("invalid step batch: DeepSeek-V4 has no context-parallel prefill")
-        seqs, positions = [], []
-        for i, seq_id in enumerate(batch.seq_ids):
-            row, stop, context = batch.span(i)
-            start = context - (stop - row)
-            if self.lengths.get(seq_id, 0) != start:  # the state is position by position: no gap, no rewind
-                raise ValueError(f"invalid step batch: sequence {seq_id} continues at position {start}, its "
-                                 f"state holds {self.lengths.get(seq_id, 0)} tokens")
-            if seq_id not in self.states:
-                self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
-                                       for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
-            self.lengths[seq_id] = context
-            seqs.append(SeqStep(seq_id, row, stop, context))
-            positions.append(torch.arange(start, context, device=self.device))
-        flat = concat(positions, self.device)
-        return StepMeta(seqs, flat, flat)
+    def advance(self, seq_id: int, start: int, stop: int) -> None:
+        """The sequence's positions start .. stop - 1 come this step: they continue its state (position by position:
+        no gap, no rewind), which a new sequence gets empty."""
+        if self.lengths.get(seq_id, 0) != start:
+            raise ValueError(f"invalid step batch: sequence {seq_id} continues at position {start}, its state holds "
+                             f"{self.lengths.get(seq_id, 0)} tokens")
+        if seq_id not in self.states:
+            self.states[seq_id] = [LayerState.empty(self.cfg, ratio, self.dtype, self.device)
+                                   for ratio in self.cfg.compress_ratios[:self.cfg.num_hidden_layers]]
+        self.lengths[seq_id] = stop
 
     def layer(self, seq_id: int, layer: int) -> LayerState:
         return self.states[seq_id][layer]
@@ -128,11 +122,6 @@ class V4Cache(KVCache):
         """A forked sequence continues from a copy of its parent's state (the blocks are only the pool's count)."""
         self.states[fork.child] = [state.copy() for state in self.states[fork.parent]]
         self.lengths[fork.child] = self.lengths[fork.parent]
-
-    def dummy_batch(self) -> Batch | None:
-        """An idle rank's step on this device: the throwaway token with a fresh state, or None where a step of
-        zero rows is fine (CPU). Its block is only the pool's count: the state holds no blocks."""
-        return dummy_batch(0, BLOCK_SIZE) if takes_npu_path(self.device) else None
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)

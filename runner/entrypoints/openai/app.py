@@ -1,4 +1,4 @@
-"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine's door (runner/engine/client.py),
+"""`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine's door (runner/engine/core.py),
 with what HTTP needs beside it (`Front`: the tokenizer, the chat format, the grammars, the model's name).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
@@ -30,7 +30,7 @@ from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionR
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from dsconv.runner.engine.client import EngineClient
+    from dsconv.runner.engine.core import EngineClient
     from dsconv.runner.engine.grammar import Grammars
 
 DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests, debugging)

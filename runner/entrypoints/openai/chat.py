@@ -1,29 +1,68 @@
-"""POST /v1/chat/completions: messages (and tools) -> the family's chat prompt (family/chat.py) -> a reply, streamed
+"""POST /v1/chat/completions: messages (and tools) -> the family's chat prompt (family/text.py) -> a reply, streamed
 or whole. With thinking on (chat_template_kwargs {"thinking": true}) the reply's text before `</think>` is returned
 as `reasoning_content` and the rest as `content`, as vLLM's DeepSeek reasoning parser returns them; with tools, a
 calls block at the end of the reply as `tool_calls` (tool_calls.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.family.text import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.tool_calls import CallStream, Reply, partial_calls, sendable, split_calls
-from dsconv.runner.entrypoints.openai.messages import chat_messages
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, check_chat_fields, check_common,
                                                        sampling_params, stop_strings, thinking_flag)
-from dsconv.family.chat import check_tools
+from dsconv.family.text import check_tools
 from dsconv.family.dsml import Dialect
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
 if TYPE_CHECKING:
     from dsconv.runner.entrypoints.openai.app import Front
+
+# Message fields OpenAI's spec allows that DeepSeek's chat encodings have no place for: dropped. `name` tells
+# participants apart (DeepSeek's encoders render none); an assistant message read back from a response carries
+# `refusal` and `annotations` (URL citations of its text) as well.
+DROPPED_MESSAGE_FIELDS = ("name", "refusal", "annotations")
+# Fields of an assistant message as a response carries it that must be null to be dropped: a real audio reply or a
+# deprecated function_call cannot be rendered, and leaving either out would change the conversation
+NULL_ONLY_MESSAGE_FIELDS = ("audio", "function_call")
+
+
+def chat_messages(messages: list[Any]) -> list[Any]:
+    """Messages as OpenAI accepts them, made what family/text.py renders: `developer` (OpenAI's newer name for
+    system) is system; fields whose value is null are absent (`response.choices[0].message.model_dump()` appended
+    as is); DROPPED_MESSAGE_FIELDS are dropped; content-part lists ([{"type": "text", "text": ...}]) are joined into
+    one text, as vLLM joins them. Everything else (a wrong type, an unknown role or field, a missing
+    tool_call_id) goes to family/text.py's checks unchanged."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = {key: value for key, value in message.items()
+                   if key not in DROPPED_MESSAGE_FIELDS and (value is not None or key == "content")}
+        for key in NULL_ONLY_MESSAGE_FIELDS:
+            if key in message:
+                raise InputError(f"messages[{i}].{key} is not supported: only null"
+                                 + (" (send tool_calls)" if key == "function_call" else ""))
+        if message.get("role") == "developer":
+            message["role"] = "system"
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InputError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                     f"are supported, got {part!r:.80}")
+                texts.append(part["text"])
+            message["content"] = "\n".join(texts)
+        out.append(message)
+    return out
 
 
 def chat_prompt_ids(engine: Front, messages: list, kwargs: dict | None,

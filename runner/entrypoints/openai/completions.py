@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.detokenizer import Detokenizer
+from dsconv.family.text import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, EngineError, Envelope, completion_logprobs, prompt_offsets
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,

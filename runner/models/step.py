@@ -1,0 +1,148 @@
+"""One step's metadata as the model's forward reads it (vLLM's vocabulary: slots, block tables, query and context
+lengths), built from the step's Batch in one place, the worker's InputBuilder (runner/engine/worker.py), and the
+helpers the models use on a step's rows.
+
+For a paged cache (runner/models/kv_cache.py, LatentCache) a sequence's token at position p lives at slot
+block_table[p // block_size] * block_size + p % block_size; `context_slots` lists the slots of its whole context.
+DeepSeek-V4's state (v4_state.py) is per request and keeps no slots: its steps carry the sequences' rows and
+positions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+if TYPE_CHECKING:
+    from dsconv.runner.models.kv_cache import LatentCache
+
+# The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
+# groups under it, so the gather stays bounded however long contexts grow. 65536 rows of V3's latent (576
+# values) are 151 MB in float32, 75 MB in BF16; V3.2's indexer keys (128 values) a quarter of that. A sequence
+# whose context alone is longer gets a group of its own, which gathers its context as a loop over sequences would.
+DECODE_GATHER_ROWS = 65536
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    start: int  # this sequence's rows in the flattened step
+    stop: int
+    context_len: int  # tokens cached for the sequence once this step's tokens are written
+    # paged caches only (DeepSeek-V4's state needs neither):
+    context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
+    causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
+    #                                     query_len + i) may look; None for one query, which sees everything
+    first_slot: int | None = None  # set when context_slots are first_slot .. first_slot + context_len - 1, i.e.
+    #                                the block table is consecutive blocks: the context is then read as a view
+
+    @property
+    def query_len(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A group of the step's one-token sequences (decodes), attended in one batched call: their contexts side by
+    side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
+    the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
+    layer with a dozen per group and layer."""
+    rows: slice | torch.Tensor  # their rows in the step: a slice when they are rows 0 .. B - 1, else [B] indices
+    slots: torch.Tensor  # [B, max_context] the slots of positions 0 .. context_len - 1, padded with slot 0
+    valid: torch.Tensor | None  # [B, max_context] True at a real position; None when no context is padded
+    first_slot: int | None  # one sequence whose context is one range of slots: read as a view, no gather
+
+    @property
+    def max_context(self) -> int:
+        return self.slots.shape[1]
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    seqs: list[SeqStep]
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: where each token's cache entries go
+    first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
+    decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
+    cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
+
+
+@dataclass(frozen=True)
+class CPStep:
+    """This rank's share of a context-parallel prefill (runner/models/batch.py, CPShare): its rows are the
+    positions `positions` of a `length`-token prompt. Each layer gathers the group's new cache entries (every
+    member's rows, padded to `most`, member after member) and puts them in position order (`order`) into
+    `scratch`, a one-layer cache of the whole prompt that this rank's queries attend over as `seq`; the owner
+    also writes them into its own cache (`owner_meta`)."""
+    positions: torch.Tensor  # [T] this rank's positions, ascending
+    length: int
+    most: int  # the most positions any member feeds
+    order: torch.Tensor  # [length]: the gathered row of each position (the gather is in the members' rank order)
+    scratch: LatentCache
+    scratch_meta: StepMeta  # writes positions 0 .. length - 1 to the scratch
+    seq: SeqStep  # this rank's queries over the scratch (causal by position)
+    owner_meta: StepMeta | None  # the owner's: writes the prompt's entries to its cache
+
+
+def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.cat of int64 [n] parts, without a call for the common one-sequence step (or an empty step)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of parts along dim 0 (a new tensor), leaving out the empty ones by their sizes, which the host
+    knows: no kernel is handed a zero-size tensor, as an accelerator's idle ranks and first steps would otherwise
+    be (a state that holds nothing yet). At least one part has rows."""
+    parts = [part for part in parts if part.shape[0]]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+
+
+def rows_from(t: torch.Tensor, start: int) -> torch.Tensor:
+    """A copy of t[start:], made without a kernel on zero rows when nothing is left."""
+    if start < t.shape[0]:
+        return t[start:].clone()
+    return torch.empty(0, *t.shape[1:], dtype=t.dtype, device=t.device)
+
+
+def pad_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n_i, d] parts -> [B, max n_i, d], zero-padded (pad_sequence), at least one row wide. An empty part is
+    given a zero row instead, so no kernel sees a zero-size tensor; callers mask by the true lengths
+    (`lengths_mask`), which leaves the row out."""
+    like = parts[0]
+    return pad_sequence([part if part.shape[0] else torch.zeros(1, *like.shape[1:], dtype=like.dtype,
+                                                                 device=like.device) for part in parts],
+                        batch_first=True)
+
+
+def range_start(ints: list[int]) -> int | None:
+    """ints[0] when ints are ints[0], ints[0] + 1, ... (a range), else None (also for no ints)."""
+    if ints and ints == list(range(ints[0], ints[0] + len(ints))):
+        return ints[0]
+    return None
+
+
+def gather_groups(rows: list[int]) -> list[list[int]]:
+    """Items that each gather rows[i] rows, padded to their group's longest -> groups of their indices, in order: a
+    new group whenever the padded gather, (group size) x (its longest), would pass DECODE_GATHER_ROWS. An item
+    longer than that alone gets a group of its own."""
+    groups: list[list[int]] = []
+    longest = 0  # the last group's longest
+    for i, n in enumerate(rows):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= DECODE_GATHER_ROWS:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
+
+
+def lengths_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[B, max(lengths)] bool, True where row i has a real entry (j < lengths[i]): the valid part of sequences
+    padded to the longest."""
+    return torch.arange(max(lengths), device=device) < torch.tensor(lengths, device=device)[:, None]
