@@ -46,7 +46,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
         engine.run()
         return
 
-    from dsconv.runner.entrypoints.openai.app import Front, create_app
+    from dsconv.runner.entrypoints.openai.app import create_app
+    from dsconv.runner.entrypoints.openai.streaming import Front
 
     layout = run.layout
     metrics = ServeMetrics(model_name, layout.dp)

@@ -1,5 +1,5 @@
 """`dsrun serve`'s HTTP front end on rank 0: an OpenAI-compatible API over the engine's door (runner/engine/core.py),
-with what HTTP needs beside it (`Front`: the tokenizer, the chat format, the grammars, the model's name).
+with what HTTP needs beside it (streaming.Front: the tokenizer, the chat format, the grammars, the model's name).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
 (chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Callable
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -21,57 +20,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from dsconv.errors import InputError
-from dsconv.family.text import TextTokenizer
 from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
 from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
 from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                        DetokenizeRequest, TokenizeRequest, check_token_id,
                                                        model_not_found, parse_body)
-from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams
+from dsconv.runner.engine.request import NotAccepting
+from dsconv.runner.entrypoints.openai.streaming import Front
 
-if TYPE_CHECKING:
-    from dsconv.runner.engine.core import EngineClient
-    from dsconv.runner.engine.grammar import Grammars
 
 DP_RANK_HEADER = "X-DP-Rank"  # pins a request to one data-parallel rank (tests, debugging)
 # With --api-key, the routes that need `Authorization: Bearer KEY` (vLLM's server guards the same ones); /health
 # and /metrics stay open for load balancers and scrapers
 KEYED_PREFIX, KEYED_PATHS = "/v1/", ("/tokenize", "/detokenize")
-
-
-class Front:
-    """What the routes serve from: the engine's door (submit, abort, readiness) and the model's text side."""
-
-    def __init__(self, door: EngineClient, text: TextTokenizer, family, model_name: str, vocab_size: int,
-                 max_model_len: int, grammars: Grammars | None):
-        self.door, self.text, self.family, self.model_name = door, text, family, model_name
-        self.vocab_size, self.grammars = vocab_size, grammars
-        self._max_model_len = max_model_len  # until the engine is loaded (its cache may lower it)
-
-    @property
-    def tokenizer(self):
-        return self.text.tokenizer
-
-    @property
-    def tokenizer_config(self) -> dict:
-        return self.text.config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.door.max_model_len or self._max_model_len
-
-    def is_ready(self) -> bool:
-        return self.door.is_ready()
-
-    def accepting(self) -> bool:
-        return self.door.accepting()
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
-               dp_rank: int | None = None) -> str:
-        return self.door.submit(prompt_ids, params, on_output, dp_rank)
-
-    def abort(self, request_id: str, index: int | None = None) -> None:
-        self.door.abort(request_id, index)
 
 
 def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegistry,

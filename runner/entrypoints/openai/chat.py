@@ -22,7 +22,7 @@ from dsconv.family.dsml import Dialect
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 
 if TYPE_CHECKING:
-    from dsconv.runner.entrypoints.openai.app import Front
+    from dsconv.runner.entrypoints.openai.streaming import Front
 
 # Message fields OpenAI's spec allows that DeepSeek's chat encodings have no place for: dropped. `name` tells
 # participants apart (DeepSeek's encoders render none); an assistant message read back from a response carries

@@ -17,7 +17,7 @@ from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, Co
                                       check_token_id, sampling_params, stop_strings)
 
 if TYPE_CHECKING:
-    from dsconv.runner.entrypoints.openai.app import Front
+    from dsconv.runner.entrypoints.openai.streaming import Front
 
 
 @dataclass(frozen=True)

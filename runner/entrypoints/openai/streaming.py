@@ -1,9 +1,9 @@
-"""The bridge between one HTTP request and its engine requests (one per prompt, each with the n samples that are
-the prompt's choices): outputs arrive on the engine's
-thread and are handed to the event loop through a queue (one wake-up of the loop per engine step, not one per
-output); a client that goes away, an error or a stop string
-aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it in
-`finally`)."""
+"""The bridge between HTTP and the engine. `Front` is what the routes serve from: the engine's door and the model's
+text side. A `RequestGroup` ties one HTTP request to its engine requests (one per prompt, each with the n samples
+that are the prompt's choices): outputs arrive on the engine's thread and are handed to the event loop through a
+queue (one wake-up of the loop per engine step, not one per output); a client that goes away, an error or a stop
+string aborts what is still running, so its KV cache is freed. `close()` runs on every path out (the routes call it
+in `finally`)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,56 @@ import json
 import threading
 import weakref
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsconv.runner.entrypoints.openai.choice import Choice, EngineError
+from dsconv.family.text import TextTokenizer
 from dsconv.runner.engine.request import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from dsconv.runner.entrypoints.openai.app import Front
+    from dsconv.runner.engine.core import EngineClient
+    from dsconv.runner.engine.grammar import Grammars
 
 
 CLIENT_GONE = 499  # nginx's status for "client closed request"; logged, never read
+
+
+class Front:
+    """What the routes serve from: the engine's door (submit, abort, readiness) and the model's text side."""
+
+    def __init__(self, door: EngineClient, text: TextTokenizer, family, model_name: str, vocab_size: int,
+                 max_model_len: int, grammars: Grammars | None):
+        self.door, self.text, self.family, self.model_name = door, text, family, model_name
+        self.vocab_size, self.grammars = vocab_size, grammars
+        self._max_model_len = max_model_len  # until the engine is loaded (its cache may lower it)
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
+
+    @property
+    def tokenizer_config(self) -> dict:
+        return self.text.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.door.max_model_len or self._max_model_len
+
+    def is_ready(self) -> bool:
+        return self.door.is_ready()
+
+    def accepting(self) -> bool:
+        return self.door.accepting()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               dp_rank: int | None = None) -> str:
+        return self.door.submit(prompt_ids, params, on_output, dp_rank)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.door.abort(request_id, index)
 
 
 class LoopInbox:
