@@ -103,6 +103,12 @@ class TensorSpec:
 # scale per token (symmetric, kernels.int8's formula), dequantized or multiplied as INT8 where they are read.
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # an INT8 cache entry's per-token scale is one float32
+# Tokens per KV-cache block (dsrun's paged caches allocate and table whole blocks) unless --block-size says
+# otherwise: vLLM's default on GPUs. Small blocks waste less of a sequence's last block and let forked samples share
+# more of a prompt; vllm-ascend runs 128 on Ascend, where the fused attention kernels take blocks of 128 (dsrun's
+# NPU path reads its caches through torch ops, which take any size). The tests cross block boundaries at 16 and 64.
+DEFAULT_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 1024  # the largest --block-size taken (a power of two up to this)
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,14 @@ def check_kv_cache_dtype(family: Family, kv_cache_dtype: str) -> None:
         raise InputError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "int8" and family.kv_cache_int8_refusal is not None:
         raise InputError(f"--kv-cache-dtype int8 is not available for {family.name}: {family.kv_cache_int8_refusal}")
+
+
+def check_block_size(family: Family, block_size: int) -> None:
+    """Refuses, in one line, a --block-size the runner's caches cannot table: a power of two up to MAX_BLOCK_SIZE
+    (the same for every family today)."""
+    if not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise InputError(f"--block-size {block_size} must be a power of two from 1 to {MAX_BLOCK_SIZE} "
+                         f"({family.name})")
 
 
 def check_context_parallel(family: Family, layout: Layout, cp_size: int, cp_min_tokens: int) -> None:

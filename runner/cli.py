@@ -14,6 +14,7 @@ import typer
 
 from dsconv.console import err_console, fail
 from dsconv.errors import InputError
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek shards written by `dsconv shard` on their ranks and generate text.")
@@ -42,8 +43,8 @@ CP_SIZE_HELP = ("Context-parallel prefill (vLLM's name): a prompt of at least --
                 "prefilled in one step by a group of this many attention-DP ranks (its own and the next ones), "
                 "each feeding a causal-balanced share of its tokens; decode then continues on its own rank. "
                 "Divides the attention-DP size; attention TP 1; V3 / V3.2 only.")
-MAX_MODEL_LEN_HELP = ("The most tokens one request may hold, prompt and reply (vLLM's flag). Default: the smaller of the "
-                      "model's max_position_embeddings and what one attention-DP rank's KV cache holds; a chat "
+MAX_MODEL_LEN_HELP = ("The most tokens one request may hold, prompt and reply (vLLM's flag). Default: the smaller of "
+                      "the model's max_position_embeddings and what one attention-DP rank's KV cache holds; a chat "
                       "request without max_tokens gets what is left after its prompt.")
 CP_MIN_TOKENS_HELP = "The shortest prompt a context-parallel group prefills (see --prefill-context-parallel-size)."
 # Below V3.2's index_topk (2048) the indexer keeps every key and a prompt's prefill is short: the group's step
@@ -70,11 +71,11 @@ def _import_torch() -> None:
         fail(NO_CANN.format(cause=f"{type(cause).__name__}: {cause}".replace("\n", " ")))
 
 
-def _cache_capacity(cache_tokens: int) -> int:
-    """The tokens a cache asked for --cache-tokens holds (whole blocks)."""
-    from dsconv.runner.models.kv_cache import BLOCK_SIZE, cache_blocks
-
-    return cache_blocks(cache_tokens) * BLOCK_SIZE
+BLOCK_SIZE_HELP = ("Tokens per KV-cache block (vLLM's flag): a power of two; the default 16 is vLLM's GPU default "
+                   "(vllm-ascend runs 128 on Ascend, where its fused kernels take blocks of 128).")
+KV_CACHE_MEMORY_HELP = ("KV cache size per attention-DP rank in bytes (vLLM's flag), instead of --cache-tokens: as "
+                        "many whole blocks as fit, in the cache's own layout (V3 / V3.2; V4 keeps a state per "
+                        "sequence).")
 
 
 @app.command()
@@ -97,7 +98,9 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt, given with every "
                                                                    "--prompt (chat format only).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
-    cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per rank, in tokens.")] = 4096,
+    cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 4096,
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help=KV_CACHE_MEMORY_HELP)] = None,
+    block_size: Annotated[int, typer.Option(help=BLOCK_SIZE_HELP)] = DEFAULT_BLOCK_SIZE,
     max_model_len: Annotated[Optional[int], typer.Option(help=MAX_MODEL_LEN_HELP)] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
@@ -132,19 +135,19 @@ def generate(
                               "quantized to W8A8 and sharded for 16 ranks.[/]")
             shards = demo_shards()
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
-                             cache=CacheConfig(cache_tokens, None, kv_cache_dtype),
+                             cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens))
         text = TextTokenizer.load(run.shards, run.model_config)
         prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
-        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, _cache_capacity(cache_tokens))
+        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         for ids in prompts:
             check_prompt(ids, max_new_tokens, run.vocab_size, model_len)
         dp = run.layout.dp  # prompt i runs on attention-DP index i % dp, all of its prompts at once
-        need = max(sum(len(p) + max_new_tokens for p in prompts[index::dp]) for index in range(dp))
-        if need > cache_tokens:
-            raise InputError(f"prompts + --max-new-tokens need {need} tokens on one attention-DP rank, which "
-                             f"exceed the KV cache (--cache-tokens {cache_tokens})")
+        need = max(sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts[index::dp]) for index in range(dp))
+        if need > run.cache_blocks:
+            raise InputError(f"prompts + --max-new-tokens need {need} blocks of {block_size} tokens on one "
+                             f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({_cache_flag(run)})")
         # every prompt admitted at once and prefilled in one step
         run = replace(run, max_model_len=model_len, scheduler=replace(
             run.scheduler, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts))))
@@ -168,6 +171,9 @@ def perplexity(
     max_model_len: Annotated[Optional[int], typer.Option(
         help="The most tokens a window may hold (vLLM's flag); default: the model's max_position_embeddings.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
+        help=KV_CACHE_MEMORY_HELP + " Default: a cache of one window.")] = None,
+    block_size: Annotated[int, typer.Option(help=BLOCK_SIZE_HELP)] = DEFAULT_BLOCK_SIZE,
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
@@ -184,7 +190,8 @@ def perplexity(
     started = time.time()
     try:
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
-                             cache=CacheConfig(dtype=kv_cache_dtype),
+                             cache=CacheConfig(memory_bytes=kv_cache_memory_bytes, dtype=kv_cache_dtype,
+                                               block_size=block_size),
                              scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens))
         try:
@@ -195,17 +202,20 @@ def perplexity(
             raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
-        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, None)
+        model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings,
+                                          None if kv_cache_memory_bytes is None else run.cache_tokens)
         cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), context)
         if not cut:
             raise InputError(f"--file {file} is one token: nothing to score")
         for window in cut:  # each window is scored as a prompt of the engine
             check_prompt(window, 0, run.vocab_size, model_len)
-        # A DP rank scores one window at a time, with a cache and a token budget of one window: a step's logits are
-        # one window's at most, never a [tokens, vocab] tensor of the file.
+        # A DP rank scores one window at a time, with a token budget of one window (and, unless a byte budget says
+        # otherwise, a cache of one window): a step's logits are one window's at most, never a [tokens, vocab]
+        # tensor of the file.
         longest = max(map(len, cut))
-        run = replace(run, cache=replace(run.cache, tokens=longest),
-                      scheduler=replace(run.scheduler, max_num_seqs=1, max_num_batched_tokens=longest))
+        if kv_cache_memory_bytes is None:
+            run = replace(run, cache=replace(run.cache, tokens=longest))
+        run = replace(run, scheduler=replace(run.scheduler, max_num_seqs=1, max_num_batched_tokens=longest))
         _launch(rank_main, {"run": run, "windows": cut, "context": context, "json_output": json_output,
                             "started_at": started}, run, timeout)
     except InputError as exc:
@@ -228,9 +238,8 @@ def serve(
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
-    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
-        help="KV cache size per attention-DP rank in bytes (vLLM's flag), instead of --cache-tokens: as many "
-             "tokens as fit in it, in the cache's own layout (V3 / V3.2).")] = None,
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help=KV_CACHE_MEMORY_HELP)] = None,
+    block_size: Annotated[int, typer.Option(help=BLOCK_SIZE_HELP)] = DEFAULT_BLOCK_SIZE,
     dp_balancing: Annotated[str, typer.Option(help="Placing requests on attention-DP ranks: least-loaded (queued "
                                                    "and running tokens) or round-robin.")] = "least-loaded",
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the "
@@ -264,8 +273,7 @@ def serve(
             raise InputError(f"--port {port} is not a port number")
         if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
             raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
-        for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
-                            ("--cache-tokens", cache_tokens)):
+        for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
             if value < 1:
                 raise InputError(f"{name} {value} must be at least 1")
         if shards is None:
@@ -274,23 +282,24 @@ def serve(
             err_console.print("[yellow]No --shards given: serving the built-in demo, a tiny DeepSeek-V4 model with "
                               "RANDOM weights (the text is noise).[/]")
             shards = demo_shards()
-        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
-            raise InputError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} must be at least 1")
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
-                             cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype),
+                             cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
                                                        prefill_context_parallel_size, prefill_cp_min_tokens),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout)
-        if kv_cache_memory_bytes is not None and run.family.name == "deepseek_v4":
-            raise InputError("--kv-cache-memory-bytes is not available for deepseek_v4 (its windows and compressor "
-                             "state are per sequence): size its cache with --cache-tokens")
-        if kv_cache_memory_bytes is None:  # else the cache's size is known once a rank has built it
-            resolve_max_model_len(max_model_len, run.max_position_embeddings, _cache_capacity(cache_tokens))
+        resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         _launch(rank_main, {"run": run, "host": host, "port": port,
                             "model_name": served_model_name or Path(shards).resolve().name, "timeout_s": timeout,
                             "api_key": api_key}, run, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))
+
+
+def _cache_flag(run) -> str:
+    """The flag that sized the run's KV cache, with its value."""
+    if run.cache.memory_bytes is not None:
+        return f"--kv-cache-memory-bytes {run.cache.memory_bytes}"
+    return f"--cache-tokens {run.cache.tokens}"
 
 
 def _launch(entry, args: dict, run, timeout: float, sigterm_to_rank0: bool = False) -> None:

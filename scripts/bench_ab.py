@@ -48,11 +48,14 @@ def decode_child(shards: str, new_tokens: int) -> None:
         except ImportError:
             from dsconv.runner.engine.client import EngineClient
             from dsconv.runner.engine.worker import build_model
+        try:
+            from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
+        except ImportError:
+            from dsconv.runner.models.kv_cache import BLOCK_SIZE
         from dsconv.runner.engine.config import SchedulerConfig
         from dsconv.runner.engine.core import new_engine
         from dsconv.runner.engine.request import SamplingParams
         from dsconv.runner.models.dist import Dist
-        from dsconv.runner.models.kv_cache import BLOCK_SIZE
         from dsconv.runner.models.weights import load_manifest
 
         def greedy(model, cache, prompts, max_new_tokens, eos_id, on_token):

@@ -36,7 +36,7 @@ from dsconv.runner.engine.request import SamplingParams  # noqa: E402
 from dsconv.runner.models.registry import build_model  # noqa: E402
 from dsconv.runner.entrypoints.generate import generate  # noqa: E402
 from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.models.kv_cache import BLOCK_SIZE  # noqa: E402
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE  # noqa: E402
 from dsconv.runner.models.weights import load_manifest  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
 from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402

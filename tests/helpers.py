@@ -16,9 +16,8 @@ from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.engine.block_pool import BlockPool
-from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
-from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.core import EngineClient, new_engine
 from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.engine.worker import InputBuilder, StepInputs
 from dsconv.runner.entrypoints.generate import generate

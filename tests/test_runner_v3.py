@@ -21,6 +21,7 @@ COSINE_MIN = 0.999
 PROMPT_LEN = 40
 NEW_TOKENS = 20
 BLOCK_SIZE = 16  # smaller than the prompt: prefill spans several cache blocks
+CACHE_TOKENS = 1024
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
@@ -35,11 +36,12 @@ def pair(family, tiny_source, tmp_path_factory):
     shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
     reference = AutoModelForCausalLM.from_pretrained(tiny_source(family, "bf16"), dtype=torch.float32).eval()
 
-    def ours():
+    def ours(block_size=BLOCK_SIZE):
         manifest = load_manifest(shards)
         cfg = parse_config(manifest["model"]["config"])
         model = DeepseekV3(cfg, load_rank(shards, manifest, 0), Dist(), torch.float32)
-        cache = LatentCache(cfg.num_hidden_layers, 64, BLOCK_SIZE, cache_fields(cfg), torch.float32)
+        cache = LatentCache(cfg.num_hidden_layers, CACHE_TOKENS // block_size, block_size, cache_fields(cfg),
+                            torch.float32)
         return model, cache, cfg
 
     ours.shards = shards
@@ -84,6 +86,18 @@ def test_greedy_tokens_equal_transformers_generate(pair, absorbed, monkeypatch):
         monkeypatch.setattr(Attention, "absorbed_is_cheaper", lambda self, queries, context: absorbed)
     model, cache, cfg = ours()
     ids = prompt(cfg.vocab_size, seed=1)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = greedy(model, cache, [ids], NEW_TOKENS, eos_id=None)[0]
+    assert got == expected
+
+
+def test_greedy_tokens_equal_transformers_in_blocks_of_64(pair):
+    """A prompt inside the first block of 64 tokens, its decode crossing into the second."""
+    ours, reference = pair
+    model, cache, cfg = ours(block_size=64)
+    ids = prompt(cfg.vocab_size, n=56, seed=3)
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()

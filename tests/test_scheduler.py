@@ -294,18 +294,26 @@ def engine(model, cache, max_num_seqs: int, budget: int):
                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
-def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_path):
+# (block size, prompt lengths, a cache too small for both): 21 + 12 and 30 + 12 tokens do not fit together in 4
+# blocks of 16; in 2 blocks of 64 the two prompts start, and the 60-token one's 5th new token needs the other's block
+TIGHT = {16: ((21, 30), 64), 64: ((60, 50), 128)}
+
+
+@pytest.mark.parametrize("family,block_size", [("deepseek_v32", 16), ("deepseek_v32", 64), ("deepseek_v4", 16),
+                                               ("deepseek_v4", 64)])
+def test_model_tokens_survive_chunking_and_preemption(family, block_size, tiny_source, tmp_path):
     """The real step function: tokens with a cache too small for both requests (preemption, recompute) and a
-    budget that chunks every prompt equal those of each request alone with room to spare."""
+    budget that chunks every prompt equal those of each request alone with room to spare, in blocks of 16 and of
+    64 tokens."""
     shards = tmp_path / "shards"
     shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (21, 30)]
+    lengths, tight_cache = TIGHT[block_size]
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
     def generate(cache_tokens, budget, ps):
-        cache = new_cache(cache_tokens)
+        cache = new_cache(cache_tokens, block_size=block_size)
         core = engine(model, cache, 4, budget)
         s = core.scheduler
         outputs = {str(i): [] for i in range(len(ps))}
@@ -317,7 +325,7 @@ def test_model_tokens_survive_chunking_and_preemption(family, tiny_source, tmp_p
         return [outputs[str(i)] for i in range(len(ps))], s
 
     alone = [generate(256, 256, [p])[0][0] for p in prompts]
-    tight, s = generate(64, 7, prompts)  # 4 blocks of 16: 21 + 12 and 30 + 12 tokens do not fit together
+    tight, s = generate(tight_cache, 7, prompts)
     assert s.preemptions > 0 and tight == alone
 
 

@@ -464,7 +464,8 @@ def test_int8_kv_cache_server_fills_its_byte_budget(tiny_source, tmp_path):
     CPU, and serves with it."""
     from dsconv.family.arch import family_for
     from dsconv.family.deepseek_v3 import cache_fields
-    from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache
+    from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
+    from dsconv.runner.models.kv_cache import LatentCache
 
     shards = tmp_path / "v32-int8"
     shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(1, 1, 1, 1))
@@ -478,7 +479,10 @@ def test_int8_kv_cache_server_fills_its_byte_budget(tiny_source, tmp_path):
     server = Server(shards, tmp_path / "server.log", "--dtype", "float32", "--kv-cache-dtype", "int8",
                     "--kv-cache-memory-bytes", budget)
     try:
-        assert f"KV cache {tokens} tokens per DP rank (int8)" in server.log()
+        blocks = tokens // BLOCK_SIZE
+        line = f"KV cache per attention-DP rank: {blocks} blocks x {BLOCK_SIZE} tokens = {tokens} tokens, "
+        assert line in server.log()
+        assert "MiB (int8)" in server.log()
         out = server.openai().completions.create(model="v32-int8", prompt=list(range(5, 45)), max_tokens=4,
                                                  temperature=0)
         assert len(out.choices[0].text) > 0 and out.usage.completion_tokens == 4

@@ -4,12 +4,14 @@ line (runner/cli.py) and handed to every rank. `engine.core.start_engine` builds
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from dsconv.errors import InputError
-from dsconv.family.arch import Family, check_context_parallel, check_kv_cache_dtype, family_for
+from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
+                               check_kv_cache_dtype, family_for)
 from dsconv.family.layout import Layout
-from dsconv.runner.models.registry import DTYPES
+from dsconv.runner.models.registry import DTYPES, model_for
 from dsconv.runner.models.weights import load_manifest
 
 DEFAULT_CACHE_TOKENS = 4096
@@ -18,10 +20,12 @@ DEFAULT_CACHE_TOKENS = 4096
 @dataclass(frozen=True)
 class CacheConfig:
     """One attention-DP rank's KV cache: `tokens` (--cache-tokens), or as many as `memory_bytes` holds
-    (--kv-cache-memory-bytes); `dtype` is --kv-cache-dtype (auto or int8)."""
+    (--kv-cache-memory-bytes), in blocks of `block_size` tokens (--block-size); `dtype` is --kv-cache-dtype (auto
+    or int8)."""
     tokens: int = DEFAULT_CACHE_TOKENS
     memory_bytes: int | None = None
     dtype: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class RunConfig:
         if run.dtype not in DTYPES:
             raise InputError(f"--dtype {run.dtype!r} is not one of {', '.join(DTYPES)}")
         check_kv_cache_dtype(run.family, run.cache.dtype)
+        run._check_cache()
         cp_size, cp_min_tokens = run.scheduler.cp_size, run.scheduler.cp_min_tokens
         check_context_parallel(run.family, run.layout, cp_size,
                                1 if cp_min_tokens is None else cp_min_tokens)  # None: context parallelism off
@@ -67,6 +72,51 @@ class RunConfig:
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
+
+    def _check_cache(self) -> None:
+        cache = self.cache
+        check_block_size(self.family, cache.block_size)
+        if cache.tokens < 1:
+            raise InputError(f"--cache-tokens {cache.tokens} must be at least 1")
+        if cache.memory_bytes is None:
+            return
+        if cache.memory_bytes < 1:
+            raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} must be at least 1")
+        if self.bytes_per_token is None:
+            raise InputError(f"--kv-cache-memory-bytes is not available for {self.family.name} (its windows and "
+                             f"compressor state are kept per sequence, not in blocks): size it with --cache-tokens")
+        if self.cache_blocks < 1:
+            raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds less than one block of the KV cache:"
+                             f" one block of {cache.block_size} tokens takes {self.bytes_per_token * cache.block_size}"
+                             f" bytes ({self.cache.dtype}, {self.dtype})")
+
+    @cached_property
+    def bytes_per_token(self) -> int | None:
+        """The bytes one token's KV-cache entries take on one attention-DP rank, every layer (None: the family's
+        cache is not sized in bytes)."""
+        return model_for(self.family.name).bytes_per_token(self.family.parse_config(self.model_config),
+                                                           DTYPES[self.dtype], self.device, self.cache.dtype)
+
+    @property
+    def cache_blocks(self) -> int:
+        """The blocks one attention-DP rank's KV cache has: --cache-tokens rounded up to whole blocks, or the whole
+        blocks --kv-cache-memory-bytes holds."""
+        cache = self.cache
+        if cache.memory_bytes is None:
+            return -(-cache.tokens // cache.block_size)
+        return cache.memory_bytes // (self.bytes_per_token * cache.block_size)
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.cache_blocks * self.cache.block_size
+
+    def cache_summary(self) -> str:
+        """The KV cache in one line, for the start-up output."""
+        blocks, size = self.cache_blocks, self.cache.block_size
+        line = f"KV cache per attention-DP rank: {blocks} blocks x {size} tokens = {blocks * size} tokens"
+        if self.bytes_per_token is None:
+            return line + f" ({self.family.name}: a state per sequence, not sized in bytes)"
+        return line + f", {blocks * size * self.bytes_per_token / 2**20:.1f} MiB ({self.cache.dtype})"
 
     @property
     def layout(self) -> Layout:

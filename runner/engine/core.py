@@ -28,7 +28,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from dsconv.errors import InputError
 from dsconv.runner.engine.config import RunConfig, SchedulerConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
@@ -131,13 +130,7 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
     """On every rank, after the launcher's init_process_group: this rank's model from its shards, its KV cache as
     `run.cache` asks, and the engine around them."""
     dist, model, new_cache = start_rank(run)
-    tokens = run.cache.tokens
-    if run.cache.memory_bytes is not None:  # every rank computes the same count from the same shapes
-        tokens = new_cache.tokens_in(run.cache.memory_bytes, run.cache.dtype)
-        if tokens < 1:
-            raise InputError(f"--kv-cache-memory-bytes {run.cache.memory_bytes} holds less than one block of the KV "
-                             f"cache")
-    cache = new_cache(tokens, run.cache.dtype)
+    cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size)  # every rank: the same blocks
     max_model_len = resolve_max_model_len(run.max_model_len, run.max_position_embeddings,
                                           cache.num_blocks * cache.block_size)
     return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,

@@ -6,6 +6,7 @@ it comes, then prints the others and the closing line (or the --json object); th
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -14,9 +15,8 @@ import torch
 
 from dsconv.console import console
 from dsconv.family.text import TextTokenizer
-from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
-from dsconv.runner.engine.core import start_engine
+from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.family.text import Detokenizer
 from dsconv.runner.engine.request import SamplingParams, TokenLogprob
 
@@ -85,6 +85,7 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
     """`dsrun generate`'s ranks (started_at: the command's start, time.time())."""
     tokenizer = printer = None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"dsrun: {run.cache_summary()}", file=sys.stderr, flush=True)
         tokenizer = TextTokenizer.load(run.shards, run.model_config)
         printer = None if json_output else _Streamer(tokenizer)
 

@@ -21,13 +21,13 @@ import math
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
 from dsconv.console import console
 from dsconv.errors import InputError
-from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
-from dsconv.runner.engine.core import start_engine
+from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import RequestOutput, SamplingParams
 
 SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
@@ -77,6 +77,8 @@ def score(run: RunConfig, windows: list[list[int]], progress: bool = False) -> d
 
 def rank_main(run: RunConfig, windows: list[list[int]], context: int, json_output: bool, started_at: float) -> None:
     """`dsrun perplexity`'s ranks: rank 0 prints the figure (started_at: the command's start, time.time())."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"dsrun: {run.cache_summary()}", file=sys.stderr, flush=True)
     summary = score(run, windows, progress=not json_output)
     if summary is None:
         return

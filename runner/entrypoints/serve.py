@@ -19,9 +19,8 @@ import torch
 
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
-from dsconv.runner.engine.core import EngineClient
 from dsconv.runner.engine.config import RunConfig
-from dsconv.runner.engine.core import start_engine
+from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
@@ -63,11 +62,9 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
         engine = start_engine(run, grammars, metrics)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
-        cache = engine.worker.cache
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({layout.world_size} ranks, "
-              f"DP {layout.dp} x attention TP {layout.attn_tp}, EP {layout.ep}); KV cache "
-              f"{cache.num_blocks * cache.block_size} tokens per DP rank ({run.cache.dtype}); max_model_len "
-              f"{engine.max_model_len}", flush=True)
+              f"DP {layout.dp} x attention TP {layout.attn_tp}, EP {layout.ep}); {run.cache_summary()}; "
+              f"max_model_len {engine.max_model_len}", flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)
     finally:

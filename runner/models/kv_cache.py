@@ -25,18 +25,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dsconv.family.arch import CacheField
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast, takes_npu_path
 from dsconv.runner.models.batch import Fork
 from dsconv.runner.models.step import DecodeRows, SeqStep, StepMeta
 
-BLOCK_SIZE = 16  # tokens per cache block: dsrun's paged caches allocate and table whole blocks
 
-
-def cache_blocks(capacity_tokens: int) -> int:
+def cache_blocks(capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The blocks a cache asked to hold `capacity_tokens` has: whole blocks, rounded up."""
-    return -(-capacity_tokens // BLOCK_SIZE)
+    return -(-capacity_tokens // block_size)
 
 @runtime_checkable
 class KVCache(Protocol):

@@ -11,13 +11,14 @@ from typing import Any, Callable
 import torch
 
 from dsconv.errors import InputError
-from dsconv.family.arch import family_for
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE, family_for
 from dsconv.family.deepseek_v3 import cache_fields
 from dsconv.kernels.device import flush_denormals
+from dsconv.kernels.linear import matmul_dtype_for
 from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, LatentCache, cache_blocks
+from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.weights import load_rank
 
@@ -25,32 +26,35 @@ from dsconv.runner.models.weights import load_rank
 @dataclass(frozen=True)
 class ModelEntry:
     new_model: Callable[[Any, Any, Any, Any], Any]  # (config, RankWeights, Dist, dtype) -> model
-    # (config, model, capacity_tokens, device, kv_cache_dtype) -> cache; the dtype is one the family accepts
-    # (family.arch.check_kv_cache_dtype)
-    new_cache: Callable[[Any, Any, int, Any, str], Any]
-    # (config, model, kv_cache_dtype) -> the bytes one token's cache entries take, as the cache allocates them
-    bytes_per_token: Callable[[Any, Any, str], int]
+    # (config, compute dtype, blocks, block_size, device, kv_cache_dtype) -> a cache of that many blocks; the
+    # kv_cache_dtype is one the family accepts (family.arch.check_kv_cache_dtype)
+    new_cache: Callable[[Any, torch.dtype, int, int, Any, str], Any]
+    # (config, compute dtype, device, kv_cache_dtype) -> the bytes one token's cache entries take, as the cache
+    # allocates them; None where the cache is not sized in bytes
+    bytes_per_token: Callable[[Any, torch.dtype, Any, str], int | None]
 
 
-def _latent_cache(cfg, model, capacity_tokens: int, device, kv_cache_dtype: str = "auto"):
-    # INT8 fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
-    return LatentCache(cfg.num_hidden_layers, cache_blocks(capacity_tokens), BLOCK_SIZE,
-                       cache_fields(cfg, kv_cache_dtype), model.cache_dtype, device, rest_dtype=model.dtype)
+def _latent_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto",
+                  allocate_on=None):
+    # entries in the dtype the model's attention computes in on `device` (as DeepseekV3.cache_dtype); INT8 fields
+    # keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
+    return LatentCache(cfg.num_hidden_layers, blocks, block_size, cache_fields(cfg, kv_cache_dtype),
+                       matmul_dtype_for(dtype, device), allocate_on or device, rest_dtype=dtype)
 
 
-def _latent_bytes_per_token(cfg, model, kv_cache_dtype: str) -> int:
-    return _latent_cache(cfg, model, 0, "meta", kv_cache_dtype).bytes_per_token
+def _latent_bytes_per_token(cfg, dtype: torch.dtype, device, kv_cache_dtype: str) -> int:
+    return _latent_cache(cfg, dtype, 0, DEFAULT_BLOCK_SIZE, device, kv_cache_dtype, allocate_on="meta").bytes_per_token
 
 
-def _v4_state(cfg, model, capacity_tokens: int, device, kv_cache_dtype: str = "auto"):
+def _v4_state(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto"):
     if kv_cache_dtype != "auto":  # the CLI refuses it first (family.arch.check_kv_cache_dtype)
         raise InputError(f"--kv-cache-dtype {kv_cache_dtype} is not available for deepseek_v4")
-    return V4Cache(cfg, capacity_tokens, model.dtype, device)  # compressor state in the model dtype
+    # compressor state in the model dtype
+    return V4Cache(cfg, blocks * block_size, dtype, device, block_size=block_size)
 
 
-def _v4_bytes_per_token(cfg, model, kv_cache_dtype: str) -> int:
-    raise InputError("a byte budget for the KV cache is not available for deepseek_v4 (its windows and compressor "
-                     "state are per sequence): size it with --cache-tokens")
+def _v4_bytes_per_token(cfg, dtype: torch.dtype, device, kv_cache_dtype: str) -> None:
+    return None  # a state per request (windows, compressor state, entries that grow): not sized in bytes
 
 
 V3 = ModelEntry(DeepseekV3, _latent_cache, _latent_bytes_per_token)
@@ -68,18 +72,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class CacheFactory:
-    """A model's caches: `factory(tokens, kv_cache_dtype)` makes one holding `tokens` tokens per rank;
-    `tokens_in(nbytes, kv_cache_dtype)` says how many tokens fit in a byte budget (whole blocks)."""
+    """A model's caches: `factory(tokens, kv_cache_dtype, block_size)` makes one holding `tokens` tokens per rank
+    (whole blocks, rounded up)."""
 
-    def __init__(self, entry, cfg, model, device: torch.device):
-        self.entry, self.cfg, self.model, self.device = entry, cfg, model, device
+    def __init__(self, entry, cfg, dtype: torch.dtype, device: torch.device):
+        self.entry, self.cfg, self.dtype, self.device = entry, cfg, dtype, device
 
-    def __call__(self, tokens: int, kv_cache_dtype: str = "auto"):
-        return self.entry.new_cache(self.cfg, self.model, tokens, self.device, kv_cache_dtype)
-
-    def tokens_in(self, nbytes: int, kv_cache_dtype: str = "auto") -> int:
-        per_block = self.entry.bytes_per_token(self.cfg, self.model, kv_cache_dtype) * BLOCK_SIZE
-        return nbytes // per_block * BLOCK_SIZE
+    def __call__(self, tokens: int, kv_cache_dtype: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE):
+        return self.entry.new_cache(self.cfg, self.dtype, -(-tokens // block_size), block_size, self.device,
+                                    kv_cache_dtype)
 
 
 def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype):
@@ -91,4 +92,4 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
     flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
     weights = load_rank(shards, manifest, rank, dist.device)
     model = entry.new_model(cfg, weights, dist, dtype)
-    return model, cfg, CacheFactory(entry, cfg, model, dist.device)
+    return model, cfg, CacheFactory(entry, cfg, dtype, dist.device)

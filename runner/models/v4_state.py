@@ -11,7 +11,7 @@ rest is fixed in size (the window, the unfinished windows).
 
 The model (deepseek_v4.py) reads and advances this state; here it is only held, behind kv_cache.KVCache's protocol:
 `advance` starts a new request's state (and checks a running one continues where it stopped), `fork` copies one,
-`release` drops a finished request. Capacity is the scheduler's block pool's, in blocks of BLOCK_SIZE tokens as for
+`release` drops a finished request. Capacity is the scheduler's block pool's, in blocks of block_size tokens as for
 the paged caches (the state grows with the tokens it holds); the slots the batch carries are not used.
 """
 
@@ -24,7 +24,8 @@ import torch
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
 from dsconv.runner.models.batch import Fork
-from dsconv.runner.models.kv_cache import BLOCK_SIZE, KVCache, cache_blocks
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE
+from dsconv.runner.models.kv_cache import KVCache, cache_blocks
 from dsconv.runner.models.step import rows_from
 
 
@@ -92,12 +93,13 @@ class LayerState:
 
 
 class V4Cache(KVCache):
-    block_size = BLOCK_SIZE  # what the block pool accounts in; the state is per request, not paged
     paged = False  # a fork copies the whole state: the pool gives the copy blocks of its own
 
-    def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.num_blocks = cache_blocks(capacity_tokens)  # the pool's size, as LatentCache's
+        # what the block pool accounts in, as for LatentCache; the state is per request, not paged
+        self.block_size, self.num_blocks = block_size, cache_blocks(capacity_tokens, block_size)
         # on an accelerator an idle rank's throwaway token goes into a fresh state; its block (any) is only the
         # pool's count, the state holds no blocks
         self.dummy_block = 0 if takes_npu_path(self.device) else None
