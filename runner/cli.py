@@ -125,8 +125,10 @@ def generate(
             raise InputError("--thinking and --system shape the chat prompt; they cannot be used with --no-chat")
         if system is not None and not system.strip():
             raise InputError("--system is empty")
-        if logprobs is not None and (not json_output or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise InputError(f"--logprobs takes 0 to {MAX_TOP_LOGPROBS} and goes with --json")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"--logprobs {logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
+        if logprobs is not None and not json_output:
+            raise InputError("--logprobs goes with --json (the text output has no place for them)")
         if shards is None:
             from dsconv.shard.demo import demo_shards
 
@@ -141,13 +143,13 @@ def generate(
         text = TextTokenizer.load(run.shards, run.model_config)
         prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
         model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
-        for ids in prompts:
-            check_prompt(ids, max_new_tokens, run.vocab_size, model_len)
         dp = run.layout.dp  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts[index::dp]) for index in range(dp))
         if need > run.cache_blocks:
             raise InputError(f"prompts + --max-new-tokens need {need} blocks of {block_size} tokens on one "
                              f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({_cache_flag(run)})")
+        for ids in prompts:
+            check_prompt(ids, max_new_tokens, run.vocab_size, model_len)
         # every prompt admitted at once and prefilled in one step
         run = replace(run, max_model_len=model_len, scheduler=replace(
             run.scheduler, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts))))
@@ -169,7 +171,8 @@ def perplexity(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (perplexity, tokens "
                                                              "scored, windows).")] = False,
     max_model_len: Annotated[Optional[int], typer.Option(
-        help="The most tokens a window may hold (vLLM's flag); default: the model's max_position_embeddings.")] = None,
+        help="The most tokens a window may hold (vLLM's flag); default: the model's max_position_embeddings (and "
+             "with --kv-cache-memory-bytes, at most what the cache holds).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
         help=KV_CACHE_MEMORY_HELP + " Default: a cache of one window.")] = None,
@@ -207,12 +210,15 @@ def perplexity(
         cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), context)
         if not cut:
             raise InputError(f"--file {file} is one token: nothing to score")
+        longest = max(map(len, cut))
+        if kv_cache_memory_bytes is not None and longest > run.cache_tokens:
+            raise InputError(f"windows of up to {longest} tokens exceed the KV cache's {run.cache_tokens} tokens "
+                             f"({_cache_flag(run)}): lower --context or raise the budget")
         for window in cut:  # each window is scored as a prompt of the engine
             check_prompt(window, 0, run.vocab_size, model_len)
         # A DP rank scores one window at a time, with a token budget of one window (and, unless a byte budget says
         # otherwise, a cache of one window): a step's logits are one window's at most, never a [tokens, vocab]
         # tensor of the file.
-        longest = max(map(len, cut))
         if kv_cache_memory_bytes is None:
             run = replace(run, cache=replace(run.cache, tokens=longest))
         run = replace(run, scheduler=replace(run.scheduler, max_num_seqs=1, max_num_batched_tokens=longest))

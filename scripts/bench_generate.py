@@ -29,9 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from dsconv.comm.launch import launch  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.runner.engine.core import EngineClient  # noqa: E402
+from dsconv.runner.engine.core import EngineClient, new_engine  # noqa: E402
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
-from dsconv.runner.engine.core import new_engine  # noqa: E402
 from dsconv.runner.engine.request import SamplingParams  # noqa: E402
 from dsconv.runner.models.registry import build_model  # noqa: E402
 from dsconv.runner.entrypoints.generate import generate  # noqa: E402

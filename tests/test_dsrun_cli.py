@@ -170,8 +170,15 @@ def test_kv_cache_sized_in_bytes_and_blocks(tiny_shards, tmp_path):
     proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--kv-cache-memory-bytes", "1000")
     assert proc.returncode == 2, proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert re.search(r"--kv-cache-memory-bytes 1000 holds less than one block of the KV cache: one block of 16 "
-                     r"tokens takes \d+ bytes", line), line
+    block = re.search(r"--kv-cache-memory-bytes 1000 holds less than one block of the KV cache: one block of 16 "
+                      r"tokens takes (\d+) bytes", line)
+    assert block, line
+    # one block's bytes: a cache of 16 tokens, shorter than the 40-token windows
+    proc = dsrun(shards, "--shards", shards, "--file", text, "--context", "40", "--kv-cache-memory-bytes", block[1],
+                 command="perplexity")
+    assert proc.returncode == 2, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert f"windows of up to 40 tokens exceed the KV cache's 16 tokens (--kv-cache-memory-bytes {block[1]})" in line
 
 
 @pytest.mark.slow
@@ -236,8 +243,8 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
      "--max-model-len 2048 does not fit one attention-DP rank's KV cache of 1008 tokens"),
     (["--prompt", "hi", "--max-model-len", "10", "--max-new-tokens", "8"], "exceed the model's context of 10 tokens"),
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len 0 must be at least 1"),
-    (["--prompt", "hi", "--logprobs", "2"], "--logprobs takes 0 to 20 and goes with --json"),
-    (["--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs takes 0 to 20 and goes with --json"),
+    (["--prompt", "hi", "--logprobs", "2"], "--logprobs goes with --json"),
+    (["--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs 21 must be between 0 and 20"),
 ])
 def test_bad_input(demo, args, needle):
     proc = dsrun(demo, "--shards", demo, *args)

@@ -42,8 +42,8 @@ LIKELY, UNLIKELY = -0.25, -7.0  # the fake model's logprob of its prediction, an
 
 
 class FakeEngine:
-    """The front end's view of the engine (streaming.Front) with a trivial model: it predicts `script[k]` for the k-th new token when given a script, else
-    the previous token + 1; sample i of n > 1 starts i tokens further on. Outputs come one token at a time from
+    """The front end's view of the engine (streaming.Front) with a trivial model: it predicts `script[k]` for the
+    k-th new token when given a script, else the previous token + 1; sample i of n > 1 starts i tokens further on. Outputs come one token at a time from
     the engine's own thread."""
 
     def __init__(self, script=None, ready=True, max_model_len=4096, dp_size=2, fail_after=None):

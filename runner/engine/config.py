@@ -94,8 +94,11 @@ class RunConfig:
     def bytes_per_token(self) -> int | None:
         """The bytes one token's KV-cache entries take on one attention-DP rank, every layer (None: the family's
         cache is not sized in bytes)."""
+        # the cache's dtype rule tells only CPU from the rest: "meta" stands for an accelerator here, so the parent
+        # need not load its backend (a missing torch_npu is the launcher's one line, not a traceback here)
+        device = "cpu" if self.device == "cpu" else "meta"
         return model_for(self.family.name).bytes_per_token(self.family.parse_config(self.model_config),
-                                                           DTYPES[self.dtype], self.device, self.cache.dtype)
+                                                           DTYPES[self.dtype], device, self.cache.dtype)
 
     @property
     def cache_blocks(self) -> int:

@@ -14,10 +14,9 @@ from functools import partial
 import torch
 
 from dsconv.console import console
-from dsconv.family.text import TextTokenizer
+from dsconv.family.text import Detokenizer, TextTokenizer
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
-from dsconv.family.text import Detokenizer
 from dsconv.runner.engine.request import SamplingParams, TokenLogprob
 
 
@@ -49,7 +48,7 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
             stamps.extend(time.perf_counter() for _ in out.new_token_ids)
             result.generated[index].extend(out.new_token_ids)
             if result.logprobs is not None:
-                result.logprobs[index].extend(out.new_logprobs)
+                result.logprobs[index].extend(out.new_logprobs or [])
             if on_token is not None:
                 for token in out.new_token_ids:
                     on_token(index, token)

@@ -52,7 +52,7 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     metrics = ServeMetrics(model_name, layout.dp)
     door = EngineClient()
     front = Front(door, TextTokenizer.load(run.shards, run.model_config), run.family, model_name, run.vocab_size,
-                  resolve_max_model_len(run.max_model_len, run.max_position_embeddings, None), grammars)
+                  resolve_max_model_len(run.max_model_len, run.max_position_embeddings, run.cache_tokens), grammars)
     server, port, thread = _start_http(create_app(front, metrics.registry, api_key), host, port)
     if api_key is None and not _loopback(host):
         print(f"dsrun serve: WARNING: listening on {host} without --api-key: anyone who can reach the port can use "

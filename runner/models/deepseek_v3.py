@@ -17,7 +17,7 @@ from dsconv.family.deepseek_v3 import V3Config
 from dsconv.kernels.attention import attention
 from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.device import cast
-from dsconv.kernels.linear import matmul_dtype, matmul_dtype_for
+from dsconv.kernels.linear import matmul_dtype
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.kv_cache import LatentCache
@@ -345,9 +345,6 @@ class DeepseekV3:
         w.finish()
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, dist.device)
         self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
-        # the cache holds its BF16 entries in the dtype decode multiplies them in (float32 on CPU, exact: BF16 values
-        # convert losslessly), so a decode step reads the context as is instead of converting it in every layer
-        self.cache_dtype = matmul_dtype_for(dtype, dist.device)
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Paged per-layer caches (vLLM vocabulary: block tables, slot mapping) and one step's token metadata.
+"""Paged per-layer caches (vLLM vocabulary: block tables, slot mapping), storage only.
 
 A cache field is a [layers, num_blocks * block_size, dim] tensor; a sequence owns whole blocks listed in its
 block table, and token position p of a sequence lives at slot block_table[p // block_size] * block_size +
@@ -35,6 +35,7 @@ from dsconv.runner.models.step import DecodeRows, SeqStep, StepMeta
 def cache_blocks(capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The blocks a cache asked to hold `capacity_tokens` has: whole blocks, rounded up."""
     return -(-capacity_tokens // block_size)
+
 
 @runtime_checkable
 class KVCache(Protocol):

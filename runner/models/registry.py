@@ -36,8 +36,9 @@ class ModelEntry:
 
 def _latent_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto",
                   allocate_on=None):
-    # entries in the dtype the model's attention computes in on `device` (as DeepseekV3.cache_dtype); INT8 fields
-    # keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
+    # entries in the dtype decode multiplies them in on `device` (float32 on CPU for a BF16 run, exact: BF16 values
+    # convert losslessly), so a decode step reads the context as is instead of converting it in every layer; INT8
+    # fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
     return LatentCache(cfg.num_hidden_layers, blocks, block_size, cache_fields(cfg, kv_cache_dtype),
                        matmul_dtype_for(dtype, device), allocate_on or device, rest_dtype=dtype)
 

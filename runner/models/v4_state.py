@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
 from dsconv.kernels.device import takes_npu_path
 from dsconv.runner.models.batch import Fork
-from dsconv.family.arch import DEFAULT_BLOCK_SIZE
 from dsconv.runner.models.kv_cache import KVCache, cache_blocks
 from dsconv.runner.models.step import rows_from
 

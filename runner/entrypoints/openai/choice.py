@@ -9,8 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from dsconv.runner.entrypoints.openai.protocol import APIError
-from dsconv.family.text import END_THINK
-from dsconv.family.text import Detokenizer
+from dsconv.family.text import Detokenizer, END_THINK
 from dsconv.runner.engine.request import FINISH_ABORT, FINISH_STOP, RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens with this value too
