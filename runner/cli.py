@@ -142,6 +142,7 @@ def generate(
                                                        cp_min_tokens=prefill_cp_min_tokens))
         text = TextTokenizer.load(run.shards, run.model_config)
         prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
+        run.check_holds(max_model_len)
         model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         dp = run.layout.dp  # prompt i runs on attention-DP index i % dp, all of its prompts at once
         need = max(sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts[index::dp]) for index in range(dp))
@@ -205,6 +206,7 @@ def perplexity(
             raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InputError(f"--file {file} holds no text")
+        run.check_holds(max_model_len)
         model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings,
                                           None if kv_cache_memory_bytes is None else run.cache_tokens)
         cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), context)
@@ -293,6 +295,7 @@ def serve(
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
                                                        prefill_context_parallel_size, prefill_cp_min_tokens),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout)
+        run.check_holds(max_model_len)
         resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         _launch(rank_main, {"run": run, "host": host, "port": port,
                             "model_name": served_model_name or Path(shards).resolve().name, "timeout_s": timeout,

@@ -173,6 +173,13 @@ def test_kv_cache_sized_in_bytes_and_blocks(tiny_shards, tmp_path):
     block = re.search(r"--kv-cache-memory-bytes 1000 holds less than one block of the KV cache: one block of 16 "
                       r"tokens takes (\d+) bytes", line)
     assert block, line
+    # a budget of 2 blocks under a request of 40 tokens: the line names the 3 blocks' bytes it needs
+    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--max-model-len", "40", "--kv-cache-memory-bytes",
+                 2 * int(block[1]))
+    assert proc.returncode == 2, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert (f"--kv-cache-memory-bytes {2 * int(block[1])} holds 32 tokens, fewer than --max-model-len 40: one such "
+            f"request needs at least {3 * int(block[1])} bytes (3 blocks of 16 tokens)") in line, line
     # one block's bytes: a cache of 16 tokens, shorter than the 40-token windows
     proc = dsrun(shards, "--shards", shards, "--file", text, "--context", "40", "--kv-cache-memory-bytes", block[1],
                  command="perplexity")

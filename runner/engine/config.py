@@ -113,6 +113,20 @@ class RunConfig:
     def cache_tokens(self) -> int:
         return self.cache_blocks * self.cache.block_size
 
+    def check_holds(self, max_model_len: int | None) -> None:
+        """Refuses, in one line naming the least budget that would do, a --kv-cache-memory-bytes whose cache cannot
+        hold one request of an explicit --max-model-len (within the model's context; beyond it is
+        request.resolve_max_model_len's refusal)."""
+        cache = self.cache
+        if cache.memory_bytes is None or max_model_len is None or max_model_len > self.max_position_embeddings:
+            return
+        if max_model_len > self.cache_tokens:
+            blocks = -(-max_model_len // cache.block_size)
+            raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds {self.cache_tokens} tokens, fewer "
+                             f"than --max-model-len {max_model_len}: one such request needs at least "
+                             f"{blocks * cache.block_size * self.bytes_per_token} bytes ({blocks} blocks of "
+                             f"{cache.block_size} tokens)")
+
     def cache_summary(self) -> str:
         """The KV cache in one line, for the start-up output."""
         blocks, size = self.cache_blocks, self.cache.block_size
