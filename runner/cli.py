@@ -116,6 +116,7 @@ def generate(
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, check_prompt, resolve_max_model_len
     from dsconv.runner.entrypoints.generate import rank_main
+    from dsconv.runner.models.kv_cache import cache_blocks
 
     started = time.time()
     try:
@@ -145,7 +146,8 @@ def generate(
         run.check_holds(max_model_len)
         model_len = resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         dp = run.layout.dp  # prompt i runs on attention-DP index i % dp, all of its prompts at once
-        need = max(sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts[index::dp]) for index in range(dp))
+        need = max(sum(cache_blocks(len(p) + max_new_tokens, block_size) for p in prompts[index::dp])
+                   for index in range(dp))
         if need > run.cache_blocks:
             raise InputError(f"prompts + --max-new-tokens need {need} blocks of {block_size} tokens on one "
                              f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({_cache_flag(run)})")

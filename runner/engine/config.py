@@ -11,6 +11,7 @@ from dsconv.errors import InputError
 from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
                                check_kv_cache_dtype, family_for)
 from dsconv.family.layout import Layout
+from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
 from dsconv.runner.models.weights import load_manifest
 
@@ -106,7 +107,7 @@ class RunConfig:
         blocks --kv-cache-memory-bytes holds."""
         cache = self.cache
         if cache.memory_bytes is None:
-            return -(-cache.tokens // cache.block_size)
+            return cache_blocks(cache.tokens, cache.block_size)
         return cache.memory_bytes // (self.bytes_per_token * cache.block_size)
 
     @property
@@ -121,7 +122,7 @@ class RunConfig:
         if cache.memory_bytes is None or max_model_len is None or max_model_len > self.max_position_embeddings:
             return
         if max_model_len > self.cache_tokens:
-            blocks = -(-max_model_len // cache.block_size)
+            blocks = cache_blocks(max_model_len, cache.block_size)
             raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds {self.cache_tokens} tokens, fewer "
                              f"than --max-model-len {max_model_len}: one such request needs at least "
                              f"{blocks * cache.block_size * self.bytes_per_token} bytes ({blocks} blocks of "

@@ -18,7 +18,7 @@ from dsconv.kernels.linear import matmul_dtype_for
 from dsconv.runner.models.deepseek_v3 import DeepseekV3
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.kv_cache import LatentCache
+from dsconv.runner.models.kv_cache import LatentCache, cache_blocks
 from dsconv.runner.models.v4_state import V4Cache
 from dsconv.runner.models.weights import load_rank
 
@@ -80,7 +80,7 @@ class CacheFactory:
         self.entry, self.cfg, self.dtype, self.device = entry, cfg, dtype, device
 
     def __call__(self, tokens: int, kv_cache_dtype: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE):
-        return self.entry.new_cache(self.cfg, self.dtype, -(-tokens // block_size), block_size, self.device,
+        return self.entry.new_cache(self.cfg, self.dtype, cache_blocks(tokens, block_size), block_size, self.device,
                                     kv_cache_dtype)
 
 
