@@ -98,3 +98,15 @@ def test_int8_cache_holds_more_tokens_in_the_same_bytes(tiny_source, tmp_path):
         assert per_token[kv] == sum(kv_cache_bytes_per_token(family_for(raw), real, kv).values())  # the plan's
     assert per_token == {"auto": 85_888, "int8": 61 * (656 + 132)}
     assert per_token["auto"] / per_token["int8"] >= INT8_TOKENS_MIN
+
+
+def test_byte_budget_on_an_npu_holds_the_idle_rank_block(tiny_source, tmp_path):
+    """On an NPU the latent cache allocates one block past the pool for an idle rank's throwaway token: a byte
+    budget's block count leaves room for it there and not on CPU (float32 entries: the same bytes on both)."""
+    _model(tiny_source, tmp_path, "deepseek_v32")
+    runs = {device: RunConfig.open(tmp_path / "deepseek_v32-shards", dtype="float32", device=device,
+                                   cache=CacheConfig(memory_bytes=1 << 20)) for device in ("cpu", "npu")}
+    per_block = runs["cpu"].bytes_per_token * BLOCK_SIZE
+    assert runs["npu"].bytes_per_token == runs["cpu"].bytes_per_token
+    assert runs["cpu"].cache_blocks == (1 << 20) // per_block == runs["npu"].cache_blocks + 1
+    assert (runs["npu"].cache_blocks + 1) * per_block <= 1 << 20

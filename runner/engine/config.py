@@ -11,6 +11,7 @@ from dsconv.errors import InputError
 from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
                                check_kv_cache_dtype, family_for)
 from dsconv.family.layout import Layout
+from dsconv.kernels.device import NPU_DEVICE_TYPE
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
 from dsconv.runner.models.weights import load_manifest
@@ -104,11 +105,13 @@ class RunConfig:
     @property
     def cache_blocks(self) -> int:
         """The blocks one attention-DP rank's KV cache has: --cache-tokens rounded up to whole blocks, or the whole
-        blocks --kv-cache-memory-bytes holds."""
+        blocks --kv-cache-memory-bytes holds. On an NPU the cache allocates one block more, for an idle rank's
+        throwaway token (kv_cache.LatentCache.dummy_block): the budget holds that one too."""
         cache = self.cache
         if cache.memory_bytes is None:
             return cache_blocks(cache.tokens, cache.block_size)
-        return cache.memory_bytes // (self.bytes_per_token * cache.block_size)
+        idle_block = 1 if self.device == NPU_DEVICE_TYPE else 0
+        return max(0, cache.memory_bytes // (self.bytes_per_token * cache.block_size) - idle_block)
 
     @property
     def cache_tokens(self) -> int:
