@@ -286,23 +286,27 @@ CONTEXT_PARALLEL_REFUSAL = ("its compressed entries pool windows of 4 and 128 to
 
 def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
     csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
-    state = sum(_compressor_state(r, cfg.head_dim, overlap=True)
-                + _compressor_state(r, cfg.index_head_dim, overlap=True) for r in csa)
-    state += sum(_compressor_state(r, cfg.head_dim, overlap=False) for r in hca)
+    state = sum(_compressor_state(r, cfg.head_dim, True, itemsize)
+                + _compressor_state(cfg.csa_compress_rate, cfg.index_head_dim, True, itemsize) for r in csa)
+    state += sum(_compressor_state(r, cfg.head_dim, False, itemsize) for r in hca)
     return {
         # Every layer keeps the last `sliding_window` K=V entries of its single KV head: a fixed buffer, counted
         # whole even for a sequence shorter than the window
         "sliding window": cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * itemsize,
-        "compressor state": state * itemsize,
+        "compressor state": state,
     }
 
 
-def _compressor_state(ratio: int, head_dim: int, overlap: bool) -> int:
-    """Elements a compressor carries between steps, at most (transformers' DeepseekV4CSACache/HCACache)."""
+GATE_ITEMSIZE = 4  # a compressor's gates are kept in float32 (its softmax runs in float32)
+
+
+def _compressor_state(ratio: int, head_dim: int, overlap: bool, itemsize: int) -> int:
+    """Bytes a compressor keeps between steps for one sequence, as dsrun's cache slot holds them: a whole window of
+    projected rows and their gates (the row that completes a window joins it before the window is pooled), and
+    for the overlapping (CSA) ones the previous window's first series with its gates."""
     width = (2 if overlap else 1) * head_dim  # CSA projects two series per token, HCA one
-    buffered = (ratio - 1) * width * 2  # kv and gate of the tokens since the last closed window
-    carried = 2 * head_dim if overlap else 0  # kv and gate of the previous window's first series
-    return buffered + carried
+    carried = ratio * head_dim if overlap else 0
+    return (ratio * width + carried) * (itemsize + GATE_ITEMSIZE)
 
 
 def _ratios_of(cfg: V4Config, attn_type: AttnType) -> list[int]:

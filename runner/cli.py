@@ -139,7 +139,8 @@ def generate(
             shards = demo_shards()
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
-                             scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
+                             # every prompt runs at once: a byte budget keeps a sequence slot for each
+                             scheduler=SchedulerConfig(max_num_seqs=len(prompt), cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens))
         text = TextTokenizer.load(run.shards, run.model_config)
         prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
@@ -155,7 +156,7 @@ def generate(
             check_prompt(ids, max_new_tokens, run.vocab_size, model_len)
         # every prompt admitted at once and prefilled in one step
         run = replace(run, max_model_len=model_len, scheduler=replace(
-            run.scheduler, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts))))
+            run.scheduler, max_num_batched_tokens=sum(map(len, prompts))))
         _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens, "logprobs": logprobs,
                             "json_output": json_output, "started_at": started}, run, timeout)
     except InputError as exc:
@@ -198,7 +199,7 @@ def perplexity(
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(memory_bytes=kv_cache_memory_bytes, dtype=kv_cache_dtype,
                                                block_size=block_size),
-                             scheduler=SchedulerConfig(cp_size=prefill_context_parallel_size,
+                             scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens))
         try:
             text = file.read_bytes().decode("utf-8")
@@ -225,7 +226,7 @@ def perplexity(
         # tensor of the file.
         if kv_cache_memory_bytes is None:
             run = replace(run, cache=replace(run.cache, tokens=longest))
-        run = replace(run, scheduler=replace(run.scheduler, max_num_seqs=1, max_num_batched_tokens=longest))
+        run = replace(run, scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
         _launch(rank_main, {"run": run, "windows": cut, "context": context, "json_output": json_output,
                             "started_at": started}, run, timeout)
     except InputError as exc:

@@ -2,19 +2,24 @@
 (a refactoring must leave speed unchanged within noise).
 
     python scripts/bench_ab.py --base REV [--family deepseek_v32] [--rounds 8] [--new-tokens 64] [--work DIR]
-                               [--world16-rounds N] [--skip-serve]
+                               [--world16-rounds N] [--skip-serve] [--batch 1 16] [--rss-prompt-len 2048]
 
 The base revision is checked out into a temporary git worktree; each side runs in its own processes with
 PYTHONPATH pointing `dsconv` at its code, on the same shards (a tiny checkpoint of --family sharded for one
 rank by this tree's code; the shard format is the same on both sides).
 (1) Decode tokens/s at world 1, BF16, in process: one long-lived process per side loads the model once; the
     two then take turns, one generation of --new-tokens tokens each per round, so both meet the same spells of
-    machine load. Decode = generation after the first token.
+    machine load. Decode = generation after the first token. With --batch B (one run per B given), B prompts of
+    32 tokens run at once (every prompt's first token comes from one prefill step; decode tokens/s counts the
+    tokens after it, over every request).
 (2) `dsrun serve` at world 1: one server per side, both up for the whole run; bench_serve.py's continuous
     workload (32 streamed completions, prompts 16-256 tokens, outputs 8-128, concurrency 8, seed 0) sent to
     each in turn, round after round.
 (3) With --world16-rounds N: `dsrun generate --json` at world 16 (a real-vocabulary tiny checkpoint sharded EP16,
     lm_head TP16, attention DP16), each side's own CLI in turn, N rounds: the decode tokens/s rank 0 reports.
+(4) With --rss-prompt-len N: the peak resident memory of a fresh process per side that loads the model, then
+    serves 16 concurrent requests of N-token prompts (8 new tokens each, prefilled in chunks of 4096 tokens) from
+    a cache holding exactly them: ru_maxrss after the load and at the end, and their difference.
 Each side's median and best round are printed with the head/base ratio of each; a ratio within the rounds'
 spread means no change.
 """
@@ -36,9 +41,15 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 32
 
 
-def decode_child(shards: str, new_tokens: int) -> None:
+RSS_REQUESTS = 16
+RSS_NEW_TOKENS = 8
+RSS_CHUNK = 4096
+
+
+def decode_child(shards: str, new_tokens: int, batch: int = 1, rss_prompt_len: int = 0) -> None:
     """Runs in each side's process: loads the model, then answers every line on stdin with one generation's
-    decode tokens/s. Imports whichever layout the side's code has."""
+    decode tokens/s (of `batch` prompts at once); with rss_prompt_len, prints the peak RSS figures instead and
+    ends. Imports whichever layout the side's code has."""
     import torch
 
     try:  # this layout: the engine from core.new_engine, fed through its door (in core.py, or in client.py before)
@@ -67,6 +78,22 @@ def decode_child(shards: str, new_tokens: int) -> None:
             door.submit(prompts[0], SamplingParams(max_tokens=max_new_tokens),
                         lambda out: [on_token(0, token) for token in out.new_token_ids])
             engine.run(door, until_idle=True)
+
+        def generate_batch(model, new_cache, prompts, max_new_tokens, on_token, budget) -> None:
+            tokens = len(prompts) * (len(prompts[0]) + max_new_tokens)
+            try:
+                cache = new_cache(tokens, max_seqs=len(prompts))
+            except TypeError:  # a cache without sequence slots
+                cache = new_cache(tokens)
+            engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size,
+                                max_model_len=cache.num_blocks * cache.block_size, eos_token_id=None,
+                                scheduler=SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget))
+            door = EngineClient()
+            door.open(engine)
+            for i, prompt in enumerate(prompts):
+                door.submit(prompt, SamplingParams(max_tokens=max_new_tokens),
+                            lambda out, i=i: [on_token(i, token) for token in out.new_token_ids])
+            engine.run(door, until_idle=True)
     except ImportError:
         try:  # the engine with its in-process greedy (engine/offline.py)
             from dsconv.runner.engine.offline import greedy
@@ -83,13 +110,26 @@ def decode_child(shards: str, new_tokens: int) -> None:
     import dsconv
 
     model, _, new_cache = build_model(Path(shards), load_manifest(Path(shards)), 0, Dist(), torch.bfloat16)
-    prompt = list(range(100, 100 + PROMPT_LEN))
     print(json.dumps({"code": str(Path(dsconv.__file__).parent)}), flush=True)
+    if rss_prompt_len:
+        import resource
+
+        loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        prompts = [[100 + (7 * i + j) % 500 for j in range(rss_prompt_len)] for i in range(RSS_REQUESTS)]
+        generate_batch(model, new_cache, prompts, RSS_NEW_TOKENS, lambda s, t: None, RSS_CHUNK)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({"loaded_mib": loaded / 1024, "peak_mib": peak / 1024}), flush=True)
+        return
+    prompts = [list(range(100 + i, 100 + i + PROMPT_LEN)) for i in range(batch)]
     for _ in sys.stdin:
         stamps = []
-        greedy(model, new_cache(64 * BLOCK_SIZE), [prompt], new_tokens, None,
-               lambda s, t: stamps.append(time.perf_counter()))
-        print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}), flush=True)
+        if batch == 1:
+            greedy(model, new_cache(64 * BLOCK_SIZE), prompts, new_tokens, None,
+                   lambda s, t: stamps.append(time.perf_counter()))
+        else:
+            generate_batch(model, new_cache, prompts, new_tokens, lambda s, t: stamps.append(time.perf_counter()),
+                           batch * PROMPT_LEN)
+        print(json.dumps({"tok_s": (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])}), flush=True)
 
 
 class Side:
@@ -104,11 +144,28 @@ class Side:
         self.env = {**os.environ, "PYTHONPATH": str(package_dir)}
 
 
-def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+def rss_ab(sides: list[Side], shards: Path, prompt_len: int) -> dict[str, dict]:
+    """Each side's peak RSS serving RSS_REQUESTS concurrent prompt_len-token requests, one fresh process each."""
+    figures = {}
+    for side in sides:
+        proc = subprocess.run([sys.executable, __file__, "--decode-child", str(shards), "--rss-prompt-len",
+                               str(prompt_len)], capture_output=True, text=True, env=side.env, timeout=1800)
+        if proc.returncode:
+            raise SystemExit(f"bench_ab: {side.name}'s RSS run failed: {proc.stderr[-2000:]}")
+        figures[side.name] = json.loads(proc.stdout.splitlines()[-1])
+        got = figures[side.name]
+        print(f"  {side.name}: {got['loaded_mib']:.0f} MiB after loading, peak {got['peak_mib']:.0f} MiB "
+              f"(+{got['peak_mib'] - got['loaded_mib']:.0f} MiB)", flush=True)
+    return figures
+
+
+def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int, batch: int = 1
+              ) -> dict[str, list[float]]:
     procs = {}
     for side in sides:
         procs[side.name] = subprocess.Popen(
-            [sys.executable, __file__, "--decode-child", str(shards), "--new-tokens", str(new_tokens)],
+            [sys.executable, __file__, "--decode-child", str(shards), "--new-tokens", str(new_tokens), "--batch",
+             str(batch)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=side.env)
         loaded = json.loads(procs[side.name].stdout.readline())
         if Path(loaded["code"]).resolve() != side.code.resolve():
@@ -212,10 +269,14 @@ def main() -> int:
     parser.add_argument("--world16-rounds", type=int, default=0,
                         help="also `dsrun generate` at world 16, this many alternating rounds (each starts 16 ranks)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1],
+                        help="decode runs with this many prompts at once (one A/B per value)")
+    parser.add_argument("--rss-prompt-len", type=int, default=0,
+                        help=f"also the peak RSS of {RSS_REQUESTS} concurrent requests of this many prompt tokens")
     parser.add_argument("--decode-child", metavar="SHARDS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.decode_child:
-        decode_child(args.decode_child, args.new_tokens)
+        decode_child(args.decode_child, args.new_tokens, args.batch[0], args.rss_prompt_len)
         return 0
     if not args.base:
         parser.error("--base REV is required")
@@ -238,9 +299,14 @@ def main() -> int:
                                   text=True).stdout.strip()
         print(f"base {args.base} vs head {head_rev} (+ uncommitted changes, if any); {args.family}, "
               f"{args.rounds} alternating rounds", flush=True)
-        figures = {"machine": info, "base": args.base, "head": head_rev,
-                   "decode": report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens", "tok/s",
-                                    decode_ab(sides, shards, args.new_tokens, args.rounds))}
+        figures = {"machine": info, "base": args.base, "head": head_rev}
+        for batch in args.batch:
+            key = "decode" if batch == 1 else f"decode_batch{batch}"
+            figures[key] = report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens, {batch} at once",
+                                  "tok/s", decode_ab(sides, shards, args.new_tokens, args.rounds, batch))
+        if args.rss_prompt_len:
+            print(f"peak RSS, {RSS_REQUESTS} concurrent requests of {args.rss_prompt_len} prompt tokens:", flush=True)
+            figures["rss"] = rss_ab(sides, shards, args.rss_prompt_len)
         if args.world16_rounds:
             shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True)
             figures["world16"] = report(f"decode tokens/s, world 16 (dsrun generate --json), BF16, {args.new_tokens} "

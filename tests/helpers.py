@@ -12,6 +12,7 @@ from safetensors import safe_open
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from dsconv.comm.launch import launch
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE
 from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
@@ -25,7 +26,7 @@ from dsconv.runner.entrypoints.perplexity import score
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.step import StepMeta
-from dsconv.runner.models.v4_state import V4Cache
+from dsconv.runner.models.v4_cache import V4Cache
 from dsconv.shard.shard import make_shard_plan, run_shard
 from tests.rank_entries import recorded
 
@@ -220,8 +221,8 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
 
 
 def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
-               max_num_seqs=16, max_num_batched_tokens=4096) -> RunConfig:
-    return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype),
+               max_num_seqs=16, max_num_batched_tokens=4096, block_size=DEFAULT_BLOCK_SIZE) -> RunConfig:
+    return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype, block_size),
                           scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size,
                                                     cp_min_tokens=cp_min_tokens))
 
@@ -238,11 +239,11 @@ def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
 
 
 def generate_ranks(shards, results, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS, kv_cache_dtype="auto",
-                   cp_size=1, cp_min_tokens=None, entry=generate, **extra) -> dict:
+                   cp_size=1, cp_min_tokens=None, entry=generate, block_size=DEFAULT_BLOCK_SIZE, **extra) -> dict:
     """dsrun generate's ranks (entry: generate, or one that installs a test double first) -> rank 0's account
     (generate.Generated as a dict)."""
     run = run_config(shards, dtype, 256, kv_cache_dtype, cp_size, cp_min_tokens, max(1, len(prompts)),
-                     sum(map(len, prompts)))
+                     sum(map(len, prompts)), block_size)
     return launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, **extra}, run, results)
 
 

@@ -68,10 +68,20 @@ def token_ids(text):
 REPLY_OPENS = {False: token_ids("<｜Assistant｜></think>"), True: token_ids("<｜Assistant｜><think>")}
 
 
+V4_CACHE_LINE = (r"KV cache per attention-DP rank: (\d+) blocks x 64 tokens = (\d+) tokens, ([0-9.]+) MiB of "
+                 r"compressed entries and indexer keys .*, and 1 sequence slot \(.*\), ([0-9.]+) MiB \(auto\)")
+
+
 @pytest.mark.slow
 def test_demo_json(demo):
-    proc = dsrun(demo, "--prompt", "介绍下北京故宫", "--max-new-tokens", "5", "--json")
+    """The demo (V4, 16 ranks) with its cache sized in bytes, in blocks of 64: the start-up line gives the blocks
+    and the sequence slots carved from the budget."""
+    budget = 8 << 20
+    proc = dsrun(demo, "--prompt", "介绍下北京故宫", "--max-new-tokens", "5", "--json", "--kv-cache-memory-bytes",
+                 budget, "--block-size", "64")
     assert proc.returncode == 0, proc.stderr
+    blocks, tokens, blocks_mib, slot_mib = re.search(V4_CACHE_LINE, proc.stderr).groups()
+    assert int(tokens) == 64 * int(blocks) > 0 and (float(blocks_mib) + float(slot_mib)) * 2**20 <= budget
     out = json.loads(proc.stdout)
     assert "RANDOM weights" in proc.stderr
     (ids,) = out["prompt_token_ids"]
@@ -233,8 +243,8 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     (["--prompt", "hi"] * 17 + ["--cache-tokens", "6", "--max-new-tokens", "4"],
      "need 2 blocks of 16 tokens on one attention-DP rank, which exceed the KV cache's 1 (--cache-tokens 6)"),
     (["--prompt", "hi", "--block-size", "24"], "--block-size 24 must be a power of two from 1 to 1024"),
-    (["--prompt", "hi", "--kv-cache-memory-bytes", "4096"], "--kv-cache-memory-bytes is not available for "
-                                                           "deepseek_v4"),
+    (["--prompt", "hi", "--kv-cache-memory-bytes", "4096"],
+     "--kv-cache-memory-bytes 4096 holds less than one block of the KV cache after 1 sequence slot of "),
     (["--prompt", "hi", "--world-size", "8"], "does not match the shards' world size 16"),
     (["--prompt", "hi", "--device", "npu"], "torch_npu"),
     (["--prompt", "hi", "--dtype", "float16"], "--dtype"),
@@ -316,8 +326,9 @@ def test_perplexity_json_on_the_demo(demo, tmp_path):
     text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
     (tmp_path / "t.txt").write_text(text)
     proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
-                 command="perplexity", tmpdir=tmp_path)
+                 "--kv-cache-memory-bytes", 4 << 20, command="perplexity", tmpdir=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert re.search(V4_CACHE_LINE.replace("x 64 tokens", "x 16 tokens"), proc.stderr), proc.stderr
     assert list(tmp_path.glob("dsrun-*")) == []
     out = json.loads(proc.stdout)
     n = len(Tokenizer.from_file(str(demo / "tokenizer.json")).encode(text, add_special_tokens=False).ids)

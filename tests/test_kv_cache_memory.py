@@ -4,14 +4,17 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE, family_for
 from dsconv.family.deepseek_v3 import cache_fields
+from dsconv.family.deepseek_v4 import AttnType
 from dsconv.family.layout import Layout
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.engine.config import CacheConfig, RunConfig
+from dsconv.errors import InputError
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.sizes import CACHE_DTYPE, kv_cache_bytes_per_token
@@ -44,33 +47,29 @@ def test_v3_live_cache_bytes_per_token_equal_the_plan(tiny_source, tmp_path):
             assert live == cache.bytes_per_token
 
 
-def test_v4_live_state_bytes_against_the_plan(tiny_source, tmp_path):
-    """V4 keeps compressed entries (one per `ratio` tokens), a sliding window and compressor state per sequence:
-    after a sequence of several windows, the live entries and windows against the plan's per-token and window
-    figures, and the compressor state within the plan's bound (it counts a full unfinished window)."""
-    model, cfg, new_cache, family = _model(tiny_source, tmp_path, "deepseek_v4")
-    tokens = 8 * max(cfg.sliding_window, *cfg.compress_ratios) + 3  # mid-window: some rows pending
-    cache = new_cache(tokens)
-    ids = torch.randint(2, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.inference_mode():
-        Steps(cache).forward(model, [(0, ids)])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_v4_cache_bytes_against_the_plan(tiny_source, tmp_path, block_size):
+    """V4's cache tensors are all its storage: blocks of compressed entries and indexer keys, and sequence slots
+    (windows, compressor state). A block's bytes equal the plan's per-token figures over the block's tokens, but
+    for a group whose ratio is past the block size, which keeps one whole entry per block (its entries live in
+    the block of their window's last token); a slot's bytes equal the plan's per-sequence figures."""
+    _, cfg, new_cache, family = _model(tiny_source, tmp_path, "deepseek_v4")
+    cache = new_cache(4 * block_size, block_size=block_size, max_seqs=3)
     itemsize = cache.dtype.itemsize
-    entries = windows = state = 0
-    for layer in cache.states[0]:
-        windows += layer.window.numel() * itemsize
-        for compressor in (layer.compressor, layer.indexer):
-            if compressor is None:
-                continue
-            entries += compressor.entries.numel() * itemsize
-            carried = [t for t in (compressor.kv, compressor.gate, compressor.prev_kv, compressor.prev_gate)
-                       if t is not None]
-            # the plan counts every carried value at the entry size (the gates are float32 here)
-            state += sum(t.numel() for t in carried) * itemsize
-    per_token = sum(family.kv_cache_bytes_per_token(cfg, itemsize).values())
-    per_sequence = family.kv_cache_bytes_per_sequence(cfg, itemsize)
-    assert abs(entries / (tokens * per_token) - 1) <= PLAN_TOLERANCE, (entries, tokens * per_token)
-    assert windows == per_sequence["sliding window"]
-    assert 0 < state <= per_sequence["compressor state"]
+    per_block = 0
+    for ratio, attn_type in zip(cfg.compress_ratios, cfg.attn_types):
+        if attn_type is AttnType.SLIDING:
+            continue
+        dims = cfg.head_dim + (cfg.index_head_dim if attn_type is AttnType.CSA else 0)
+        per_block += dims * itemsize * max(block_size, ratio) // ratio
+    planned = sum(family.kv_cache_bytes_per_token(cfg, itemsize).values())
+    if block_size >= max(cfg.compress_ratios):
+        assert per_block == planned * block_size  # every group's entries fill their blocks
+    else:
+        assert per_block > planned * block_size
+    assert cache.bytes_per_block == per_block
+    assert cache.bytes_per_seq == sum(family.kv_cache_bytes_per_sequence(cfg, itemsize).values())
+    assert sum(t.nbytes for t in cache.tensors()) == 4 * per_block + 3 * cache.bytes_per_seq
 
 
 def test_int8_cache_holds_more_tokens_in_the_same_bytes(tiny_source, tmp_path):
@@ -106,7 +105,32 @@ def test_byte_budget_on_an_npu_holds_the_idle_rank_block(tiny_source, tmp_path):
     _model(tiny_source, tmp_path, "deepseek_v32")
     runs = {device: RunConfig.open(tmp_path / "deepseek_v32-shards", dtype="float32", device=device,
                                    cache=CacheConfig(memory_bytes=1 << 20)) for device in ("cpu", "npu")}
-    per_block = runs["cpu"].bytes_per_token * BLOCK_SIZE
-    assert runs["npu"].bytes_per_token == runs["cpu"].bytes_per_token
+    per_block, per_seq = runs["cpu"].cache_bytes
+    assert runs["npu"].cache_bytes == runs["cpu"].cache_bytes and per_seq == 0
     assert runs["cpu"].cache_blocks == (1 << 20) // per_block == runs["npu"].cache_blocks + 1
     assert (runs["npu"].cache_blocks + 1) * per_block <= 1 << 20
+
+
+def test_v4_byte_budget_carves_slots_then_blocks(tiny_source, tmp_path):
+    """--kv-cache-memory-bytes for V4: the sequence slots (one per --max-num-seqs) come first, the blocks take the
+    rest; a budget short of one block after the slots is one line naming the least that works."""
+    _model(tiny_source, tmp_path, "deepseek_v4")
+    shards = tmp_path / "deepseek_v4-shards"
+
+    def run(budget: int, max_num_seqs: int = 4) -> RunConfig:
+        return RunConfig.open(shards, dtype="float32", cache=CacheConfig(memory_bytes=budget),
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+
+    per_block, per_seq = run(1 << 30).cache_bytes
+    assert per_block > 0 and per_seq > 0
+    budget = 4 * per_seq + 10 * per_block + per_block // 2
+    assert run(budget).cache_blocks == 10
+    assert run(budget + per_seq, max_num_seqs=5).cache_blocks == 10
+    least = 4 * per_seq + per_block
+    assert run(least).cache_blocks == 1
+    with pytest.raises(InputError, match=f"holds less than one block of the KV cache after 4 sequence slots of "
+                                         f"{per_seq} bytes.*at least {least} bytes"):
+        run(least - 1)
+    summary = run(budget).cache_summary()
+    assert summary.startswith(f"KV cache per attention-DP rank: 10 blocks x 16 tokens = 160 tokens, ") and \
+        "4 sequence slots" in summary

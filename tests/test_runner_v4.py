@@ -9,7 +9,11 @@ from transformers import AutoModelForCausalLM
 from dsconv.family.deepseek_v4 import AttnType, parse_config
 from dsconv.errors import InputError
 from dsconv.runner.models import step as step_module
-from dsconv.runner.models.v4_state import V4Cache
+from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.v4_cache import V4Cache
 from dsconv.runner.models.dist import Dist
 from tests.helpers import greedy
 from dsconv.runner.models.deepseek_v4 import DeepseekV4
@@ -84,25 +88,31 @@ def prompt(vocab, n, seed):
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_greedy_tokens_equal_transformers_generate(pair):
+BLOCK_SIZES = [16, 64]  # the default, and one past the sliding window and several CSA windows
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_greedy_tokens_equal_transformers_generate(pair, block_size):
     model, cfg, reference, _ = pair
     ids = prompt(cfg.vocab_size, GEN_PROMPT_LEN, seed=1)
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        got = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
+        got = greedy(model, V4Cache(cfg, 512, torch.float32, block_size=block_size), [ids], NEW_TOKENS,
+                     eos_id=None)[0]
     assert GEN_PROMPT_LEN < 2 * cfg.hca_compress_rate <= GEN_PROMPT_LEN + NEW_TOKENS
     assert got == expected
 
 
-def test_steps_of_any_size_equal_one_whole_forward(pair):
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_steps_of_any_size_equal_one_whole_forward(pair, block_size):
     """A sequence fed in uneven chunks (one token, a partial window, several whole windows) continues its
     decode state exactly: each chunk's logits equal the same rows of one forward over the whole sequence."""
     model, cfg, _, _ = pair
     ids = torch.tensor(prompt(cfg.vocab_size, 2 * cfg.hca_compress_rate + 5, seed=3))
     chunks = [1, 3, 2 * cfg.csa_compress_rate + 1, cfg.sliding_window + 7, cfg.hca_compress_rate, 1, 1]
     chunks.append(ids.shape[0] - sum(chunks))
-    runner = Steps(V4Cache(cfg, ids.shape[0], torch.float32))
+    runner = Steps(V4Cache(cfg, ids.shape[0], torch.float32, block_size=block_size))
     with torch.no_grad():
         whole = forward_full(model, ids)
         stepped = []
@@ -111,13 +121,14 @@ def test_steps_of_any_size_equal_one_whole_forward(pair):
     assert torch.allclose(torch.cat(stepped), whole, atol=1e-4, rtol=0)
 
 
-def test_sequences_with_different_chunks_in_the_same_steps(pair):
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_sequences_with_different_chunks_in_the_same_steps(pair, block_size):
     """Two sequences share every step, each with its own chunk sizes and state (one of them idle for a step):
     each one's logits equal its own whole forward."""
     model, cfg, _, _ = pair
     ids = [torch.tensor(prompt(cfg.vocab_size, n, seed=n)) for n in (37, cfg.hca_compress_rate + 22)]
     chunks = [(30, 3), (1, cfg.hca_compress_rate), (0, 2), (6, 17)]  # (first, second) new tokens per step
-    runner = Steps(V4Cache(cfg, 512, torch.float32))
+    runner = Steps(V4Cache(cfg, 512, torch.float32, block_size=block_size))
     got, done = [[], []], [0, 0]
     with torch.no_grad():
         for step in chunks:  # an idle sequence is not in the step's batch, as the scheduler leaves it out
@@ -140,7 +151,7 @@ def test_finished_sequences_give_their_room_back(pair):
     cache = V4Cache(cfg, 64, torch.float32)
     with torch.no_grad():
         first = greedy(model, cache, [prompt(cfg.vocab_size, 40, seed=4)], 8, eos_id=None)
-        assert not cache.states and not cache.lengths
+        assert not cache.slots and not cache.lengths and len(cache.free_slots) == cache.max_seqs
         greedy(model, cache, [prompt(cfg.vocab_size, 50, seed=5)], 8, eos_id=None)  # 58 of 64 fits only now
     assert len(first[0]) == 8
 
@@ -159,8 +170,10 @@ def test_batched_step_equals_each_sequence_alone(pair):
         assert empty.forward(model, []).shape == (0, cfg.vocab_size)
 
 
-@pytest.mark.parametrize("gather_rows", [step_module.DECODE_GATHER_ROWS, 16], ids=["one-group", "groups"])
-def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch):
+@pytest.mark.parametrize("gather_rows,block_size", [(step_module.DECODE_GATHER_ROWS, 16), (16, 16),
+                                                    (step_module.DECODE_GATHER_ROWS, 64)],
+                         ids=["one-group", "groups", "one-group-block-64"])
+def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, block_size, monkeypatch):
     """Steps whose one-row sequences (attended together, keys padded to the longest) sit between prefill
     chunks: each sequence's logits at every step equal its own run and its whole forward (the prefill path).
 
@@ -181,7 +194,7 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
 
     def run(steps):
         """Runs steps of (seq_id, tokens) on a new cache -> per step, each sequence's last-row logits."""
-        runner, out = Steps(V4Cache(cfg, 1024, torch.float32)), []
+        runner, out = Steps(V4Cache(cfg, 1024, torch.float32, block_size=block_size)), []
         for step in steps:
             inputs = runner.inputs(step)
             with torch.no_grad():
@@ -201,8 +214,8 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
 
 
 def test_cache_capacity_and_release(pair):
-    """The state's room is the block pool's, in whole blocks (16 tokens here: one block); releasing a sequence
-    frees its blocks and drops its state."""
+    """The cache's room is the block pool's, in whole blocks (16 tokens here: one block); releasing a sequence
+    frees its blocks and its sequence slot."""
     _, cfg, _, _ = pair
     runner = Steps(V4Cache(cfg, 16, torch.float32))
     runner.inputs([(0, [2] * 6)])
@@ -210,21 +223,23 @@ def test_cache_capacity_and_release(pair):
         runner.inputs([(1, [2] * 5)])
     runner.release(0)
     runner.inputs([(1, [2] * 5)])
-    assert list(runner.cache.states) == [1]
+    assert list(runner.cache.slots) == [1] and len(runner.cache.free_slots) == runner.cache.max_seqs - 1
 
 
 @pytest.mark.slow
-def test_world_16_same_tokens_as_world_1(pair, tiny_source, tmp_path):
-    """EP16 + lm_head TP16 through dsrun's rank_main, three prompts of different lengths on different attention-DP
-    ranks (13 ranks have none and run zero-token steps); the longest completes an HCA entry and crosses 8
-    sliding windows, the shortest no CSA window before decoding."""
-    model, cfg, _, _ = pair
+def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
+    """EP16 + lm_head TP16 through dsrun's rank_main, in blocks of 64 tokens (world 16's other V4 runs use the
+    default 16), three prompts of different lengths on different attention-DP ranks (13 ranks have none and run
+    zero-token steps); the longest completes an HCA entry and crosses 8 sliding windows and two blocks, the
+    shortest no CSA window before decoding: each one's tokens equal transformers'."""
+    _, cfg, reference, _ = pair
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (3, cfg.hca_compress_rate + 2, 20)]
     shards = tmp_path / "w16"
     shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
-    got = run_ranks(shards, tmp_path, prompts)
+    got = run_ranks(shards, tmp_path, prompts, block_size=64)
     with torch.no_grad():
-        want = greedy(model, V4Cache(cfg, 256, torch.float32), prompts, DIST_NEW_TOKENS, eos_id=None)
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=DIST_NEW_TOKENS, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(t) == DIST_NEW_TOKENS for t in want)
     assert got == want
 
@@ -255,3 +270,74 @@ def test_w8a8_logits_close_to_bf16(pair, w8a8_source, tmp_path):
           f"equal for the first {agree} of {NEW_TOKENS} ({sum(a == b for a, b in zip(got, want))} positionwise)")
     assert similarity >= W8A8_COSINE_MIN
     assert agree >= W8A8_AGREEMENT_MIN
+
+
+def _tensors(obj, seen=None) -> dict[int, torch.Tensor]:
+    """Every tensor reachable from obj's attributes, lists and dicts, by id."""
+    seen = {} if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        seen[id(obj)] = obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _tensors(item, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors(item, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for item in vars(obj).values():
+            _tensors(item, seen)
+    return seen
+
+
+def test_cache_storage_is_allocated_once_and_the_pool_empties(pair):
+    """The engine runs two requests of n = 2 samples (forked caches sharing full blocks) in a cache too small for
+    all (preemption): after every step the cache holds exactly the tensors it allocated at start-up, at the same
+    addresses, and once all finish every block and sequence slot is free again."""
+    model, cfg, _, _ = pair
+    cache = V4Cache(cfg, 96, torch.float32, max_seqs=4)
+    allocated = {id(t): t.data_ptr() for t in cache.tensors()}
+    assert {id(t) for t in _tensors(cache).values()} == set(allocated)
+    core = new_engine(model, cache, Dist(), vocab_size=cfg.vocab_size, max_model_len=4096, eos_token_id=None,
+                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
+    s = core.scheduler
+    for i, n in enumerate((21, 30)):
+        s.add(str(i), prompt(cfg.vocab_size, n, seed=n), SamplingParams(max_tokens=12, temperature=1.0, seed=i, n=2),
+              None)
+    finished = 0
+    while s.has_work:
+        finished += sum(out.finished for _, out in core.step())
+        live = _tensors(cache)
+        assert {i: t.data_ptr() for i, t in live.items()} == allocated
+    assert finished == 4 and s.preemptions > 0
+    pool = s.pools[0]
+    assert len(pool.free) == pool.num_blocks == cache.num_blocks and not pool.tables
+    # the rank's cache forgets the last finished sequences with the next step's batch, as it does every release
+    assert set(cache.slots) == set(s.releases[0])
+    core.worker.inputs(Batch(releases=s.releases[0]))
+    assert not cache.slots and not cache.lengths and len(cache.free_slots) == cache.max_seqs
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_engine_tokens_equal_transformers(pair, block_size):
+    """dsrun's engine on the paged cache: a token budget that cuts prompts mid-window and mid-block (chunked
+    prefill, decodes beside prefills), n = 3 greedy samples of one prompt (forked caches sharing its full blocks),
+    and a cache too small for all (preemption, recompute): every sample's tokens equal transformers' generate."""
+    model, cfg, reference, _ = pair
+    lengths = (37, cfg.hca_compress_rate + 23, 2 * cfg.sliding_window + 9)
+    prompts = [prompt(cfg.vocab_size, n, seed=100 + n) for n in lengths]
+    new_tokens = 8
+    with torch.no_grad():
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    cache = V4Cache(cfg, 160, torch.float32, block_size=block_size, max_seqs=5)  # the longest alone fits
+    core = new_engine(model, cache, Dist(), vocab_size=cfg.vocab_size, max_model_len=4096, eos_token_id=None,
+                      scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=23))
+    s = core.scheduler
+    for i, p in enumerate(prompts):
+        s.add(str(i), p, SamplingParams(max_tokens=new_tokens, n=3 if i == 0 else 1), None)
+    got: dict[tuple[str, int], list[int]] = {}
+    while s.has_work:
+        for _, out in core.step():
+            got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    assert s.preemptions > 0
+    assert got == {(str(i), j): want[i] for i in range(len(prompts)) for j in range(3 if i == 0 else 1)}

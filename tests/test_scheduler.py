@@ -518,3 +518,20 @@ def test_top_p_is_compared_in_float32_as_the_reference_does():
     spec = SampleSpec(1.0, 0.9, 0, seed=10, index=0, logprobs=None)
     assert uniform(spec.seed, spec.index) > 0.95
     assert reference_sample(logits[0], spec) == 0 and sample(logits, [spec]).tolist() == [0]
+
+
+def test_samples_not_yet_forked_count_against_max_num_seqs():
+    """A running request of n samples holds room for all n before they fork: later requests wait rather than
+    leave its samples without room (a V4 cache has one sequence slot per --max-num-seqs)."""
+    s = scheduler(max_num_seqs=4)
+    s.add("p", list(range(10)), greedy(3, n=3), None)
+    s.add("q", list(range(5)), greedy(3), None)
+    s.add("r", list(range(5)), greedy(3), None)
+    most = 0
+
+    def seen(step):
+        nonlocal most
+        most = max(most, sum(r.seqs for r in s.running[0]))
+
+    outputs = run(s, seen)
+    assert most <= 4 and set(outputs) == {"p", "q", "r"}

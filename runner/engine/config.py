@@ -84,34 +84,50 @@ class RunConfig:
             return
         if cache.memory_bytes < 1:
             raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} must be at least 1")
-        if self.bytes_per_token is None:
-            raise InputError(f"--kv-cache-memory-bytes is not available for {self.family.name} (its windows and "
-                             f"compressor state are kept per sequence, not in blocks): size it with --cache-tokens")
         if self.cache_blocks < 1:
-            raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds less than one block of the KV cache:"
-                             f" one block of {cache.block_size} tokens takes {self.bytes_per_token * cache.block_size}"
-                             f" bytes ({self.cache.dtype}, {self.dtype})")
+            per_block, per_seq = self.cache_bytes
+            slots = f" after {_slots(self.seq_slots)} of {per_seq} bytes" if per_seq else ""
+            raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds less than one block of the KV cache"
+                             f"{slots}: one block of {cache.block_size} tokens takes {per_block} bytes "
+                             f"({self.cache.dtype}, {self.dtype}); at least {self.bytes_for(1)} bytes")
 
     @cached_property
-    def bytes_per_token(self) -> int | None:
-        """The bytes one token's KV-cache entries take on one attention-DP rank, every layer (None: the family's
-        cache is not sized in bytes)."""
+    def cache_bytes(self) -> tuple[int, int]:
+        """(bytes of one block, bytes of one sequence slot) of one attention-DP rank's KV cache, every layer: the
+        blocks hold what grows with the tokens, the slots what a running sequence keeps whatever its length
+        (DeepSeek-V4's windows and compressor state; nothing for V3's latent cache)."""
         # the cache's dtype rule tells only CPU from the rest: "meta" stands for an accelerator here, so the parent
         # need not load its backend (a missing torch_npu is the launcher's one line, not a traceback here)
         device = "cpu" if self.device == "cpu" else "meta"
-        return model_for(self.family.name).bytes_per_token(self.family.parse_config(self.model_config),
-                                                           DTYPES[self.dtype], device, self.cache.dtype)
+        return model_for(self.family.name).cache_bytes(self.family.parse_config(self.model_config),
+                                                       DTYPES[self.dtype], device, self.cache.dtype,
+                                                       self.cache.block_size)
+
+    @property
+    def _idle(self) -> int:
+        """On an NPU the cache allocates one block (and slot) more, for an idle rank's throwaway token
+        (kv_cache.LatentCache.dummy_block): a byte budget holds those too."""
+        return 1 if self.device == NPU_DEVICE_TYPE else 0
+
+    @property
+    def seq_slots(self) -> int:
+        """The sequence slots the cache allocates: one per sequence a DP rank runs at once, and the idle one."""
+        return self.scheduler.max_num_seqs + self._idle
+
+    def bytes_for(self, blocks: int) -> int:
+        """The --kv-cache-memory-bytes that holds `blocks` blocks, with the slots and the idle block."""
+        per_block, per_seq = self.cache_bytes
+        return (blocks + self._idle) * per_block + self.seq_slots * per_seq
 
     @property
     def cache_blocks(self) -> int:
         """The blocks one attention-DP rank's KV cache has: --cache-tokens rounded up to whole blocks, or the whole
-        blocks --kv-cache-memory-bytes holds. On an NPU the cache allocates one block more, for an idle rank's
-        throwaway token (kv_cache.LatentCache.dummy_block): the budget holds that one too."""
+        blocks --kv-cache-memory-bytes holds once the sequence slots are carved from it."""
         cache = self.cache
         if cache.memory_bytes is None:
             return cache_blocks(cache.tokens, cache.block_size)
-        idle_block = 1 if self.device == NPU_DEVICE_TYPE else 0
-        return max(0, cache.memory_bytes // (self.bytes_per_token * cache.block_size) - idle_block)
+        per_block, per_seq = self.cache_bytes
+        return max(0, (cache.memory_bytes - self.seq_slots * per_seq) // per_block - self._idle)
 
     @property
     def cache_tokens(self) -> int:
@@ -128,16 +144,20 @@ class RunConfig:
             blocks = cache_blocks(max_model_len, cache.block_size)
             raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds {self.cache_tokens} tokens, fewer "
                              f"than --max-model-len {max_model_len}: one such request needs at least "
-                             f"{blocks * cache.block_size * self.bytes_per_token} bytes ({blocks} blocks of "
-                             f"{cache.block_size} tokens)")
+                             f"{self.bytes_for(blocks)} bytes ({blocks} blocks of {cache.block_size} tokens)")
 
     def cache_summary(self) -> str:
         """The KV cache in one line, for the start-up output."""
         blocks, size = self.cache_blocks, self.cache.block_size
-        line = f"KV cache per attention-DP rank: {blocks} blocks x {size} tokens = {blocks * size} tokens"
-        if self.bytes_per_token is None:
-            return line + f" ({self.family.name}: a state per sequence, not sized in bytes)"
-        return line + f", {blocks * size * self.bytes_per_token / 2**20:.1f} MiB ({self.cache.dtype})"
+        per_block, per_seq = self.cache_bytes
+        line = (f"KV cache per attention-DP rank: {blocks} blocks x {size} tokens = {blocks * size} tokens, "
+                f"{blocks * per_block / 2**20:.1f} MiB")
+        if per_seq:
+            window = self.model_config.get("sliding_window")
+            line += (f" of compressed entries and indexer keys (every group holds each block's {size} tokens), and "
+                     f"{_slots(self.seq_slots)} (a {window}-token sliding window and the unfinished "
+                     f"compression windows each), {self.seq_slots * per_seq / 2**20:.1f} MiB")
+        return line + f" ({self.cache.dtype})"
 
     @property
     def layout(self) -> Layout:
@@ -163,3 +183,7 @@ class RunConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.model_config.get("eos_token_id")
+
+
+def _slots(n: int) -> str:
+    return f"{n} sequence slot{'s' if n != 1 else ''}"

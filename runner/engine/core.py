@@ -130,7 +130,8 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
     """On every rank, after the launcher's init_process_group: this rank's model from its shards, its KV cache as
     `run.cache` asks, and the engine around them."""
     dist, model, new_cache = start_rank(run)
-    cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size)  # every rank: the same blocks
+    # every rank: the same blocks, and a sequence slot for each sequence its DP rank may run
+    cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size, run.scheduler.max_num_seqs)
     max_model_len = resolve_max_model_len(run.max_model_len, run.max_position_embeddings,
                                           cache.num_blocks * cache.block_size)
     return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,

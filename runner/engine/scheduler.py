@@ -157,6 +157,11 @@ class Scheduler:
         horizon = max(1, max_tokens)
         return min(range(self.dp), key=lambda r: (self.load(r, horizon), -len(self.pools[r].free), r))
 
+    def seqs(self, rank: int) -> int:
+        """The sequences a DP rank's running requests run as, each request's n samples counted before they fork:
+        what --max-num-seqs bounds (and a cache's sequence slots hold)."""
+        return sum(r.seqs for r in self.running[rank])
+
     @property
     def has_work(self) -> bool:
         return any(self.waiting) or any(self.running)
@@ -191,7 +196,7 @@ class Scheduler:
                     budget -= self._feed(batch, pool, request, n)
                     scheduled += 1
             waiting = self.waiting[rank]
-            while waiting and budget > 0 and len(running) + waiting[0].seqs <= self.max_num_seqs:
+            while waiting and budget > 0 and self.seqs(rank) + waiting[0].seqs <= self.max_num_seqs:
                 request = waiting[0]
                 n = min(len(request.tokens) - request.num_computed, budget)
                 if pool.missing(request.seq_id, n) > len(pool.free):
@@ -241,7 +246,7 @@ class Scheduler:
         pool, rank = self.pools[request.dp_rank], request.dp_rank
         return (request.num_computed == 0 and not request.output and len(request.prompt) >= self.cp_min_tokens
                 and pool.missing(request.seq_id, len(request.prompt)) <= len(pool.free)
-                and len(self.running[rank]) + request.seqs <= self.max_num_seqs)
+                and self.seqs(rank) + request.seqs <= self.max_num_seqs)
 
     def _sample_spec(self, request: Request) -> SampleSpec | None:
         """What to draw once the request's tokens are all fed (None when it generates nothing)."""

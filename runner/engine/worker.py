@@ -16,11 +16,13 @@ from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
+from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, cp_positions, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import KVCache
 from dsconv.runner.models.step import (CPStep, DecodeRows, SeqStep, StepMeta, concat, gather_groups, lengths_mask,
                                        range_start)
+from dsconv.runner.models.v4_cache import V4Cache
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class InputBuilder:
         self.cache = cache
         self.device = cache.device
         self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [context] the slots of its positions so far
+        self.v4 = V4Inputs(cache) if isinstance(cache, V4Cache) else None  # DeepSeek-V4's cache groups
 
     def __call__(self, batch: Batch) -> StepInputs:
         """The batch checked as received (before anything is written), the samples forked since the last step
@@ -64,6 +67,8 @@ class InputBuilder:
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
         self.context_slots.pop(seq_id, None)
+        if self.v4 is not None:
+            self.v4.release(seq_id)
 
     def _ids(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
@@ -72,7 +77,7 @@ class InputBuilder:
         """The step's metadata: positions, slots, each sequence's context (and, paged, its slots and causal mask),
         the decode groups; a context-parallel share's own."""
         if batch.cp is not None:
-            if not self.cache.paged:
+            if self.v4 is not None:
                 raise ValueError(f"invalid step batch: {type(self.cache).__name__} has no context-parallel prefill")
             return self._cp_meta(batch.cp)
         seqs, positions = [], []
@@ -81,10 +86,10 @@ class InputBuilder:
             start = context - (stop - row)
             self.cache.advance(seq_id, start, context)
             positions.append(torch.arange(start, context, device=self.device))
-            seqs.append(self._seq(batch, i) if self.cache.paged else SeqStep(seq_id, row, stop, context))
+            seqs.append(self._seq(batch, i) if self.v4 is None else SeqStep(seq_id, row, stop, context))
         flat = concat(positions, self.device)
-        if not self.cache.paged:  # a state per request (DeepSeek-V4): no slots, a token is its position
-            return StepMeta(seqs, flat, flat)
+        if self.v4 is not None:  # DeepSeek-V4: its cache groups' own metadata
+            return StepMeta(seqs, flat, flat, v4=self.v4(batch, seqs))
         step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
         return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs))
 

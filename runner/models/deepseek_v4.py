@@ -13,26 +13,25 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
 - MoE scores experts with sqrt(softplus) (plus a bias for the choice), or by a fixed token -> expert table
   on the first `num_hash_layers` layers; expert and shared SwiGLUs clamp at `swiglu_limit`.
 
-Decode continues from per-request state (runner/models/v4_state.py): the sliding window's keys, each compressor's
-emitted entries and unfinished window, the indexer's keys. Prefill starts from an empty state, so a prompt fed
-in chunks of any size and the tokens after it continue one state; a chunk of several rows attends alone
-(`Attention.keys`), a step's one-row sequences together (`Attention.decode`). Attention TP is future work
-(attention runs DP).
+Each step continues what the cache (runner/models/v4_cache.py) holds for a sequence: the sliding window's keys
+and each compressor's unfinished window in its sequence slot, the compressed entries and the indexer's keys in its
+blocks, where the step's metadata (step.V4Step) says. A prompt fed in chunks of any size and the tokens after it
+continue one sequence; a chunk of several rows attends alone (`Attention.prefill`), a step's one-row sequences
+together (`Attention.decode`, batched over the gathered caches). Attention TP is future work (attention runs DP).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from dsconv.family.deepseek_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.step import SeqStep, StepMeta, cat_rows, gather_groups, lengths_mask, pad_rows, rows_from
-from dsconv.runner.models.v4_state import CompressorState, LayerState, V4Cache
+from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4Step
+from dsconv.runner.models.v4_cache import CompressorPool, LayerPool, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.models.moe import expert_parallel
@@ -67,7 +66,8 @@ class Compressor:
     """Pools every `ratio` tokens into one key (= value) entry: a softmax over the window of learned gates
     (plus the per-slot bias `ape`) weighs the projected tokens, per dim. Overlapping (CSA) compressors emit
     two series per token: entry w pools window w-1's first series with window w's second, 2 * ratio slots.
-    Only whole windows are pooled; entry w is rotated at position w * ratio."""
+    Only whole windows are pooled; entry w is rotated at position w * ratio. The unfinished window's rows wait in
+    the sequence's slot of the cache (v4_cache.CompressorPool), the entries in its blocks."""
 
     def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, head_dim: int, overlap: bool,
                  rope: Rope, dtype: torch.dtype):
@@ -78,56 +78,59 @@ class Compressor:
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (any sequences' rows) -> each row's (kv, gate + its window slot's bias), [T, series *
-        head_dim]: what __call__ pools."""
+        head_dim]: what `prefill` and `decode` pool."""
         return self.wkv(x), self.wgate(x).float() + self.ape[positions % self.ratio]
 
-    def __call__(self, new_kv: torch.Tensor, new_gate: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """One sequence's projected rows (`project`) at consecutive positions, the state's next -> every entry so
-        far [n, head_dim]. The new rows join the unfinished window; each window they complete is pooled into one
-        entry."""
+    def prefill(self, pool: CompressorPool, state: int, start: int, new_kv: torch.Tensor, new_gate: torch.Tensor,
+                slots: torch.Tensor | None) -> torch.Tensor | None:
+        """One sequence's projected rows (`project`) at positions start, start + 1, ..., in sequence slot `state`;
+        slots [n]: where its entries 0 .. n - 1 live once these rows are in -> those entries [n, head_dim] (None
+        when there is none yet). The new rows join the unfinished window's; each window they complete is pooled
+        into its entry."""
         ratio, d = self.ratio, self.head_dim
-        kv = cat_rows([state.kv, new_kv])
-        gate = cat_rows([state.gate, new_gate])
-        n = kv.shape[0] // ratio
-        if n == 0:  # the window is still filling: keep the new tensors (fewer than ratio rows) as they are
-            state.kv, state.gate = kv, gate
-            return state.entries
-        state.kv, state.gate = rows_from(kv, n * ratio), rows_from(gate, n * ratio)
-        kv, gate = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
-        prev_kv = prev_gate = None
-        if self.overlap:  # each window after the previous one's first series (the state's, for the first)
-            prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
-            prev_gate = torch.cat([state.prev_gate[None], gate[:-1, :, :d]])
-            state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
-        index = torch.arange(state.count, state.count + n, device=kv.device)
-        return state.append(self.pool(kv, gate, prev_kv, prev_gate, index))
-
-    def decode(self, new_kv: torch.Tensor, new_gate: torch.Tensor, states: list[CompressorState]
-               ) -> list[torch.Tensor]:
-        """One projected row for each of B sequences ([B, series * head_dim], `project`), continuing states[i]
-        -> each sequence's entries so far. What __call__ does per sequence; the windows these rows complete are
-        pooled in one call."""
-        done: list[CompressorState] = []
-        for state, kv_row, gate_row in zip(states, new_kv, new_gate):
-            state.kv = cat_rows([state.kv, kv_row[None]])
-            state.gate = cat_rows([state.gate, gate_row[None]])
-            if state.kv.shape[0] == self.ratio:
-                done.append(state)
-        if done:
-            d = self.head_dim
-            kv, gate = torch.stack([s.kv for s in done]), torch.stack([s.gate for s in done])  # [b, ratio, width]
+        base = start // ratio * ratio  # the unfinished window's first position
+        ring = state * ratio  # the slot's first row: position p at ring + p % ratio
+        kv, gate = new_kv, new_gate
+        if start > base:  # the window's rows from earlier steps
+            kv = torch.cat([pool.kv[ring:ring + start - base], new_kv])
+            gate = torch.cat([pool.gate[ring:ring + start - base], new_gate])
+        n = kv.shape[0] // ratio  # windows completed
+        if n:
+            windows, gates = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
             prev_kv = prev_gate = None
-            if self.overlap:
-                prev_kv = torch.stack([s.prev_kv for s in done])
-                prev_gate = torch.stack([s.prev_gate for s in done])
-            index = torch.tensor([s.count for s in done], device=kv.device)
-            entries = self.pool(kv, gate, prev_kv, prev_gate, index)
-            for j, state in enumerate(done):
-                if self.overlap:  # copies, as __call__ keeps them: not views holding the whole stack
-                    state.prev_kv, state.prev_gate = kv[j, :, :d].clone(), gate[j, :, :d].clone()
-                state.kv, state.gate = state.kv.new_empty(0, kv.shape[2]), state.gate.new_empty(0, gate.shape[2])
-                state.append(entries[j:j + 1])
-        return [state.entries for state in states]
+            if self.overlap:  # each window after the previous one's first series (the slot's, for the first)
+                prev_kv = torch.cat([pool.prev_kv[state][None], windows[:-1, :, :d]])
+                prev_gate = torch.cat([pool.prev_gate[state][None], gates[:-1, :, :d]])
+                pool.prev_kv[state], pool.prev_gate[state] = windows[-1, :, :d], gates[-1, :, :d]
+            first = base // ratio
+            index = torch.arange(first, first + n, device=kv.device)
+            pool.entries.index_copy_(0, slots[first:first + n], self.pool(windows, gates, prev_kv, prev_gate, index))
+        rest = kv.shape[0] - n * ratio  # the rows of the window still filling, at the slot's first rows
+        if rest:
+            pool.kv[ring:ring + rest], pool.gate[ring:ring + rest] = kv[n * ratio:], gate[n * ratio:]
+        return None if slots is None else torch.index_select(pool.entries, 0, slots)
+
+    def decode(self, pool: CompressorPool, group: V4Decode, entries: V4Entries, new_kv: torch.Tensor,
+               new_gate: torch.Tensor) -> None:
+        """One projected row for each of the group's B sequences ([B, series * head_dim], `project`) into its slot's
+        unfinished window; the windows these rows complete (entries.pool_rows) are pooled in one call, their
+        entries written to their blocks."""
+        ratio, d = self.ratio, self.head_dim
+        ring = group.state * ratio + group.positions % ratio
+        pool.kv.index_copy_(0, ring, new_kv)
+        pool.gate.index_copy_(0, ring, new_gate)
+        if entries.pool_rows is None:
+            return
+        states = group.state[entries.pool_rows]  # [k]
+        rows = (states[:, None] * ratio + torch.arange(ratio, device=states.device)).flatten()
+        kv = torch.index_select(pool.kv, 0, rows).view(-1, ratio, pool.kv.shape[1])  # [k, ratio, width]
+        gate = torch.index_select(pool.gate, 0, rows).view(-1, ratio, pool.gate.shape[1])
+        prev_kv = prev_gate = None
+        if self.overlap:
+            prev_kv, prev_gate = pool.prev_kv[states], pool.prev_gate[states]
+            pool.prev_kv.index_copy_(0, states, kv[:, :, :d].contiguous())
+            pool.prev_gate.index_copy_(0, states, gate[:, :, :d].contiguous())
+        pool.entries.index_copy_(0, entries.pool_slots, self.pool(kv, gate, prev_kv, prev_gate, entries.pool_index))
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
              prev_gate: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
@@ -162,36 +165,35 @@ class Indexer:
         head_weights = self.weights_proj(x).float() * heads**-0.5
         return q, head_weights, *self.compressor.project(x, positions)
 
-    def select(self, q, head_weights, new_kv, new_gate, complete: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """One sequence's projected rows (`project`), complete [T, n] bool (entry s pools only tokens <= t) ->
-        chosen [T, n] bool."""
+    def select(self, q, head_weights, keys: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the queries and head weights (`project`), its compressed keys [n, dim], complete
+        [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
         dim = self.cfg.index_head_dim
-        keys = self.compressor(new_kv, new_gate, state)  # [n, dim]
         scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
         top = topk_lowest_index(index, self.cfg.index_topk)  # ties: the lowest entry
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
-    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys: list[torch.Tensor]
-                      ) -> list[torch.Tensor]:
-        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys[i] [n_i, dim] the
-        sequence's compressed keys with this row pooled (all complete for it) -> per sequence the indices of its
-        chosen entries [min(n_i, index_topk)], ascending: what `select` chooses for the row, scored in one call
-        over the keys padded to the longest (a padded entry scores -inf). Exact ties (relu's zeros) break by
-        entry order as in `select`; a GEMM whose blocking changes with the padded length may round a near-tie
-        the other way, as any change of batch can on an accelerator."""
-        dim, counts = self.cfg.index_head_dim, [k.shape[0] for k in keys]
-        if max(counts) == 0:
-            return [torch.empty(0, dtype=torch.long, device=q.device) for _ in keys]
-        padded = pad_rows(keys).float()  # [B, n, dim]
-        valid = lengths_mask(counts, q.device)  # [B, n]
-        scores = F.relu(torch.matmul(q.float(), padded.transpose(1, 2))) * dim**-0.5  # [B, heads, n]
-        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
-        top = topk_lowest_index(index, self.cfg.index_topk)  # ties as `select`
-        top = top.masked_fill(~valid.gather(1, top), padded.shape[1])
-        top = top.sort(dim=-1).values  # entry order, padding last
-        return [t[:min(n, self.cfg.index_topk)] for t, n in zip(top, counts)]
+    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+                      valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys [B, n, dim] each
+        sequence's compressed keys with this row pooled (all complete for it), padded (valid [B, n]; None: none
+        is) -> (the chosen entries [B, min(n, index_topk)] in entry order, the padding last; True where one is
+        real). What `select` chooses for the row, in one call (a padded entry scores -inf, its pick is invalid).
+        Exact ties (relu's zeros) break by entry order as in `select`; a GEMM whose blocking changes with the
+        padded length may round a near-tie the other way, as any change of batch can on an accelerator."""
+        dim = self.cfg.index_head_dim
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * dim**-0.5  # [B, heads, n]
+        index = (scores * head_weights[..., None]).sum(dim=1)
+        if valid is None:
+            top = topk_lowest_index(index, self.cfg.index_topk).sort(dim=-1).values  # ties as `select`
+            return top, torch.ones_like(top, dtype=torch.bool)
+        top = topk_lowest_index(index.masked_fill(~valid, float("-inf")), self.cfg.index_topk)
+        # a padded pick sorts last: its index is pushed past every real one, then brought back in range
+        n = keys.shape[1]
+        picked = top.masked_fill(~valid.gather(1, top), n).sort(dim=-1).values
+        return picked.clamp(max=n - 1), picked < n
 
 
 class Attention:
@@ -214,12 +216,11 @@ class Attention:
         if attn_type is AttnType.CSA:
             self.indexer = Indexer(cfg, w, f"{prefix}.indexer", self.rope, dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep],
-                 states: list[LayerState]) -> torch.Tensor:
-        """x [T, hidden]: the step's rows, each sequence's (seqs[i].start .. stop) at consecutive positions
-        continuing its states[i] -> [T, hidden]. The projections run once over all rows; each sequence builds its
-        keys from its own state; a sequence's chunk of several rows attends alone, the one-row sequences (decode)
-        together, one call per group of them (`gather_groups`), over their keys padded to the longest."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, step: V4Step, pool: LayerPool) -> torch.Tensor:
+        """x [T, hidden]: the step's rows, each sequence's (its seq.start .. stop) at consecutive positions
+        continuing what the cache holds for it in this layer, `pool` -> [T, hidden]. The projections run once over
+        all rows; a sequence's chunk of several rows attends alone (`prefill`), the one-row sequences (decode)
+        together, one call per group of them (`decode`)."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -227,91 +228,98 @@ class Attention:
         q = unweighted_rms_norm(self.wq_b(q_resid).view(T, heads, head_dim), cfg.rms_norm_eps)
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [T, head_dim]: the one key, also the value
-        # the compressors' and the indexer's projections of every row, each sequence's rows pooled by its state
+        # the compressors' and the indexer's projections of every row, each sequence's rows pooled in its slot
         compress = () if self.compressor is None else self.compressor.project(x, positions)
         index = () if self.indexer is None else self.indexer.project(x, q_resid, cos, sin, positions)
         out = q.new_empty(T, heads, head_dim)
-        decodes: list[tuple[SeqStep, LayerState]] = []  # the one-row sequences
-        for seq, state in zip(seqs, states):
-            if seq.query_len == 1:
-                decodes.append((seq, state))
-            elif seq.query_len:
-                # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
-                rows = slice(seq.start, seq.stop)
-                keys, allowed = self.keys(kv[rows], positions[rows], [t[rows] for t in compress],
-                                          [t[rows] for t in index], state)
-                out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
-                                      sinks=self.sinks).transpose(0, 1)
-        if decodes:
-            # a group's padded gather of compressed entries stays under DECODE_GATHER_ROWS
-            ratio = self.ratio if self.compressor is not None else None
-            for group in gather_groups([0 if ratio is None else seq.context_len // ratio for seq, _ in decodes]):
-                rows = torch.tensor([decodes[i][0].start for i in group], device=x.device)
-                out[rows] = self.decode(q[rows], kv[rows], [t[rows] for t in compress], [t[rows] for t in index],
-                                        [decodes[i][1] for i in group])
+        for prefill in step.prefills:
+            # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
+            rows = slice(prefill.seq.start, prefill.seq.stop)
+            keys, allowed = self.prefill(kv[rows], positions[rows], [t[rows] for t in compress],
+                                         [t[rows] for t in index], prefill, pool)
+            out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
+                                  sinks=self.sinks).transpose(0, 1)
+        for group in step.decodes:
+            rows = group.rows
+            out[rows] = self.decode(q[rows], kv[rows], [t[rows] for t in compress], [t[rows] for t in index], group,
+                                    pool)
         # the value carried its key's rotation: rotating back by the query's position leaves the relative one
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
         return self.wo_b(grouped.flatten(1))
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, compress: list[torch.Tensor], index: list[torch.Tensor],
-               states: list[LayerState]) -> torch.Tensor:
-        """B one-row sequences: their rows of the step's queries q [B, heads, head_dim], keys kv [B, head_dim]
-        and the compressors' and indexer's projections, continuing states -> [B, heads, head_dim].
+               group: V4Decode, pool: LayerPool) -> torch.Tensor:
+        """A decode group's B one-row sequences: their rows of the step's queries q [B, heads, head_dim], keys
+        kv [B, head_dim] and the compressors' and indexer's projections -> [B, heads, head_dim].
 
-        Each state advances by its row (a few appends per sequence; the windows the rows complete are pooled
-        in one call per compressor); then one indexer scoring and one attention call for all of them. A decode
-        query sees its window (the last sliding_window keys, itself included) and every compressed entry, all
-        complete once its row is pooled; on CSA layers only the indexer's index_topk of them, in entry order
-        as `keys` keeps them."""
-        window_len = self.cfg.sliding_window
-        windows, entries = [], []
-        for state, key in zip(states, kv):
-            state.window = cat_rows([state.window, key[None]])[-window_len:]  # a new tensor, <= window + 1 rows
-            windows.append(state.window)
+        Every row goes into its slot (window, unfinished windows); the windows the rows complete are pooled in one
+        call per compressor; then one indexer scoring and one attention call for all of them, over keys gathered
+        from the cache. A decode query sees its window (the last sliding_window keys, itself included) and every
+        compressed entry, all complete once its row is pooled; on CSA layers only the indexer's index_topk of them,
+        in entry order as `prefill` keeps them."""
+        cfg, window = self.cfg, self.cfg.sliding_window
+        B = q.shape[0]
+        pool.window.index_copy_(0, group.state * window + group.positions % window, kv)
+        keys = [torch.index_select(pool.window, 0, group.window.flatten()).view(B, window, -1)]
+        allowed = [group.window_valid]
         if self.compressor is not None:
-            entries = self.compressor.decode(*compress, [state.compressor for state in states])
-        if self.indexer is not None:  # each sequence's chosen entries, in entry order
-            q_index, head_weights, index_kv, index_gate = index
-            index_keys = self.indexer.compressor.decode(index_kv, index_gate, [state.indexer for state in states])
-            chosen = self.indexer.select_decode(q_index, head_weights, index_keys)  # [B, <= topk]
-            entries = [e[c] if c.shape[0] else e for e, c in zip(entries, chosen)]  # none chosen: none held
-        keys = [pad_sequence(windows, batch_first=True)]
-        allowed = [lengths_mask([w.shape[0] for w in windows], q.device)]
-        if self.compressor is not None and any(e.shape[0] for e in entries):
-            keys.append(pad_rows(entries))
-            allowed.append(lengths_mask([e.shape[0] for e in entries], q.device))
-        if len(keys) > 1:
-            keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+            entries = group.entries[self.ratio]
+            self.compressor.decode(pool.compressor, group, entries, *compress)
+            if self.indexer is not None:  # the same ratio: the same entry slots
+                self.indexer.compressor.decode(pool.indexer, group, entries, *index[2:])
+            if entries.most and self.indexer is not None:  # each sequence's chosen entries, in entry order
+                index_keys = torch.index_select(pool.indexer.entries, 0, entries.slots.flatten()).view(
+                    B, entries.most, -1)
+                top, real = self.indexer.select_decode(index[0], index[1], index_keys, entries.valid)
+                chosen = entries.slots.gather(1, top)
+                keys.append(torch.index_select(pool.compressor.entries, 0, chosen.flatten()).view(B, top.shape[1], -1))
+                allowed.append(real)
+            elif entries.most:
+                keys.append(torch.index_select(pool.compressor.entries, 0, entries.slots.flatten()).view(
+                    B, entries.most, -1))
+                allowed.append(entries.valid if entries.valid is not None
+                               else torch.ones(B, entries.most, dtype=torch.bool, device=q.device))
+        keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
+        # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, the masked ones out
+        return attention(q, keys, keys, cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
+
+    def prefill(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor], prefill: V4Prefill,
+                pool: LayerPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], positions, their rows of the
+        compressor's and the indexer's projections) -> (keys [K, head_dim]: its sliding window, then its compressed
+        entries; allowed [S, K]: which of them each query sees). Its rows go into the cache on the way."""
+        cfg, window, state = self.cfg, self.cfg.sliding_window, prefill.state
+        stop = prefill.seq.context_len
+        start = stop - kv.shape[0]
+        first = max(0, start - window + 1)  # the first position the chunk's first query sees
+        ring = state * window
+        if start > first:  # the window's earlier keys, from the slot
+            earlier = torch.arange(first, start, device=kv.device) % window + ring
+            keys = torch.cat([torch.index_select(pool.window, 0, earlier), kv])
         else:
-            keys, allowed = keys[0], allowed[0]
-        # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, zero rows padded
-        return attention(q, keys, keys, self.cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
-
-    def keys(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor],
-             state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], their rows of the compressor's and
-        the indexer's projections) continuing `state` -> (keys [K, head_dim]: its sliding window, then its
-        compressed entries; allowed [S, K]: which of them each query sees). One-row sequences take `decode`."""
-        cfg = self.cfg
-        kv = cat_rows([state.window, kv])  # the window's older keys, then the new ones
-        key_positions = torch.arange(-kv.shape[0], 0, device=positions.device) + positions[-1] + 1
-        state.window = kv[-cfg.sliding_window:].clone()
+            keys = kv
+        kept = max(start, stop - window)  # the positions the slot keeps for the next steps
+        pool.window.index_copy_(0, torch.arange(kept, stop, device=kv.device) % window + ring, kv[kept - start:])
+        key_positions = torch.arange(first, stop, device=positions.device)
         offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
-        allowed = (offset >= 0) & (offset < cfg.sliding_window)
-        if self.compressor is not None:
-            entries = self.compressor(*compress, state.compressor)  # [n, head_dim]
-            if entries.shape[0]:
-                # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
-                entry = torch.arange(entries.shape[0], device=positions.device)
-                complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
-                if self.indexer is not None:
-                    complete = self.indexer.select(*index, complete, state.indexer)
-                kv = torch.cat([kv, entries])
-                allowed = torch.cat([allowed, complete], dim=-1)
-            elif self.indexer is not None:  # no entry yet (nor indexer key: same ratio): its rows still pend
-                self.indexer.compressor(*index[2:], state.indexer)
-        return kv, allowed
+        allowed = (offset >= 0) & (offset < window)
+        if self.compressor is None:
+            return keys, allowed
+        entries = self.compressor.prefill(pool.compressor, state, start, *compress, prefill.entries[self.ratio])
+        index_keys = None
+        if self.indexer is not None:  # its keys advance whether or not an entry exists yet
+            index_keys = self.indexer.compressor.prefill(pool.indexer, state, start, *index[2:],
+                                                         prefill.entries[self.ratio])
+        if entries is not None:
+            # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
+            entry = torch.arange(entries.shape[0], device=positions.device)
+            complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
+            if self.indexer is not None:
+                complete = self.indexer.select(index[0], index[1], index_keys, complete)
+            keys = torch.cat([keys, entries])
+            allowed = torch.cat([allowed, complete], dim=-1)
+        return keys, allowed
 
 
 class MoE:
@@ -410,12 +418,12 @@ class Block:
         self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
         self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
 
-    def __call__(self, streams, tokens, meta: StepMeta, states: list[LayerState]) -> torch.Tensor:
-        """Attention's keys come from each sequence's own rows and state (none sees another's); everything else,
+    def __call__(self, streams, tokens, meta: StepMeta, pool: LayerPool) -> torch.Tensor:
+        """Attention's keys come from each sequence's own rows and cache (none sees another's); everything else,
         the MoE's EP exchange included, runs once over all rows."""
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
-        streams = HyperConnection.merge(streams, post, comb, self.attn(x, meta.positions, meta.seqs, states))
+        streams = HyperConnection.merge(streams, post, comb, self.attn(x, meta.positions, meta.v4, pool))
         post, comb, x = self.hc_ffn(streams)
         return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
 
@@ -442,7 +450,7 @@ class DeepseekV4:
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
-        says, each sequence continuing its state in `cache` -> logits [len(rows) or T, vocab] of those rows.
+        says, each sequence continuing what `cache` holds for it -> logits [len(rows) or T, vocab] of those rows.
 
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
@@ -450,7 +458,7 @@ class DeepseekV4:
         x = self.embed(tokens).to(self.dtype)  # [T, D]; embedding TP: an exchange
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
         for layer, block in enumerate(self.layers):
-            streams = block(streams, tokens, meta, [cache.layer(seq.seq_id, layer) for seq in meta.seqs])
+            streams = block(streams, tokens, meta, cache.layers[layer])
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))

@@ -16,7 +16,7 @@ stored, for products that take INT8 (the indexer's A8C8 scoring).
 The cache is storage only: the scheduler's block pool (runner/engine/block_pool.py) chooses every sequence's
 blocks, each step's Batch carries its block tables and slot mapping, and the worker's InputBuilder
 (runner/engine/worker.py) turns them into the step's metadata (runner/models/step.py), which `write` and `read`
-take. DeepSeek-V4's state (window, compressors) is in v4_state.py, behind the same KVCache protocol.
+take. DeepSeek-V4's cache (v4_cache.py) is storage of the same kind, behind the same KVCache protocol.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class KVCache(Protocol):
     CPU, where a step of zero rows is fine); `device`: where its entries are, and the step's tensors go. Per step,
     before the forward: `fork` copies a parent's entries for a child, `release` forgets a finished sequence,
     `advance` is told each sequence's new positions. The model's forward writes and reads the entries (`write` /
-    `read` here, v4_state's `layer` for DeepSeek-V4).
-    LatentCache (V3 / V3.2, below) and V4Cache (v4_state.py) implement it."""
+    `read` here, v4_cache's pools for DeepSeek-V4).
+    LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it."""
     num_blocks: int
     block_size: int
     paged: bool

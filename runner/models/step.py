@@ -2,10 +2,10 @@
 lengths), built from the step's Batch in one place, the worker's InputBuilder (runner/engine/worker.py), and the
 helpers the models use on a step's rows.
 
-For a paged cache (runner/models/kv_cache.py, LatentCache) a sequence's token at position p lives at slot
+For V3's latent cache (runner/models/kv_cache.py, LatentCache) a sequence's token at position p lives at slot
 block_table[p // block_size] * block_size + p % block_size; `context_slots` lists the slots of its whole context.
-DeepSeek-V4's state (v4_state.py) is per request and keeps no slots: its steps carry the sequences' rows and
-positions only.
+DeepSeek-V4's cache (runner/models/v4_cache.py) takes its own part of the step, `V4Step`: per cache group the
+entry slots its block tables give, the sequence slots, the window rows and the windows that complete.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class StepMeta:
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
     decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
     cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
+    v4: V4Step | None = None  # DeepSeek-V4's cache groups (then `slots`, `decodes` are unused)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,47 @@ class CPStep:
     scratch_meta: StepMeta  # writes positions 0 .. length - 1 to the scratch
     seq: SeqStep  # this rank's queries over the scratch (causal by position)
     owner_meta: StepMeta | None  # the owner's: writes the prompt's entries to its cache
+
+
+@dataclass(frozen=True)
+class V4Entries:
+    """One paged group (compress ratio r) for a decode group's B sequences, once each one's new token is in."""
+    slots: torch.Tensor | None  # [B, n_max] slots of each sequence's entries 0 .. n_i - 1 (n_i = context // r),
+    #                             padded; None when no sequence has an entry yet
+    valid: torch.Tensor | None  # [B, n_max] True at a real entry; None when none is padded
+    pool_rows: torch.Tensor | None  # [k] the group's rows (0 .. B - 1) whose token completes a window; None: none
+    pool_slots: torch.Tensor | None  # [k] where their new entries go
+    pool_index: torch.Tensor | None  # [k] those entries' numbers
+
+    @property
+    def most(self) -> int:
+        return 0 if self.slots is None else self.slots.shape[1]
+
+
+@dataclass(frozen=True)
+class V4Decode:
+    """A group of the step's one-token sequences, attended in one batched call."""
+    rows: torch.Tensor  # [B] their rows in the step
+    positions: torch.Tensor  # [B] their tokens' positions
+    state: torch.Tensor  # [B] their sequence slots
+    window: torch.Tensor  # [B, sliding_window] window rows of positions p - window + 1 .. p (ring rows)
+    window_valid: torch.Tensor  # [B, sliding_window] True where that position exists (>= 0)
+    entries: dict[int, V4Entries]  # by ratio
+
+
+@dataclass(frozen=True)
+class V4Prefill:
+    """One sequence's chunk of several rows (positions start .. seq.context_len - 1)."""
+    seq: SeqStep
+    state: int  # its sequence slot
+    entries: dict[int, torch.Tensor | None]  # ratio -> [context // ratio] slots of its entries once the chunk is in
+    #                                          (None: none yet)
+
+
+@dataclass(frozen=True)
+class V4Step:
+    prefills: tuple[V4Prefill, ...]
+    decodes: tuple[V4Decode, ...]
 
 
 def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

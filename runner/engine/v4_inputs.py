@@ -1,0 +1,91 @@
+"""DeepSeek-V4's part of a step's metadata (step.V4Step), built by the worker's InputBuilder from the step's Batch:
+the contract the V4-Flash design asks of a serving layer, as tensors.
+
+- block tables per cache group: each paged group's entry slots (v4_cache.entry_slot), per prefill sequence
+  [n] and per decode group [B, n_max] with its validity (padded entries are the invalid ones);
+- write slots: the entries that decode rows complete (their rows, slots and numbers), and each row's sequence slot
+  (window and unfinished-window rows at position mod window / ratio);
+- sliding-window indices: each decode row's window rows, with the positions before 0 marked invalid;
+- query_start_loc and context lengths: each sequence's SeqStep.
+The compressed top-k indices (and their invalid marker) are the indexer's choice inside the step
+(deepseek_v4.Indexer.select_decode), over these entry slots.
+
+It keeps, per running sequence, the slots of its entries so far (extended as windows complete), so a decode step
+does not read the whole block table again, as InputBuilder does for the latent cache's context slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from dsconv.runner.models.batch import Batch
+from dsconv.runner.models.step import SeqStep, V4Decode, V4Entries, V4Prefill, V4Step, gather_groups, lengths_mask
+from dsconv.runner.models.v4_cache import V4Cache, entry_slot
+
+
+class V4Inputs:
+    def __init__(self, cache: V4Cache):
+        self.cache, self.device = cache, cache.device
+        self.ratios = cache.ratios()
+        self.known: dict[int, dict[int, torch.Tensor]] = {}  # seq_id -> ratio -> slots of its entries so far
+
+    def release(self, seq_id: int) -> None:
+        self.known.pop(seq_id, None)
+
+    def __call__(self, batch: Batch, seqs: list[SeqStep]) -> V4Step:
+        """The step's V4 metadata, for its sequences (whose positions the cache has advanced), checked."""
+        prefills, decodes = [], []
+        for i, seq in enumerate(seqs):
+            entries = {r: self._entries(seq, batch.block_tables[i], r) for r in self.ratios}
+            if seq.query_len == 1:
+                decodes.append((seq, entries))
+            elif seq.query_len:
+                prefills.append(V4Prefill(seq, self.cache.slots[seq.seq_id], entries))
+        smallest = self.ratios[0] if self.ratios else None  # the group with the most entries bounds the gather
+        groups = gather_groups([0 if smallest is None else seq.context_len // smallest for seq, _ in decodes])
+        return V4Step(tuple(prefills), tuple(self._decode([decodes[i] for i in group]) for group in groups))
+
+    def _entries(self, seq: SeqStep, table: list[int], ratio: int) -> torch.Tensor | None:
+        """The slots of the sequence's entries 0 .. context // ratio - 1 of a ratio's groups: what it had, extended
+        by the windows this step completes (a sequence new here, a forked sample too, reads its block table)."""
+        count = seq.context_len // ratio
+        known = self.known.setdefault(seq.seq_id, {}).get(ratio)
+        have = 0 if known is None else known.shape[0]
+        new_start = seq.context_len - seq.query_len
+        if known is not None and (have > count or have < new_start // ratio):
+            raise ValueError(f"invalid step batch: sequence {seq.seq_id} has {have} entries of ratio {ratio} "
+                             f"cached, its step (positions {new_start} .. {seq.context_len - 1}) needs "
+                             f"{new_start // ratio} before it")
+        if have < count:
+            block_size = self.cache.block_size
+            new = torch.tensor([entry_slot(table, e, ratio, block_size) for e in range(have, count)],
+                               dtype=torch.long, device=self.device)
+            known = new if known is None else torch.cat([known, new])
+            self.known[seq.seq_id][ratio] = known
+        return known  # None: no entry yet (no zero-size tensor reaches a device kernel)
+
+    def _decode(self, decodes: list[tuple[SeqStep, dict[int, torch.Tensor]]]) -> V4Decode:
+        device, window = self.device, self.cache.window
+        rows = torch.tensor([seq.start for seq, _ in decodes], dtype=torch.long, device=device)
+        positions = torch.tensor([seq.context_len - 1 for seq, _ in decodes], dtype=torch.long, device=device)
+        state = torch.tensor([self.cache.slots[seq.seq_id] for seq, _ in decodes], dtype=torch.long, device=device)
+        seen = positions[:, None] - window + 1 + torch.arange(window, device=device)  # [B, window] in position order
+        entries = {}
+        for ratio in self.ratios:
+            counts = [seq.context_len // ratio for seq, _ in decodes]
+            if not max(counts):
+                entries[ratio] = V4Entries(None, None, None, None, None)
+                continue
+            # [B, n_max], padded with slot 0
+            slots = pad_sequence([e[ratio] if e[ratio] is not None else torch.zeros(1, dtype=torch.long, device=device)
+                                  for _, e in decodes], batch_first=True)
+            pooled = [j for j, (seq, _) in enumerate(decodes) if seq.context_len % ratio == 0]  # their row completes
+            pool_rows = pool_slots = pool_index = None
+            if pooled:
+                pool_rows = torch.tensor(pooled, dtype=torch.long, device=device)
+                pool_index = torch.tensor([counts[j] - 1 for j in pooled], dtype=torch.long, device=device)
+                pool_slots = slots[pool_rows, pool_index]
+            valid = lengths_mask(counts, device) if min(counts) < max(counts) else None
+            entries[ratio] = V4Entries(slots, valid, pool_rows, pool_slots, pool_index)
+        return V4Decode(rows, positions, state, state[:, None] * window + seen % window, seen >= 0, entries)
