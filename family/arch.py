@@ -163,7 +163,8 @@ class Family:
     check_attention_tp: Callable[[Any, int], None] | None  # (config, attn_tp): raises when heads cannot split
     # (config, entry bytes, kv_cache_dtype) -> bytes per token by component
     kv_cache_bytes_per_token: Callable[[Any, int, str], dict[str, float]]
-    kv_cache_bytes_per_sequence: Callable[[Any, int], dict[str, int]]  # length-independent state, by component
+    # (config, entry bytes, kv_cache_dtype) -> length-independent state, by component
+    kv_cache_bytes_per_sequence: Callable[[Any, int, str], dict[str, int]]
     tiny_config: Callable[..., dict]  # (partial_block=False, **overrides): a small config.json for fixtures
     # family/text.py's encoder: (messages, thinking, tokenizer_config.json, tools) -> prompt text; None: no chat
     # format (prompts are fed as raw text, dsrun --no-chat)

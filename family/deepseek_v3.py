@@ -227,7 +227,7 @@ def kv_cache_bytes_per_token(cfg: V3Config, itemsize: int, kv_cache_dtype: str =
             for name, field in cache_fields(cfg, kv_cache_dtype).items()}
 
 
-def kv_cache_bytes_per_sequence(cfg: V3Config, itemsize: int) -> dict[str, int]:
+def kv_cache_bytes_per_sequence(cfg: V3Config, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, int]:
     return {}  # everything MLA caches grows with the sequence
 
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from dsconv.family.arch import ArchError, Encoding, Family, Role, TensorSpec, register
+from dsconv.family.arch import ArchError, CacheField, Encoding, Family, Role, TensorSpec, register
 from dsconv.family.deepseek_v4_config import AttnType, MlpType, V4Config, attn_type_of, hub_config, parse_config
 from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
 from dsconv.family import dsml
@@ -265,34 +265,47 @@ def check_attention_tp(cfg: V4Config, attn_tp: int) -> None:
 
 # KV cache per rank and sequence, main decoder layers only. V4 has one KV head, so attention TP does not split it.
 # Each compressed layer keeps one entry per `ratio` tokens, its own ratio.
+def cache_fields(cfg: V4Config, kv_cache_dtype: str = "auto") -> dict[str, CacheField]:
+    """What V4 caches per entry (and per window row), every layer alike: `kv`, the one key = value row of the
+    sliding window and of the compressed entries, and `index_k`, the indexer's compressed keys.
+
+    Under --kv-cache-dtype int8 (C8) `kv` keeps its leading head_dim - qk_rope_head_dim values INT8 with one float32
+    scale per row and its rotary tail (the last qk_rope_head_dim values, which carry the position) in the compute
+    dtype, as V3.2's latent does; the indexer keys are INT8 with one scale per key (Hadamard-rotated first, as
+    V3.2's A8C8 indexer keeps them)."""
+    if kv_cache_dtype != "int8":
+        return {"kv": CacheField(cfg.head_dim), "index_k": CacheField(cfg.index_head_dim)}
+    return {"kv": CacheField(cfg.head_dim, cfg.head_dim - cfg.qk_rope_head_dim),
+            "index_k": CacheField(cfg.index_head_dim, cfg.index_head_dim)}
+
+
 def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, float]:
-    if kv_cache_dtype != "auto":
-        raise ArchError(f"--kv-cache-dtype {kv_cache_dtype} is not available for deepseek_v4: {KV_CACHE_INT8_REFUSAL}")
+    fields = cache_fields(cfg, kv_cache_dtype)
+    kv, index_k = fields["kv"].nbytes(itemsize), fields["index_k"].nbytes(itemsize)
     csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
     return {
-        "CSA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in csa),
-        "CSA indexer keys": sum(cfg.index_head_dim * itemsize / ratio for ratio in csa),
-        "HCA compressed KV": sum(cfg.head_dim * itemsize / ratio for ratio in hca),
+        "CSA compressed KV": sum(kv / ratio for ratio in csa),
+        "CSA indexer keys": sum(index_k / ratio for ratio in csa),
+        "HCA compressed KV": sum(kv / ratio for ratio in hca),
     }
 
-
-KV_CACHE_INT8_REFUSAL = ("dsrun keeps V4's compressed entries, sliding window and indexer keys in the compute dtype "
-                         "(INT8 caches exist for V3 / V3.2's MLA latent and indexer keys only); use auto")
 
 CONTEXT_PARALLEL_REFUSAL = ("its compressed entries pool windows of 4 and 128 tokens and its sliding window reaches "
                             "back across any cut of the prompt, so each rank would need its neighbours' partial "
                             "windows and compressor state, which dsrun does not exchange; prefill V4 without it")
 
 
-def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int) -> dict[str, int]:
+def kv_cache_bytes_per_sequence(cfg: V4Config, itemsize: int, kv_cache_dtype: str = "auto") -> dict[str, int]:
     csa, hca = _ratios_of(cfg, AttnType.CSA), _ratios_of(cfg, AttnType.HCA)
     state = sum(_compressor_state(r, cfg.head_dim, True, itemsize)
                 + _compressor_state(cfg.csa_compress_rate, cfg.index_head_dim, True, itemsize) for r in csa)
     state += sum(_compressor_state(r, cfg.head_dim, False, itemsize) for r in hca)
     return {
-        # Every layer keeps the last `sliding_window` K=V entries of its single KV head: a fixed buffer, counted
-        # whole even for a sequence shorter than the window
-        "sliding window": cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * itemsize,
+        # Every layer keeps the last `sliding_window` K=V rows of its single KV head (INT8 under C8): a fixed
+        # buffer, counted whole even for a sequence shorter than the window
+        "sliding window": cfg.num_hidden_layers * cfg.sliding_window
+        * cache_fields(cfg, kv_cache_dtype)["kv"].nbytes(itemsize),
+        # the unfinished windows stay in the compute dtype (their gates float32) whatever the cache dtype
         "compressor state": state,
     }
 
@@ -357,7 +370,6 @@ FAMILY = register(
         kv_cache_bytes_per_sequence=kv_cache_bytes_per_sequence,
         tiny_config=tiny_config,
         encode_chat=encode_v4,
-        kv_cache_int8_refusal=KV_CACHE_INT8_REFUSAL,
         context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
         tool_dialect=dsml.V4,
     )

@@ -139,9 +139,11 @@ def generate(
             shards = demo_shards()
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
-                             # every prompt runs at once: a byte budget keeps a sequence slot for each
-                             scheduler=SchedulerConfig(max_num_seqs=len(prompt), cp_size=prefill_context_parallel_size,
+                             scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens))
+        # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for
+        # each of a rank's prompts
+        run = run.with_max_num_seqs(-(-len(prompt) // run.layout.dp))
         text = TextTokenizer.load(run.shards, run.model_config)
         prompts = [_prompt_ids(text, p, run.family, not no_chat, system, thinking) for p in prompt]
         run.check_holds(max_model_len)

@@ -67,7 +67,7 @@ def build_report(family: Family, arch: object, layout: Layout, precisions: list[
                  kv_cache_dtype: str, card_gb: float, batch: int, seq: int, mtp: bool) -> dict:
     """Everything `dsconv plan` shows, as one JSON-able object (what --json prints)."""
     per_token = kv_cache_bytes_per_token(family, arch, kv_cache_dtype)
-    per_sequence = kv_cache_bytes_per_sequence(family, arch)
+    per_sequence = kv_cache_bytes_per_sequence(family, arch, kv_cache_dtype)
     token_bytes, sequence_bytes = sum(per_token.values()), sum(per_sequence.values())
     kv_bytes = kv_cache_bytes(family, arch, batch, seq, kv_cache_dtype)
     card = round(card_gb * GB)

@@ -104,13 +104,13 @@ def kv_cache_bytes_per_token(family: Family, arch: object, kv_cache_dtype: str =
     return family.kv_cache_bytes_per_token(arch, CACHE_DTYPE.itemsize, kv_cache_dtype)
 
 
-def kv_cache_bytes_per_sequence(family: Family, arch: object) -> dict[str, int]:
+def kv_cache_bytes_per_sequence(family: Family, arch: object, kv_cache_dtype: str = "auto") -> dict[str, int]:
     """Bytes each sequence holds whatever its length (V4's windows and compressor state; none for MLA)."""
-    return family.kv_cache_bytes_per_sequence(arch, CACHE_DTYPE.itemsize)
+    return family.kv_cache_bytes_per_sequence(arch, CACHE_DTYPE.itemsize, kv_cache_dtype)
 
 
 def kv_cache_bytes(family: Family, arch: object, batch: int, seq: int, kv_cache_dtype: str = "auto") -> int:
     """One rank's cache for `batch` sequences of `seq` tokens each (batch = this rank's DP group's share)."""
     per_token = sum(kv_cache_bytes_per_token(family, arch, kv_cache_dtype).values())
-    per_sequence = sum(kv_cache_bytes_per_sequence(family, arch).values())
+    per_sequence = sum(kv_cache_bytes_per_sequence(family, arch, kv_cache_dtype).values())
     return round(batch * (seq * per_token + per_sequence))

@@ -138,8 +138,14 @@ def test_v3_cache_fields_and_the_one_line_refusals():
     assert cache_fields(real, "int8")["index_k"].nbytes(2) == 132
     with pytest.raises(InputError, match="not one of auto, int8"):
         check_kv_cache_dtype(family_for(tiny_config("deepseek_v3")), "fp8")
-    from dsconv.family.deepseek_v4 import tiny_config as v4_tiny
+    from dsconv.family.deepseek_v4 import cache_fields as v4_cache_fields, parse_config as v4_parse, \
+        tiny_config as v4_tiny
 
-    with pytest.raises(InputError, match="not available for deepseek_v4: dsrun keeps V4's compressed"):
-        check_kv_cache_dtype(family_for(v4_tiny()), "int8")
+    check_kv_cache_dtype(family_for(v4_tiny()), "int8")  # V4's C8
     check_kv_cache_dtype(family_for(tiny_config("deepseek_v32")), "int8")
+    # V4-Flash's rows: a compressed entry's 448 INT8 values + 1 scale + its 64-value rotary tail in BF16; an
+    # indexer key's 128 INT8 + 1 scale
+    v4 = v4_parse(v4_tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=128))
+    assert {name: field.nbytes(2) for name, field in v4_cache_fields(v4, "int8").items()} == {"kv": 580,
+                                                                                              "index_k": 132}
+    assert {name: field.nbytes(2) for name, field in v4_cache_fields(v4).items()} == {"kv": 1024, "index_k": 256}

@@ -251,7 +251,6 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     (["--prompt", "hi", "--no-chat", "--thinking"], "cannot be used with --no-chat"),
     (["--prompt", "hi", "--no-chat", "--system", "s"], "cannot be used with --no-chat"),
     (["--prompt", "hi", "--system", "  "], "--system is empty"),
-    (["--prompt", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype int8 is not available for deepseek_v4"),
     (["--prompt", "hi", "--kv-cache-dtype", "fp16"], "not one of auto, int8"),
     # the demo's config: max_position_embeddings 4096
     (["--prompt", "hi", "--max-model-len", "5000"], "--max-model-len 5000 exceeds the model's context "
@@ -325,12 +324,19 @@ def test_perplexity_json_on_the_demo(demo, tmp_path):
 
     text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
     (tmp_path / "t.txt").write_text(text)
-    proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
-                 "--kv-cache-memory-bytes", 4 << 20, command="perplexity", tmpdir=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert re.search(V4_CACHE_LINE.replace("x 64 tokens", "x 16 tokens"), proc.stderr), proc.stderr
+    outs = {}
+    for kv in ("auto", "int8"):
+        proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", "--context", "8", "--json",
+                     "--kv-cache-memory-bytes", 4 << 20, "--kv-cache-dtype", kv, command="perplexity", tmpdir=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        line = V4_CACHE_LINE.replace("x 64 tokens", "x 16 tokens").replace(r"\(auto\)", rf"\({kv}\)")
+        assert re.search(line, proc.stderr), proc.stderr
+        outs[kv] = json.loads(proc.stdout)
     assert list(tmp_path.glob("dsrun-*")) == []
-    out = json.loads(proc.stdout)
+    out = outs["auto"]
+    # the INT8 cache (C8) scores the same tokens, its perplexity close to auto's
+    assert outs["int8"]["tokens"] == out["tokens"]
+    assert abs(outs["int8"]["perplexity"] / out["perplexity"] - 1) < 0.02, outs
     n = len(Tokenizer.from_file(str(demo / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
     n += json.loads((demo / "tokenizer_config.json").read_text())["add_bos_token"]  # BOS first if it says so
     windows = -(-n // 8)  # 8 ids a window

@@ -108,7 +108,7 @@ TOY_FAMILY = Family(
     hub_name=lambda name: name, hub_config=lambda raw, cfg: raw, ascend_mtp_copies=lambda cfg: {},
     recipes=(TOY_RECIPE,), fused=FUSED_PAIRS, attention_tp={Role.ATTN_Q_B: 0, Role.ATTN_O: 1},
     check_attention_tp=check_attention_tp, kv_cache_bytes_per_token=kv_cache_bytes_per_token,
-    kv_cache_bytes_per_sequence=lambda cfg, itemsize: {}, tiny_config=tiny_config,
+    kv_cache_bytes_per_sequence=lambda cfg, itemsize, kv_cache_dtype: {}, tiny_config=tiny_config,
     encode_chat=None,  # no chat format: dsrun feeds its prompts as raw text only
     kv_cache_int8_refusal="the toy's caches have no INT8 form",
 )

@@ -18,7 +18,7 @@ from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.weights import load_manifest
 from dsconv.shard.sizes import CACHE_DTYPE, kv_cache_bytes_per_token
-from tests.helpers import Steps, shard
+from tests.helpers import shard
 
 REAL_V32 = Path(__file__).parent / "data" / "deepseek_v32_exp.config.json"
 PLAN_TOLERANCE = 0.02
@@ -132,5 +132,19 @@ def test_v4_byte_budget_carves_slots_then_blocks(tiny_source, tmp_path):
                                          f"{per_seq} bytes.*at least {least} bytes"):
         run(least - 1)
     summary = run(budget).cache_summary()
-    assert summary.startswith(f"KV cache per attention-DP rank: 10 blocks x 16 tokens = 160 tokens, ") and \
+    assert summary.startswith("KV cache per attention-DP rank: 10 blocks x 16 tokens = 160 tokens, ") and \
         "4 sequence slots" in summary
+
+
+def test_v4_block_size_must_hold_whole_entries():
+    """Entry e of ratio r lives in the block of its window's last token, one per block past the block size: that
+    needs r and the block size to divide one another, else two entries would share a slot."""
+    from dsconv.runner.models.v4_cache import check_geometry
+
+    for ratios, block_size in (([4, 128], 1), ([4, 128], 16), ([4, 128], 256), ([0, 4, 128], 1024)):
+        check_geometry(ratios, block_size)
+    with pytest.raises(InputError, match="--block-size 64 cannot hold deepseek_v4's compress ratio 48 in whole "
+                                         "entries"):
+        check_geometry([4, 48], 64)
+    with pytest.raises(InputError, match="compress ratio 3"):
+        check_geometry([3], 16)

@@ -310,12 +310,13 @@ def test_world_1_w8a8_npu_path_gives_the_cpu_tokens(family, npu_source, tmp_path
     assert double.calls["npu_format_cast"] > 0
 
 
-def test_int8_kv_cache_through_the_double(npu_source, tmp_path, on_npu):
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_int8_kv_cache_through_the_double(npu_source, tmp_path, on_npu, family):
     """--kv-cache-dtype int8 on the NPU branches: entries and indexer queries quantized by npu_dynamic_quant (BF16
     in, as documented), the rest device-generic torch ops; BF16 compute, so what it quantizes is what the CPU path
     quantizes, and the tokens are the CPU path's."""
     shards = tmp_path / "w1"
-    shard(npu_source("deepseek_v32"), shards, Layout(1, 1, 1, 1))
+    shard(npu_source(family), shards, Layout(1, 1, 1, 1))
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.bfloat16)
     want = greedy(model, new_cache(256, "int8"), PROMPTS, NEW_TOKENS, eos_id=None)
     with on_npu() as double:

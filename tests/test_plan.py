@@ -192,8 +192,6 @@ def test_cli_errors(tmp_path):
     assert_one_line_error(run_plan("--config", tmp_path / "nope.json"), "nope.json", "does not exist")
     assert_one_line_error(run_plan("--config", V32_EXP, "--seq", 0), "--seq 0")
     assert_one_line_error(run_plan("--config", V32_EXP, "--recipe", "v4"), "recipe 'v4'")
-    assert_one_line_error(run_plan("--config", V4_FLASH, "--kv-cache-dtype", "int8"),
-                          "--kv-cache-dtype int8 is not available for deepseek_v4", "use auto")
     assert_one_line_error(run_plan("--config", V32_EXP, "--kv-cache-dtype", "fp8"), "not one of auto, int8")
     assert_one_line_error(run_plan("--config", V4_FLASH, "--oproj-tp", 16), "deepseek_v4 has no o_proj to split")
     assert_one_line_error(run_plan("--config", V32_EXP, "--oproj-tp", 2, "--attn-tp", 8), "needs attn-tp 1")
@@ -235,3 +233,32 @@ def test_cli_json_shows_the_v32_memory_plan(models, expected):
           f"{row['weights_total'] / GB:.2f} GB (default layout {sum(default.values()) / GB:.2f} GB), headroom "
           f"{(card - row['weights_total']) / GB:.2f} GB, {row['tokens_fit']:,} tokens per DP rank; auto KV: "
           f"{int((card - row['weights_total']) // sum(kv_cache_bytes_per_token(family, arch).values())):,} tokens")
+
+
+def test_cli_json_shows_the_v4_int8_cache(models):
+    """V4-Flash with --kv-cache-dtype int8 (C8) at DP16 / EP16 on 64 GB cards: per token, a compressed entry's 448
+    non-rotary values INT8 + one float32 scale + its 64 rotary values BF16 (580 B against 1024), an indexer key's
+    128 INT8 + one scale (132 B against 256); per sequence, the windows alike and the unfinished windows as in
+    auto; and the tokens that fit beside the W8A8 weights."""
+    reports = {}
+    for kv in ("auto", "int8"):
+        result = run_plan("--config", V4_FLASH, "--ep", 16, "--tp", 16, "--kv-cache-dtype", kv, "--json")
+        assert result.exit_code == 0, result.output
+        reports[kv] = json.loads(result.output)
+    auto, int8 = reports["auto"]["kv_cache"], reports["int8"]["kv_cache"]
+    # 43 main layers: 21 CSA (ratio 4), 20 HCA (ratio 128), 2 sliding
+    assert int8["bytes_per_token"] == {"CSA compressed KV": 21 * 580 / 4, "CSA indexer keys": 21 * 132 / 4,
+                                       "HCA compressed KV": 20 * 580 / 128}
+    assert auto["bytes_per_token_total"] == 6880
+    ratio = int8["bytes_per_token_total"] / auto["bytes_per_token_total"]
+    # 0.5565: the rotary tail kept in BF16 (64 of 512 values, 128 of an entry's 580 bytes) holds the entries above
+    # half; quantizing it too would give 0.506
+    assert abs(ratio - 3828.625 / 6880) < 1e-12
+    assert int8["bytes_per_sequence"]["sliding window"] == 43 * 128 * 580
+    assert int8["bytes_per_sequence"]["compressor state"] == auto["bytes_per_sequence"]["compressor state"]
+    fits = {kv: reports[kv]["precisions"][1]["ranks"][0]["tokens_fit"] for kv in reports}
+    assert fits["int8"] > 1.79 * fits["auto"]
+    print(f"V4-Flash W8A8, DP16/EP16/lm_head TP16, 64 GB: KV bytes per token auto {auto['bytes_per_token_total']:,.0f}"
+          f", int8 {int8['bytes_per_token_total']:,.1f} ({ratio:.4f}x); per sequence auto "
+          f"{sum(auto['bytes_per_sequence'].values()):,}, int8 {sum(int8['bytes_per_sequence'].values()):,}; tokens "
+          f"that fit per rank auto {fits['auto']:,}, int8 {fits['int8']:,}")

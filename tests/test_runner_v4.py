@@ -231,8 +231,9 @@ def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
     """EP16 + lm_head TP16 through dsrun's rank_main, in blocks of 64 tokens (world 16's other V4 runs use the
     default 16), three prompts of different lengths on different attention-DP ranks (13 ranks have none and run
     zero-token steps); the longest completes an HCA entry and crosses 8 sliding windows and two blocks, the
-    shortest no CSA window before decoding: each one's tokens equal transformers'."""
-    _, cfg, reference, _ = pair
+    shortest no CSA window before decoding: each one's tokens equal transformers'. With --kv-cache-dtype int8 they
+    equal the INT8 cache's at world 1."""
+    model, cfg, reference, _ = pair
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (3, cfg.hca_compress_rate + 2, 20)]
     shards = tmp_path / "w16"
     shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
@@ -241,6 +242,11 @@ def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
         want = [reference.generate(torch.tensor([p]), max_new_tokens=DIST_NEW_TOKENS, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(t) == DIST_NEW_TOKENS for t in want)
+    assert got == want
+    got = run_ranks(shards, tmp_path, prompts, block_size=64, kv_cache_dtype="int8", results_name="int8")
+    with torch.no_grad():
+        want = greedy(model, V4Cache(cfg, 256, torch.float32, block_size=64, kv_cache_dtype="int8"), prompts,
+                      DIST_NEW_TOKENS, eos_id=None)
     assert got == want
 
 
@@ -341,3 +347,34 @@ def test_engine_tokens_equal_transformers(pair, block_size):
             got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
     assert s.preemptions > 0
     assert got == {(str(i), j): want[i] for i in range(len(prompts)) for j in range(3 if i == 0 else 1)}
+
+
+# The INT8 (C8) cache on this fixture's random weights, against auto, both float32: what the README reports.
+INT8_COSINE_MIN = 0.999
+INT8_AGREEMENT_MIN = 14
+
+
+def test_int8_cache_close_to_auto(pair):
+    """--kv-cache-dtype int8: entries, windows and indexer keys stored INT8 (the indexer scoring A8C8), over a
+    prompt that reaches every layer type's compressed entries: the logits of one prefill and of steps of any
+    size against the auto cache's, and greedy agreement over 20 tokens."""
+    model, cfg, _, _ = pair
+    ids = prompt(cfg.vocab_size, PROMPT_LEN, seed=2)
+    with torch.no_grad():
+        logits = {}
+        for kv in ("auto", "int8"):
+            cache = V4Cache(cfg, PROMPT_LEN, torch.float32, kv_cache_dtype=kv)
+            assert all(t.dtype == torch.int8 for t in cache.layers[2].window.tensors()[:1]) == (kv == "int8")
+            logits[kv] = Steps(cache).forward(model, [(0, ids)])
+        int8 = V4Cache(cfg, PROMPT_LEN + 64, torch.float32, kv_cache_dtype="int8")
+        stepped = Steps(int8)
+        chunks = [stepped.forward(model, [(0, ids[:37])]), stepped.forward(model, [(0, ids[37:])])]
+        got = greedy(model, V4Cache(cfg, 512, torch.float32, kv_cache_dtype="int8"), [ids], NEW_TOKENS, eos_id=None)[0]
+        want = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
+    similarity = cosine(logits["int8"], logits["auto"])
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
+    print(f"deepseek_v4 INT8 vs auto cache logits cosine over {len(ids)} positions: {similarity:.5f}; greedy tokens "
+          f"equal for the first {agree} of {NEW_TOKENS} ({sum(a == b for a, b in zip(got, want))} positionwise)")
+    assert similarity >= INT8_COSINE_MIN
+    torch.testing.assert_close(torch.cat(chunks), logits["int8"], rtol=0, atol=1e-4)  # steps continue the INT8 cache
+    assert agree >= INT8_AGREEMENT_MIN

@@ -458,6 +458,33 @@ def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_so
         assert message.content == text and reasoning is None
 
 
+def test_v4_int8_kv_cache_server(tiny_source, tmp_path):
+    """DeepSeek-V4 served with --kv-cache-dtype int8 (C8) in a byte budget, blocks of 64: the ready line gives the
+    INT8 cache's blocks and sequence slots, and a greedy completion's tokens equal the INT8 cache's in process."""
+    from dsconv.runner.models.registry import build_model
+    from dsconv.runner.models.dist import Dist
+    from dsconv.runner.models.weights import load_manifest
+    from tests.helpers import greedy
+
+    shards = tmp_path / "v4-int8"
+    shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(1, 1, 1, 1))
+    prompt = list(range(5, 45))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    with torch.no_grad():
+        want = greedy(model, new_cache(256, "int8", 64), [prompt], 6, eos_id=None)[0]
+    server = Server(shards, tmp_path / "server.log", "--dtype", "float32", "--kv-cache-dtype", "int8",
+                    "--kv-cache-memory-bytes", 8 << 20, "--block-size", "64")
+    try:
+        assert re.search(r"KV cache per attention-DP rank: \d+ blocks x 64 tokens = \d+ tokens, .* 16 sequence "
+                         r"slots .* MiB \(int8\)", server.log()), server.log()
+        out = server.openai().completions.create(model="v4-int8", prompt=prompt, max_tokens=6, temperature=0,
+                                                 logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+        assert out.usage.completion_tokens == 6
+        assert ids_of(out.choices[0]) == want
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_int8_kv_cache_server_fills_its_byte_budget(tiny_source, tmp_path):
     """`--kv-cache-dtype int8 --kv-cache-memory-bytes B`: the server sizes its cache to as many whole blocks as
     B holds in the INT8 layout (what it reports when ready), more than twice what auto's float32 entries fit on

@@ -3,7 +3,7 @@ line (runner/cli.py) and handed to every rank. `engine.core.start_engine` builds
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -78,6 +78,7 @@ class RunConfig:
     def _check_cache(self) -> None:
         cache = self.cache
         check_block_size(self.family, cache.block_size)
+        self.cache_bytes  # the family's cache takes this block size (DeepSeek-V4: whole entries of each ratio)
         if cache.tokens < 1:
             raise InputError(f"--cache-tokens {cache.tokens} must be at least 1")
         if cache.memory_bytes is None:
@@ -127,7 +128,18 @@ class RunConfig:
         if cache.memory_bytes is None:
             return cache_blocks(cache.tokens, cache.block_size)
         per_block, per_seq = self.cache_bytes
-        return max(0, (cache.memory_bytes - self.seq_slots * per_seq) // per_block - self._idle)
+        room = cache.memory_bytes - self.seq_slots * per_seq
+        if not per_block:  # blocks that hold nothing (a V4 of sliding layers only): the budget holds the slots
+            if room < 0:
+                return 0
+            return cache_blocks(self.max_position_embeddings * self.scheduler.max_num_seqs, cache.block_size)
+        return max(0, room // per_block - self._idle)
+
+    def with_max_num_seqs(self, max_num_seqs: int) -> "RunConfig":
+        """This run with another --max-num-seqs, its cache checked again (a byte budget's slots change with it)."""
+        run = replace(self, scheduler=replace(self.scheduler, max_num_seqs=max_num_seqs))
+        run._check_cache()
+        return run
 
     @property
     def cache_tokens(self) -> int:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dsconv.family.deepseek_v4 import AttnType, MlpType, V4Config, attn_type_of
 from dsconv.kernels.attention import attention
+from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
@@ -70,8 +71,11 @@ class Compressor:
     the sequence's slot of the cache (v4_cache.CompressorPool), the entries in its blocks."""
 
     def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, head_dim: int, overlap: bool,
-                 rope: Rope, dtype: torch.dtype):
+                 rope: Rope, dtype: torch.dtype, rotation: torch.Tensor | None = None):
+        """rotation: the Hadamard matrix an INT8 cache stores this compressor's entries rotated by (the
+        indexer's keys, for A8C8 scoring); None: stored as pooled."""
         self.ratio, self.head_dim, self.overlap, self.rope = ratio, head_dim, overlap, rope
+        self.rotation = rotation
         self.wkv, self.wgate = Proj(w, f"{prefix}.wkv", dtype), Proj(w, f"{prefix}.wgate", dtype)
         self.ape = w.take(f"{prefix}.ape").float()  # [ratio, series * head_dim]
         self.norm = norm(w, f"{prefix}.norm.weight", cfg)
@@ -82,11 +86,10 @@ class Compressor:
         return self.wkv(x), self.wgate(x).float() + self.ape[positions % self.ratio]
 
     def prefill(self, pool: CompressorPool, state: int, start: int, new_kv: torch.Tensor, new_gate: torch.Tensor,
-                slots: torch.Tensor | None) -> torch.Tensor | None:
+                slots: torch.Tensor | None) -> None:
         """One sequence's projected rows (`project`) at positions start, start + 1, ..., in sequence slot `state`;
-        slots [n]: where its entries 0 .. n - 1 live once these rows are in -> those entries [n, head_dim] (None
-        when there is none yet). The new rows join the unfinished window's; each window they complete is pooled
-        into its entry."""
+        slots [n]: where its entries 0 .. n - 1 live once these rows are in (None when there is none yet). The new
+        rows join the unfinished window's; each window they complete is pooled into its entry."""
         ratio, d = self.ratio, self.head_dim
         base = start // ratio * ratio  # the unfinished window's first position
         ring = state * ratio  # the slot's first row: position p at ring + p % ratio
@@ -99,16 +102,23 @@ class Compressor:
             windows, gates = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
             prev_kv = prev_gate = None
             if self.overlap:  # each window after the previous one's first series (the slot's, for the first)
-                prev_kv = torch.cat([pool.prev_kv[state][None], windows[:-1, :, :d]])
-                prev_gate = torch.cat([pool.prev_gate[state][None], gates[:-1, :, :d]])
+                # copies: the slot's are overwritten below
+                prev_kv, prev_gate = pool.prev_kv[state][None].clone(), pool.prev_gate[state][None].clone()
+                if n > 1:
+                    prev_kv = torch.cat([prev_kv, windows[:-1, :, :d]])
+                    prev_gate = torch.cat([prev_gate, gates[:-1, :, :d]])
                 pool.prev_kv[state], pool.prev_gate[state] = windows[-1, :, :d], gates[-1, :, :d]
             first = base // ratio
             index = torch.arange(first, first + n, device=kv.device)
-            pool.entries.index_copy_(0, slots[first:first + n], self.pool(windows, gates, prev_kv, prev_gate, index))
+            self.store(pool, slots[first:first + n], self.pool(windows, gates, prev_kv, prev_gate, index))
         rest = kv.shape[0] - n * ratio  # the rows of the window still filling, at the slot's first rows
         if rest:
             pool.kv[ring:ring + rest], pool.gate[ring:ring + rest] = kv[n * ratio:], gate[n * ratio:]
-        return None if slots is None else torch.index_select(pool.entries, 0, slots)
+
+    def store(self, pool: CompressorPool, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        if self.rotation is not None and pool.entries.int8:
+            entries = torch.matmul(entries.float(), self.rotation)
+        pool.entries.write(slots, entries)
 
     def decode(self, pool: CompressorPool, group: V4Decode, entries: V4Entries, new_kv: torch.Tensor,
                new_gate: torch.Tensor) -> None:
@@ -130,7 +140,7 @@ class Compressor:
             prev_kv, prev_gate = pool.prev_kv[states], pool.prev_gate[states]
             pool.prev_kv.index_copy_(0, states, kv[:, :, :d].contiguous())
             pool.prev_gate.index_copy_(0, states, gate[:, :, :d].contiguous())
-        pool.entries.index_copy_(0, entries.pool_slots, self.pool(kv, gate, prev_kv, prev_gate, entries.pool_index))
+        self.store(pool, entries.pool_slots, self.pool(kv, gate, prev_kv, prev_gate, entries.pool_index))
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
              prev_gate: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
@@ -148,13 +158,17 @@ class Compressor:
 
 class Indexer:
     """Lightning indexer: score_{t,s} = sum_h w_{t,h} relu(q_{t,h} . k_s) over its own compressed keys; each
-    query keeps the top `index_topk` entries among those already complete."""
+    query keeps the top `index_topk` entries among those already complete. With an INT8 cache the products are
+    A8C8, as V3.2's indexer computes them: keys stored rotated by a Hadamard matrix (dot products unchanged,
+    outliers spread) and INT8 per key, queries rotated alike and quantized per token and head, INT8 x INT8 sums,
+    the scales applied after."""
 
     def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, rope: Rope, dtype: torch.dtype):
         self.cfg = cfg
         self.wq_b, self.weights_proj = Proj(w, f"{prefix}.wq_b", dtype), Proj(w, f"{prefix}.weights_proj", dtype)
+        self.rotation = hadamard(cfg.index_head_dim, torch.float32, w.device)
         self.compressor = Compressor(cfg, w, f"{prefix}.compressor", cfg.csa_compress_rate, cfg.index_head_dim,
-                                     True, rope, dtype)
+                                     True, rope, dtype, self.rotation)
 
     def project(self, x, q_resid, cos, sin, positions) -> tuple[torch.Tensor, ...]:
         """Any sequences' rows -> per row (queries [T, heads, dim], head weights [T, heads], the compressor's
@@ -165,33 +179,49 @@ class Indexer:
         head_weights = self.weights_proj(x).float() * heads**-0.5
         return q, head_weights, *self.compressor.project(x, positions)
 
-    def select(self, q, head_weights, keys: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
-        """One sequence's rows of the queries and head weights (`project`), its compressed keys [n, dim], complete
+    def keys(self, pool: CompressorPool, slots: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The keys at these entry slots ([...]): [..., dim] in the compute dtype, or from an INT8 cache as stored
+        (int8 [..., dim], float32 scales [..., 1])."""
+        return pool.entries.read_int8(slots) if pool.entries.int8 else pool.entries.read(slots)
+
+    def dot(self, q: torch.Tensor, keys) -> torch.Tensor:
+        """q [T, heads, dim] against one sequence's keys ([n, dim]) or q [B, heads, dim] against B sequences' ([B, n,
+        dim]), keys as `keys` gives them -> float32 [T or B, heads, n] products."""
+        if not isinstance(keys, tuple):
+            return torch.matmul(q.float(), keys.float().transpose(-1, -2))
+        k, k_scale = keys  # A8C8
+        q_int8, q_scale = quantize_tokens(torch.matmul(q.float(), self.rotation))  # a scale per query and head
+        if k.dim() == 2:
+            return int8_scores(q_int8.flatten(0, 1), q_scale.flatten(0, 1), k, k_scale).view(*q.shape[:2], -1)
+        return int8_scores(q_int8, q_scale, k, k_scale)
+
+    def select(self, q, head_weights, keys, complete: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows of the queries and head weights (`project`), its compressed keys (`keys`), complete
         [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
         dim = self.cfg.index_head_dim
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * dim**-0.5  # [T, heads, n]
+        scores = F.relu(self.dot(q, keys)) * dim**-0.5  # [T, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
         top = topk_lowest_index(index, self.cfg.index_topk)  # ties: the lowest entry
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
         return torch.zeros_like(complete).scatter_(-1, top, True) & complete
 
-    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+    def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys,
                       valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys [B, n, dim] each
-        sequence's compressed keys with this row pooled (all complete for it), padded (valid [B, n]; None: none
-        is) -> (the chosen entries [B, min(n, index_topk)] in entry order, the padding last; True where one is
+        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys ([B, n, dim], `keys`)
+        each sequence's compressed keys with this row pooled (all complete for it), padded (valid [B, n]; None:
+        none is) -> (the chosen entries [B, min(n, index_topk)] in entry order, the padding last; True where one is
         real). What `select` chooses for the row, in one call (a padded entry scores -inf, its pick is invalid).
         Exact ties (relu's zeros) break by entry order as in `select`; a GEMM whose blocking changes with the
         padded length may round a near-tie the other way, as any change of batch can on an accelerator."""
         dim = self.cfg.index_head_dim
-        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * dim**-0.5  # [B, heads, n]
+        scores = F.relu(self.dot(q, keys)) * dim**-0.5  # [B, heads, n]
         index = (scores * head_weights[..., None]).sum(dim=1)
         if valid is None:
             top = topk_lowest_index(index, self.cfg.index_topk).sort(dim=-1).values  # ties as `select`
             return top, torch.ones_like(top, dtype=torch.bool)
         top = topk_lowest_index(index.masked_fill(~valid, float("-inf")), self.cfg.index_topk)
         # a padded pick sorts last: its index is pushed past every real one, then brought back in range
-        n = keys.shape[1]
+        n = index.shape[1]
         picked = top.masked_fill(~valid.gather(1, top), n).sort(dim=-1).values
         return picked.clamp(max=n - 1), picked < n
 
@@ -260,8 +290,8 @@ class Attention:
         in entry order as `prefill` keeps them."""
         cfg, window = self.cfg, self.cfg.sliding_window
         B = q.shape[0]
-        pool.window.index_copy_(0, group.state * window + group.positions % window, kv)
-        keys = [torch.index_select(pool.window, 0, group.window.flatten()).view(B, window, -1)]
+        pool.window.write(group.state * window + group.positions % window, kv)
+        keys = [pool.window.read(group.window)]
         allowed = [group.window_valid]
         if self.compressor is not None:
             entries = group.entries[self.ratio]
@@ -269,15 +299,12 @@ class Attention:
             if self.indexer is not None:  # the same ratio: the same entry slots
                 self.indexer.compressor.decode(pool.indexer, group, entries, *index[2:])
             if entries.most and self.indexer is not None:  # each sequence's chosen entries, in entry order
-                index_keys = torch.index_select(pool.indexer.entries, 0, entries.slots.flatten()).view(
-                    B, entries.most, -1)
+                index_keys = self.indexer.keys(pool.indexer, entries.slots)
                 top, real = self.indexer.select_decode(index[0], index[1], index_keys, entries.valid)
-                chosen = entries.slots.gather(1, top)
-                keys.append(torch.index_select(pool.compressor.entries, 0, chosen.flatten()).view(B, top.shape[1], -1))
+                keys.append(pool.compressor.entries.read(entries.slots.gather(1, top)))
                 allowed.append(real)
             elif entries.most:
-                keys.append(torch.index_select(pool.compressor.entries, 0, entries.slots.flatten()).view(
-                    B, entries.most, -1))
+                keys.append(pool.compressor.entries.read(entries.slots))
                 allowed.append(entries.valid if entries.valid is not None
                                else torch.ones(B, entries.most, dtype=torch.bool, device=q.device))
         keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
@@ -289,34 +316,33 @@ class Attention:
         """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], positions, their rows of the
         compressor's and the indexer's projections) -> (keys [K, head_dim]: its sliding window, then its compressed
         entries; allowed [S, K]: which of them each query sees). Its rows go into the cache on the way."""
-        cfg, window, state = self.cfg, self.cfg.sliding_window, prefill.state
+        window, state = self.cfg.sliding_window, prefill.state
         stop = prefill.seq.context_len
         start = stop - kv.shape[0]
         first = max(0, start - window + 1)  # the first position the chunk's first query sees
         ring = state * window
-        if start > first:  # the window's earlier keys, from the slot
+        keys = pool.window.stored(kv)  # the chunk's own keys as the cache keeps them (INT8: rounded alike)
+        if start > first:  # the window's earlier keys, from the slot (before this chunk's overwrite them)
             earlier = torch.arange(first, start, device=kv.device) % window + ring
-            keys = torch.cat([torch.index_select(pool.window, 0, earlier), kv])
-        else:
-            keys = kv
+            keys = torch.cat([pool.window.read(earlier), keys])
         kept = max(start, stop - window)  # the positions the slot keeps for the next steps
-        pool.window.index_copy_(0, torch.arange(kept, stop, device=kv.device) % window + ring, kv[kept - start:])
+        pool.window.write(torch.arange(kept, stop, device=kv.device) % window + ring, kv[kept - start:])
         key_positions = torch.arange(first, stop, device=positions.device)
         offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
         allowed = (offset >= 0) & (offset < window)
         if self.compressor is None:
             return keys, allowed
-        entries = self.compressor.prefill(pool.compressor, state, start, *compress, prefill.entries[self.ratio])
-        index_keys = None
+        slots = prefill.entries[self.ratio]
+        self.compressor.prefill(pool.compressor, state, start, *compress, slots)
         if self.indexer is not None:  # its keys advance whether or not an entry exists yet
-            index_keys = self.indexer.compressor.prefill(pool.indexer, state, start, *index[2:],
-                                                         prefill.entries[self.ratio])
-        if entries is not None:
+            self.indexer.compressor.prefill(pool.indexer, state, start, *index[2:], slots)
+        if slots is not None:
+            entries = pool.compressor.entries.read(slots)
             # entry s pools tokens [s * ratio, (s + 1) * ratio): visible once the query has passed them all
             entry = torch.arange(entries.shape[0], device=positions.device)
             complete = entry[None, :] < ((positions + 1) // self.ratio)[:, None]  # [S, n]
             if self.indexer is not None:
-                complete = self.indexer.select(index[0], index[1], index_keys, complete)
+                complete = self.indexer.select(index[0], index[1], self.indexer.keys(pool.indexer, slots), complete)
             keys = torch.cat([keys, entries])
             allowed = torch.cat([allowed, complete], dim=-1)
         return keys, allowed

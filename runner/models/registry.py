@@ -50,10 +50,9 @@ def _latent_bytes(cfg, dtype: torch.dtype, device, kv_cache_dtype: str, block_si
 
 def _v4_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto",
               max_seqs: int = DEFAULT_MAX_SEQS):
-    if kv_cache_dtype != "auto":  # the CLI refuses it first (family.arch.check_kv_cache_dtype)
-        raise InputError(f"--kv-cache-dtype {kv_cache_dtype} is not available for deepseek_v4")
-    # entries and state in the model dtype
-    return V4Cache(cfg, blocks * block_size, dtype, device, block_size=block_size, max_seqs=max_seqs)
+    # entries, windows and state in the model dtype (INT8 entries and windows under kv_cache_dtype int8)
+    return V4Cache(cfg, blocks * block_size, dtype, device, block_size=block_size, max_seqs=max_seqs,
+                   kv_cache_dtype=kv_cache_dtype)
 
 
 def _v4_bytes(cfg, dtype: torch.dtype, device, kv_cache_dtype: str, block_size: int) -> tuple[int, int]:

@@ -22,6 +22,12 @@ Cache groups, per layer (r: the layer's compress ratio, or the indexer's, csa_co
     overlapping (CSA) compressors the last complete window's first series with its gates, which the next entry
     pools (gates -inf before the first window: weight 0).
 
+Under --kv-cache-dtype int8 (C8) the compressed entries, the windows and the indexer's keys are stored INT8 with a
+float32 scale per row (`Rows`; family.deepseek_v4.cache_fields says which values): the rotary tail of an entry
+or window row stays in the compute dtype, the indexer's keys are stored Hadamard-rotated for its A8C8 scoring,
+and reads of entries and windows come back dequantized (stored in 8 bits, computed in 16). The unfinished windows
+stay in the compute dtype: they are pooled again, not read by attention.
+
 Forked samples share the prompt's full blocks (the scheduler's pool shares them) and get copies of the parent's
 partial last block and of its slot. The cache keeps, per sequence, only its slot number and its length (to check
 that each step continues where the last stopped).
@@ -33,13 +39,25 @@ from dataclasses import dataclass
 
 import torch
 
-from dsconv.family.arch import DEFAULT_BLOCK_SIZE
-from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of
-from dsconv.kernels.device import takes_npu_path
+from dsconv.errors import InputError
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
+from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of, cache_fields
+from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
+from dsconv.kernels.device import cast, takes_npu_path
 from dsconv.runner.models.batch import Fork
 from dsconv.runner.models.kv_cache import KVCache, cache_blocks
 
 DEFAULT_MAX_SEQS = 16  # sequence slots when none is asked for (the scheduler's default --max-num-seqs)
+
+
+def check_geometry(ratios: list[int], block_size: int) -> None:
+    """Refuses, in one line, a block size whose blocks cannot keep whole entries of every compress ratio: each ratio
+    and the block size must divide one another (the hub's 4 and 128 with any power-of-two block size do)."""
+    for ratio in sorted(set(r for r in ratios if r)):
+        if ratio % block_size and block_size % ratio:
+            raise InputError(f"--block-size {block_size} cannot hold deepseek_v4's compress ratio {ratio} in whole "
+                             f"entries (each must divide the other): use a power-of-two block size dividing {ratio} "
+                             f"or divisible by it")
 
 
 def entry_slots(ratio: int, block_size: int) -> int:
@@ -54,29 +72,101 @@ def entry_slot(block_table: list[int], entry: int, ratio: int, block_size: int) 
     return block * per_block + (entry % per_block if ratio <= block_size else 0)
 
 
+class Rows:
+    """Rows of a CacheField's `dim` values addressed by row number: as they are (--kv-cache-dtype auto), or its
+    leading int8_dims INT8 with one float32 scale per row and the rest (V4's rotary tail) in the compute dtype
+    (int8). Reads come back in the compute dtype (dequantized), or as stored (`read_int8`)."""
+
+    def __init__(self, count: int, field: CacheField, dtype: torch.dtype, device: torch.device):
+        self.field, self.dtype = field, dtype
+        k = field.int8_dims
+        self.values = self.q = self.scale = self.rest = None
+        if not k:
+            self.values = torch.zeros(count, field.dim, dtype=dtype, device=device)
+            return
+        self.q = torch.zeros(count, k, dtype=torch.int8, device=device)
+        self.scale = torch.zeros(count, 1, dtype=torch.float32, device=device)
+        if field.dim > k:
+            self.rest = torch.zeros(count, field.dim - k, dtype=dtype, device=device)
+
+    @property
+    def int8(self) -> bool:
+        return self.q is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.values, self.q, self.scale, self.rest) if t is not None]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(t[0].nbytes for t in self.tensors())
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """values [n, dim] into rows [n]."""
+        if not self.int8:
+            self.values.index_copy_(0, rows, cast(values, self.dtype))
+            return
+        k = self.field.int8_dims
+        q, scale = quantize_tokens(values[:, :k])
+        self.q.index_copy_(0, rows, q)
+        self.scale.index_copy_(0, rows, scale)
+        if self.rest is not None:
+            self.rest.index_copy_(0, rows, cast(values[:, k:], self.dtype))
+
+    def stored(self, values: torch.Tensor) -> torch.Tensor:
+        """values [n, dim] as a read gives them back once written: in a step, rows not yet read from the cache
+        (a prefill chunk's own keys) are used as every later step sees them."""
+        if not self.int8:
+            return cast(values, self.dtype)
+        k = self.field.int8_dims
+        q, scale = quantize_tokens(values[:, :k])
+        rounded = dequantize_tokens(q, scale, self.dtype)
+        return rounded if self.rest is None else torch.cat([rounded, cast(values[:, k:], self.dtype)], dim=-1)
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [...] -> [..., dim] in the compute dtype."""
+        if not self.int8:
+            return _gather(self.values, rows)
+        values = dequantize_tokens(_gather(self.q, rows), _gather(self.scale, rows), self.dtype)
+        return values if self.rest is None else torch.cat([values, _gather(self.rest, rows)], dim=-1)
+
+    def read_int8(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [...] -> (int8 [..., int8_dims], float32 scales [..., 1]) as stored (an all-INT8 field's rows)."""
+        return _gather(self.q, rows), _gather(self.scale, rows)
+
+    def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        for t in self.tensors():
+            t.index_copy_(0, target, t.index_select(0, source))
+
+
+def _gather(stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(stored, 0, rows.flatten()).view(*rows.shape, stored.shape[1])
+
+
 @dataclass
 class CompressorPool:
     """One compressor's storage in one layer: its entries (paged) and each sequence slot's unfinished window."""
     ratio: int
     overlap: bool
-    entries: torch.Tensor  # [blocks * entry_slots, dim]
+    entries: Rows  # blocks * entry_slots rows
     kv: torch.Tensor  # [slots * ratio, series * dim]: projected rows, sequence slot s at rows s * ratio + p % ratio
     gate: torch.Tensor  # [slots * ratio, series * dim] float32: their gates, the window slot's bias `ape` added
     prev_kv: torch.Tensor | None  # [slots, ratio, dim] overlap only: the last complete window's first series
     prev_gate: torch.Tensor | None  # [slots, ratio, dim] float32; -inf before the first window
 
     @classmethod
-    def allocate(cls, ratio: int, dim: int, overlap: bool, blocks: int, block_size: int, slots: int,
+    def allocate(cls, ratio: int, field: CacheField, overlap: bool, blocks: int, block_size: int, slots: int,
                  dtype: torch.dtype, device: torch.device) -> CompressorPool:
+        dim = field.dim
         width = (2 if overlap else 1) * dim
-        entries = torch.zeros(blocks * entry_slots(ratio, block_size), dim, dtype=dtype, device=device)
+        entries = Rows(blocks * entry_slots(ratio, block_size), field, dtype, device)
         return cls(ratio, overlap, entries, torch.zeros(slots * ratio, width, dtype=dtype, device=device),
                    torch.zeros(slots * ratio, width, dtype=torch.float32, device=device),
                    torch.zeros(slots, ratio, dim, dtype=dtype, device=device) if overlap else None,
                    torch.zeros(slots, ratio, dim, dtype=torch.float32, device=device) if overlap else None)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.entries, self.kv, self.gate, self.prev_kv, self.prev_gate) if t is not None]
+        return [*self.entries.tensors(), *(t for t in (self.kv, self.gate, self.prev_kv, self.prev_gate)
+                                           if t is not None)]
 
     def start(self, slot: int) -> None:
         """A sequence starts in `slot`: no window before its first (its unfinished rows are written before read)."""
@@ -93,7 +183,7 @@ class CompressorPool:
 
 @dataclass
 class LayerPool:
-    window: torch.Tensor  # [slots * sliding_window, head_dim]: slot s, position p at row s * window + p % window
+    window: Rows  # slots * sliding_window rows: slot s, position p at row s * window + p % window
     compressor: CompressorPool | None  # CSA and HCA layers
     indexer: CompressorPool | None  # CSA layers: the indexer's own compressed keys
 
@@ -101,22 +191,26 @@ class LayerPool:
         return [c for c in (self.compressor, self.indexer) if c is not None]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.window, *(t for c in self.compressors() for t in c.tensors())]
+        return [*self.window.tensors(), *(t for c in self.compressors() for t in c.tensors())]
 
 
 class V4Cache(KVCache):
     paged = True  # entries sit in their blocks: forked samples share the prompt's full blocks
 
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS):
-        """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries
-        and state in `dtype` (the model's compute dtype), gates in float32."""
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto"):
+        """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries,
+        windows and state in `dtype` (the model's compute dtype; INT8 with kv_cache_dtype int8, but the unfinished
+        windows), gates in float32."""
+        check_geometry(cfg.compress_ratios[:cfg.num_hidden_layers], block_size)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.kv_cache_dtype = kv_cache_dtype
+        fields = cache_fields(cfg, kv_cache_dtype)
         self.block_size, self.max_seqs = block_size, max_seqs
         self.num_blocks = cache_blocks(capacity_tokens, block_size)
         self.window = cfg.sliding_window
-        # on an accelerator an idle rank's throwaway token writes into one block and one slot past the pool's, which
-        # no sequence is ever given
+        # on an accelerator an idle rank's throwaway token writes into one block past the pool's, which no sequence
+        # is ever given, and takes a slot of its own (one more than max_seqs: the idle rank runs nothing else)
         npu = takes_npu_path(self.device)
         self.dummy_block = self.num_blocks if npu else None
         blocks, slots = self.num_blocks + npu, max_seqs + npu
@@ -124,12 +218,12 @@ class V4Cache(KVCache):
         for ratio in cfg.compress_ratios[:cfg.num_hidden_layers]:
             attn_type, compressor, indexer = attn_type_of(ratio), None, None
             if attn_type is not AttnType.SLIDING:
-                compressor = CompressorPool.allocate(ratio, cfg.head_dim, attn_type is AttnType.CSA, blocks, block_size,
-                                                     slots, dtype, self.device)
+                compressor = CompressorPool.allocate(ratio, fields["kv"], attn_type is AttnType.CSA, blocks,
+                                                     block_size, slots, dtype, self.device)
             if attn_type is AttnType.CSA:
-                indexer = CompressorPool.allocate(cfg.csa_compress_rate, cfg.index_head_dim, True, blocks, block_size,
+                indexer = CompressorPool.allocate(cfg.csa_compress_rate, fields["index_k"], True, blocks, block_size,
                                                   slots, dtype, self.device)
-            window = torch.zeros(slots * self.window, cfg.head_dim, dtype=dtype, device=self.device)
+            window = Rows(slots * self.window, fields["kv"], dtype, self.device)
             self.layers.append(LayerPool(window, compressor, indexer))
         self.free_slots = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.slots: dict[int, int] = {}  # seq_id -> its sequence slot
@@ -144,7 +238,7 @@ class V4Cache(KVCache):
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes in every paged group and layer, from the tensors themselves."""
-        return sum(c.entries[:entry_slots(c.ratio, self.block_size)].nbytes
+        return sum(c.entries.row_bytes * entry_slots(c.ratio, self.block_size)
                    for layer in self.layers for c in layer.compressors())
 
     @property
@@ -152,7 +246,7 @@ class V4Cache(KVCache):
         """Bytes one sequence slot takes: every layer's window and compressor state."""
         per_slot = 0
         for layer in self.layers:
-            per_slot += layer.window[:self.window].nbytes
+            per_slot += layer.window.row_bytes * self.window
             for c in layer.compressors():
                 per_slot += c.kv[:c.ratio].nbytes + c.gate[:c.ratio].nbytes
                 per_slot += c.prev_kv[0].nbytes + c.prev_gate[0].nbytes if c.overlap else 0
@@ -189,19 +283,19 @@ class V4Cache(KVCache):
         shared)."""
         slot = self._take_slot(fork.child)
         source = self.slots[fork.parent]
-        w = self.window
-        parent_blocks = torch.tensor([p for p, _ in fork.copies], dtype=torch.long, device=self.device)
-        child_blocks = torch.tensor([c for _, c in fork.copies], dtype=torch.long, device=self.device)
+        rows = torch.arange(self.window, device=self.device)
+        if fork.copies:  # no zero-size tensor when no partial block is copied
+            parent_blocks = torch.tensor([p for p, _ in fork.copies], dtype=torch.long, device=self.device)
+            child_blocks = torch.tensor([c for _, c in fork.copies], dtype=torch.long, device=self.device)
         for layer in self.layers:
-            layer.window[slot * w:(slot + 1) * w] = layer.window[source * w:(source + 1) * w]
+            layer.window.copy(source * self.window + rows, slot * self.window + rows)
             for c in layer.compressors():
                 c.copy_slot(source, slot)
                 if fork.copies:
                     per_block = entry_slots(c.ratio, self.block_size)
                     offsets = torch.arange(per_block, device=self.device)
-                    c.entries.index_copy_(0, (child_blocks[:, None] * per_block + offsets).flatten(),
-                                          c.entries.index_select(0, (parent_blocks[:, None] * per_block + offsets)
-                                                                 .flatten()))
+                    c.entries.copy((parent_blocks[:, None] * per_block + offsets).flatten(),
+                                   (child_blocks[:, None] * per_block + offsets).flatten())
         self.slots[fork.child], self.lengths[fork.child] = slot, self.lengths[fork.parent]
 
     def release(self, seq_id: int) -> None:
