@@ -74,8 +74,8 @@ def _import_torch() -> None:
 BLOCK_SIZE_HELP = ("Tokens per KV-cache block (vLLM's flag): a power of two; the default 16 is vLLM's GPU default "
                    "(vllm-ascend runs 128 on Ascend, where its fused kernels take blocks of 128).")
 KV_CACHE_MEMORY_HELP = ("KV cache size per attention-DP rank in bytes (vLLM's flag), instead of --cache-tokens: as "
-                        "many whole blocks as fit, in the cache's own layout (V3 / V3.2; V4 keeps a state per "
-                        "sequence).")
+                        "many whole blocks as fit, in the cache's own layout (V4: after a fixed slot per "
+                        "--max-num-seqs for its windows and compressor state).")
 
 
 @app.command()

@@ -1,5 +1,5 @@
 """The V4 runner against transformers' DeepseekV4ForCausalLM on the same weights: the one-sequence prefill,
-greedy tokens through the step function and its decode state, steps of any size against one whole forward,
+greedy tokens through the step function and its paged cache, steps of any size against one whole forward,
 and the same tokens sharded over 16 ranks."""
 
 import pytest
@@ -107,7 +107,7 @@ def test_greedy_tokens_equal_transformers_generate(pair, block_size):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_steps_of_any_size_equal_one_whole_forward(pair, block_size):
     """A sequence fed in uneven chunks (one token, a partial window, several whole windows) continues its
-    decode state exactly: each chunk's logits equal the same rows of one forward over the whole sequence."""
+    cache exactly: each chunk's logits equal the same rows of one forward over the whole sequence."""
     model, cfg, _, _ = pair
     ids = torch.tensor(prompt(cfg.vocab_size, 2 * cfg.hca_compress_rate + 5, seed=3))
     chunks = [1, 3, 2 * cfg.csa_compress_rate + 1, cfg.sliding_window + 7, cfg.hca_compress_rate, 1, 1]

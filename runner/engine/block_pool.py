@@ -45,13 +45,12 @@ class BlockPool:
         self.holders[block] = 1
         return block
 
-    def fork(self, parent: int, child: int, tokens: int, share: bool) -> list[tuple[int, int]] | None:
+    def fork(self, parent: int, child: int, tokens: int) -> list[tuple[int, int]] | None:
         """child's table for the first `tokens` tokens of parent's -> the (parent block, child block) pairs
-        whose contents the ranks copy; None when the free blocks do not suffice (nothing is taken). With
-        `share`, the full blocks are shared and only a partial last block is copied; without (a cache whose
-        storage is not paged, so nothing can be shared), child gets blocks of its own for all of them."""
+        whose contents the ranks copy; None when the free blocks do not suffice (nothing is taken). The full
+        blocks are shared; only a partial last block is copied."""
         source = self.tables[parent][:self.blocks_for(tokens)]
-        shared = source[:tokens // self.block_size] if share else []
+        shared = source[:tokens // self.block_size]
         own = source[len(shared):]
         if len(own) > len(self.free):
             return None

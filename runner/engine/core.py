@@ -150,7 +150,7 @@ def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int,
         return EngineCore(worker, None, dist.world_size, dist.attn_tp)
     s = scheduler
     plan = Scheduler(dist.world_size // dist.attn_tp, cache.num_blocks, cache.block_size, s.max_num_seqs,
-                     s.max_num_batched_tokens, eos_token_id, s.balancing, share_blocks=cache.paged,
+                     s.max_num_batched_tokens, eos_token_id, s.balancing,
                      cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens)
     return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
                       metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)

@@ -88,12 +88,10 @@ class Step:
 
 class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, balancing: str = "least-loaded", share_blocks: bool = True,
-                 cp_size: int = 1, cp_min_tokens: int | None = None):
-        """share_blocks: forked samples share their full blocks (the cache's `paged`: False where the cache keeps
-        per-sequence state, which a fork copies whole, so the pool counts the copy's blocks too). cp_size > 1:
-        a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's group of cp_size
-        ranks in one step (context parallelism)."""
+                 eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
+                 cp_min_tokens: int | None = None):
+        """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
+        group of cp_size ranks in one step (context parallelism)."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -108,7 +106,6 @@ class Scheduler:
         self.by_seq: dict[int, Request] = {}  # the same requests by their sequence id (the ranks' name for them)
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
         self.forks: list[list[Fork]] = [[] for _ in range(dp)]  # samples forked here, to copy on the ranks
-        self.share_blocks = share_blocks
         if cp_size < 1 or dp % cp_size or (cp_size > 1 and (cp_min_tokens is None or cp_min_tokens < 1)):
             raise InputError(f"--prefill-context-parallel-size {cp_size} must divide the attention-DP size {dp}, "
                              f"with --prefill-cp-min-tokens at least 1")
@@ -349,7 +346,7 @@ class Scheduler:
             if out.finished:
                 continue
             self.requests[child.key] = self.by_seq[child.seq_id] = child
-            copies = pool.fork(parent.seq_id, child.seq_id, parent.num_computed, self.share_blocks)
+            copies = pool.fork(parent.seq_id, child.seq_id, parent.num_computed)
             if copies is None:
                 self.waiting[rank].appendleft(child)
                 continue

@@ -3,7 +3,7 @@ through the model, and its logits through the sampler.
 
 The batch (runner/models/batch.py) is what the scheduler decided, in lists; the inputs are tensors on the rank's
 device: the token ids, the rows whose logits are needed, and the step's metadata (runner/models/step.py) that the
-model's attention reads: each sequence's rows, positions and context, for a paged cache the slots of its context
+model's attention reads: each sequence's rows, positions and context, for the latent cache the slots of its context
 and its causal mask, the decode sequences in groups, and a context-parallel prefill's share."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class StepInputs:
 
 
 class InputBuilder:
-    """Each step's model inputs from its batch, on the cache's device. It keeps, for a paged cache, the slots of
+    """Each step's model inputs from its batch, on the cache's device. It keeps, for the latent cache, the slots of
     each running sequence's context so far, so a decode step extends them by its new slots instead of reading
     the whole block table again."""
 
@@ -74,8 +74,8 @@ class InputBuilder:
         return torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
 
     def meta(self, batch: Batch) -> StepMeta:
-        """The step's metadata: positions, slots, each sequence's context (and, paged, its slots and causal mask),
-        the decode groups; a context-parallel share's own."""
+        """The step's metadata: positions, slots, each sequence's context (for the latent cache its slots and causal
+        mask, and the decode groups; DeepSeek-V4's part by V4Inputs); a context-parallel share's own."""
         if batch.cp is not None:
             if self.v4 is not None:
                 raise ValueError(f"invalid step batch: {type(self.cache).__name__} has no context-parallel prefill")
@@ -94,7 +94,7 @@ class InputBuilder:
         return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs))
 
     def _seq(self, batch: Batch, i: int) -> SeqStep:
-        """Sequence i of a paged step: its context's slots (the last step's extended by this one's, or read from
+        """Sequence i of a latent-cache step: its context's slots (the last step's extended by this one's, or read from
         its block table), its causal mask, and its first slot when its blocks are consecutive."""
         seq_id, (row, stop, context) = batch.seq_ids[i], batch.span(i)
         n_new, start = stop - row, context - (stop - row)

@@ -4,8 +4,8 @@ it, every rank of that DP index receives it, and both sides validate it.
 Sequence i feeds input_ids[query_start_loc[i]:query_start_loc[i + 1]], the tokens at positions
 context_lens[i] - query_len .. context_lens[i] - 1; their cache entries go to slot_mapping's slots, which its
 block table gives (slot = block_tables[i][p // block_size] * block_size + p % block_size). The tables come
-from the scheduler's block pool (runner/engine/block_pool.py), the only allocator; a cache without paged
-storage (DeepSeek-V4's state) leaves the slots unused.
+from the scheduler's block pool (runner/engine/block_pool.py), the only allocator (DeepSeek-V4's cache reads
+the tables, not the slot mapping: its entries are one per `ratio` tokens, runner/models/v4_cache.py).
 
 A sample forked from another (n > 1) starts from a copy of that sequence's cache: `forks` names the pairs and the
 blocks whose contents to copy (the full blocks of their common prompt are shared, in both block tables; nobody

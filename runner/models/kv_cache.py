@@ -40,17 +40,15 @@ def cache_blocks(capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 @runtime_checkable
 class KVCache(Protocol):
     """What the engine (engine/worker.py) asks of a model's cache, whichever the family. Block accounting: its size
-    in the block pool's units (num_blocks of block_size tokens); `paged`: a token's entries sit at the slot its
-    block table gives, so forked samples share their full blocks (else the step's slots are unused and a fork
-    copies the whole state); `dummy_block`: where an idle rank's throwaway token goes on an accelerator (None: on
-    CPU, where a step of zero rows is fine); `device`: where its entries are, and the step's tensors go. Per step,
-    before the forward: `fork` copies a parent's entries for a child, `release` forgets a finished sequence,
-    `advance` is told each sequence's new positions. The model's forward writes and reads the entries (`write` /
-    `read` here, v4_cache's pools for DeepSeek-V4).
+    in the block pool's units (num_blocks of block_size tokens): a token's entries sit in the blocks its block table
+    gives, so forked samples share their full blocks; `dummy_block`: where an idle rank's throwaway token goes on an
+    accelerator (None: on CPU, where a step of zero rows is fine); `device`: where its entries are, and the step's
+    tensors go. Per step, before the forward: `fork` copies a parent's entries for a child, `release` forgets a
+    finished sequence, `advance` is told each sequence's new positions. The model's forward writes and reads the
+    entries (`write` / `read` here, v4_cache's pools for DeepSeek-V4).
     LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it."""
     num_blocks: int
     block_size: int
-    paged: bool
     dummy_block: int | None
     device: torch.device
 
@@ -62,8 +60,6 @@ class KVCache(Protocol):
 
 
 class LatentCache(KVCache):
-    paged = True  # a token's entries sit in its block: samples forked from one prompt share its full blocks
-
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
                  dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):
         """fields: name -> what a token keeps per layer; dtype: the entries' dtype (and that of dequantized

@@ -32,7 +32,7 @@ class SeqStep:
     start: int  # this sequence's rows in the flattened step
     stop: int
     context_len: int  # tokens cached for the sequence once this step's tokens are written
-    # paged caches only (DeepSeek-V4's state needs neither):
+    # the latent cache only (DeepSeek-V4's cache takes its own metadata, V4Step):
     context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
     causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
     #                                     query_len + i) may look; None for one query, which sees everything

@@ -195,8 +195,6 @@ class LayerPool:
 
 
 class V4Cache(KVCache):
-    paged = True  # entries sit in their blocks: forked samples share the prompt's full blocks
-
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto"):
         """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries,
