@@ -376,5 +376,7 @@ def test_int8_cache_close_to_auto(pair):
     print(f"deepseek_v4 INT8 vs auto cache logits cosine over {len(ids)} positions: {similarity:.5f}; greedy tokens "
           f"equal for the first {agree} of {NEW_TOKENS} ({sum(a == b for a, b in zip(got, want))} positionwise)")
     assert similarity >= INT8_COSINE_MIN
-    torch.testing.assert_close(torch.cat(chunks), logits["int8"], rtol=0, atol=1e-4)  # steps continue the INT8 cache
+    # steps continue the INT8 cache: a chunk's own keys are rounded as stored (without that the two differ by 0.77
+    # here); the bound leaves room for a key value that GEMM blocking of another chunk size tips to the next code
+    torch.testing.assert_close(torch.cat(chunks), logits["int8"], rtol=0, atol=1e-2)
     assert agree >= INT8_AGREEMENT_MIN
