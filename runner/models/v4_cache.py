@@ -202,7 +202,6 @@ class V4Cache(KVCache):
         windows), gates in float32."""
         check_geometry(cfg.compress_ratios[:cfg.num_hidden_layers], block_size)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.kv_cache_dtype = kv_cache_dtype
         fields = cache_fields(cfg, kv_cache_dtype)
         self.block_size, self.max_seqs = block_size, max_seqs
         self.num_blocks = cache_blocks(capacity_tokens, block_size)
