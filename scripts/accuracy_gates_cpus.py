@@ -27,7 +27,7 @@ from tests.trained import PINNED_CPU_ENV, cpu_description, trained_source, unrec
 from dsconv.family.layout import Layout  # noqa: E402
 from tests.accuracy_gates import CONTEXT, gate_report, pinned_gate_figures  # noqa: E402
 from tests.helpers import quantize, shard  # noqa: E402
-from tests.test_accuracy_gate import CACHE_GATE_WINDOWS, EVAL_TOKENS  # noqa: E402
+from tests.test_accuracy_gate import CACHE_GATE_WINDOWS, EVAL_TOKENS, V4_CACHE_GATE_WINDOWS  # noqa: E402
 
 # what each environment sets; an empty value removes the variable, so the CPU's own choice applies
 ENVS = {
@@ -42,8 +42,6 @@ ENVS = {
 }
 GATES = ("deepseek_v32 w8a8 vs bf16", "deepseek_v4 w8a8 vs bf16", "deepseek_v32 int8 KV cache",
          "deepseek_v32 recipe v32-indexer vs v3", "deepseek_v4 int8 KV cache")
-# deepseek_v4 int8 KV cache: V4's C8 cache against auto on the trained V4 over the cache gates' windows, figures only
-# (no test gates it yet: V4's indexer is not trained, docs/benchmarks.md)
 
 
 def environment(name: str) -> dict:
@@ -56,7 +54,7 @@ def environment(name: str) -> dict:
     return env
 
 
-def sides(root: Path, cache_windows: int) -> dict:
+def sides(root: Path, cache_windows: int | None) -> dict:
     """The gates' shard sets, one rank each: gate name -> (family, eval tokens, base side, other side)."""
     for family in ("deepseek_v32", "deepseek_v4"):
         quantize(trained_source(family), root / family / "w8a8")
@@ -65,15 +63,17 @@ def sides(root: Path, cache_windows: int) -> dict:
     quantize(trained_source("deepseek_v32"), root / "indexer", recipe="v32-indexer")
     shard(root / "indexer", root / "indexer-shards", Layout(1, 1, 1, 1))
     v32 = root / "deepseek_v32"
+    v32_windows, v4_windows = (cache_windows, cache_windows) if cache_windows else (CACHE_GATE_WINDOWS,
+                                                                                     V4_CACHE_GATE_WINDOWS)
     return {
         GATES[0]: ("deepseek_v32", EVAL_TOKENS, (v32 / "bf16-shards", "auto"), (v32 / "w8a8-shards", "auto")),
         GATES[1]: ("deepseek_v4", EVAL_TOKENS, (root / "deepseek_v4" / "bf16-shards", "auto"),
                    (root / "deepseek_v4" / "w8a8-shards", "auto")),
-        GATES[2]: ("deepseek_v32", cache_windows * CONTEXT, (v32 / "bf16-shards", "auto"),
+        GATES[2]: ("deepseek_v32", v32_windows * CONTEXT, (v32 / "bf16-shards", "auto"),
                    (v32 / "bf16-shards", "int8")),
-        GATES[3]: ("deepseek_v32", cache_windows * CONTEXT, (v32 / "w8a8-shards", "auto"),
+        GATES[3]: ("deepseek_v32", v32_windows * CONTEXT, (v32 / "w8a8-shards", "auto"),
                    (root / "indexer-shards", "auto")),
-        GATES[4]: ("deepseek_v4", cache_windows * CONTEXT, (root / "deepseek_v4" / "bf16-shards", "auto"),
+        GATES[4]: ("deepseek_v4", v4_windows * CONTEXT, (root / "deepseek_v4" / "bf16-shards", "auto"),
                    (root / "deepseek_v4" / "bf16-shards", "int8")),
     }
 
@@ -82,8 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", nargs="+", choices=list(ENVS), default=list(ENVS))
     parser.add_argument("--gate", nargs="+", choices=GATES, default=list(GATES))
-    parser.add_argument("--cache-windows", type=int, default=CACHE_GATE_WINDOWS,
-                        help="windows of the cache gates (default: the test's)")
+    parser.add_argument("--cache-windows", type=int,
+                        help=f"windows of the cache gates (default: the tests': {CACHE_GATE_WINDOWS} for V3.2's, "
+                             f"{V4_CACHE_GATE_WINDOWS} for V4's)")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
     print(f"machine: {cpu_description()}", flush=True)

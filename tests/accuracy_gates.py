@@ -153,7 +153,7 @@ def pinned_gate_figures(tokenizer_path, eval_tokens: int, base: tuple, other: tu
 def gate_report(name: str, figures: dict) -> str:
     lowest = ", ".join(f"{cosine:.4f}" for cosine in figures["worst_position_lowest"])
     return (f"{name}: perplexity {figures['ppl_ref']:.4f} -> {figures['ppl_new']:.4f} ({figures['relative']:+.3%}) "
-            f"over {figures['windows']} windows; logits cosine mean {figures['cosine_mean']:.6f} min "
+            f"over {figures['windows']} windows; logits cosine mean {figures['cosine_mean']:.7f} min "
             f"{figures['cosine_min']:.6f}, worst position {figures['position_min']:.6f} (position "
             f"{figures['worst_position']}: lowest windows {lowest}, the others' mean "
             f"{figures['worst_position_rest']:.6f}); top-1 agreement {figures['matched']}/{figures['scored']} "

@@ -12,6 +12,13 @@ towards the main attention, in two stages after dense pre-training:
     disjoint weights.
 `index_logits` recomputes transformers' index scores (DeepseekV32Indexer.forward) with gradients, from the inputs
 transformers hands its indexer; tests/test_indexer_training.py checks that its top-k equals transformers' own.
+
+DeepSeek-V4's CSA layers have the same kind of indexer, over compressed entries instead of tokens: it picks the
+`index_topk` entries (one per `compress_ratio` tokens) each query attends to beside its sliding window, and its top-k
+passes no gradient either. It trains the same way, its target being the layer's attention probabilities on the
+compressed entries (heads summed, normalized over the entries); the scores with gradients are transformers' own
+(`v4_index_scores` runs DeepseekV4Indexer.forward without a cache and keeps its scorer's output). A query before the
+first complete entry attends to none and has no target.
 """
 
 from __future__ import annotations
@@ -50,12 +57,52 @@ def indexer_kl(logits: torch.Tensor, target: torch.Tensor, allowed: torch.Tensor
     return (target * (log_p - log_q)).sum(dim=-1).mean()
 
 
+def v4_index_scores(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor,
+                    position_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' V4 index scores [B, S, entries] before its causal mask, with gradients: DeepseekV4Indexer.forward
+    without a cache (its compressor pools every complete window of the sequence), its scorer's output kept."""
+    kept = []
+    handle = indexer.scorer.register_forward_hook(lambda _module, _args, output: kept.append(output))
+    try:
+        indexer(hidden, q_resid, position_ids, None, 0)  # the layer index only addresses a cache
+    finally:
+        handle.remove()
+    return kept[0]
+
+
+def v4_indexer_kl(indexer: nn.Module, inputs: tuple, probs: torch.Tensor, selected_only: bool) -> torch.Tensor:
+    """KL of a V4 CSA layer's indexer towards the attention on its compressed entries. probs [B, heads, S, S +
+    entries]: eager attention over the sequence's own keys, then the entries. Queries with no entry to attend to
+    are left out."""
+    hidden, q_resid, position_ids = inputs
+    length = hidden.shape[1]
+    target = probs[..., length:].sum(dim=1)  # [B, S, entries]
+    entries = torch.arange(target.shape[-1])
+    causal = (entries < ((position_ids + 1) // indexer.compress_rate).unsqueeze(-1)).expand_as(target)  # complete
+    allowed = target > 0 if selected_only else causal
+    queries = allowed.any(dim=-1)  # [B, S]
+    target = target[queries]
+    return indexer_kl(v4_index_scores(indexer, hidden, q_resid, position_ids)[queries],
+                      target / target.sum(dim=-1, keepdim=True), allowed[queries])
+
+
 @dataclass
 class LayerCapture:
     """What one decoder layer's attention saw in a forward pass: the indexer's inputs (detached) and the
-    attention probabilities [B, heads, S, T] (eager attention)."""
+    attention probabilities [B, heads, S, keys] (eager attention)."""
+    attention: nn.Module | None = None
+    indexer: nn.Module | None = None
     indexer_inputs: tuple | None = None
     probs: torch.Tensor | None = None
+
+    def kl(self, selected_only: bool) -> torch.Tensor:
+        if is_v4(self.indexer):
+            return v4_indexer_kl(self.indexer, self.indexer_inputs, self.probs, selected_only)
+        hidden, q_resid, position_embeddings, mask = self.indexer_inputs
+        target = self.probs.sum(dim=1)
+        target = target / target.sum(dim=-1, keepdim=True)
+        allowed = target > 0 if selected_only else mask
+        return indexer_kl(index_logits(self.indexer, hidden, q_resid, position_embeddings), target, allowed)
 
 
 @dataclass
@@ -66,23 +113,40 @@ class Captures:
         """The summed per-layer KL of each indexer towards its layer's attention (heads summed, normalized); with
         selected_only, over the keys the attention attended to (the sparse stage), else over every causal key."""
         total = 0.0
-        for layer, capture in zip(model.model.layers, self.layers):
-            hidden, q_resid, position_embeddings, mask = capture.indexer_inputs
-            target = capture.probs.sum(dim=1)
-            target = target / target.sum(dim=-1, keepdim=True)
-            allowed = target > 0 if selected_only else mask
-            total = total + indexer_kl(index_logits(layer.self_attn.indexer, hidden, q_resid, position_embeddings),
-                                       target, allowed)
+        for capture in self.layers:
+            total = total + capture.kl(selected_only)
         return total
+
+
+def is_v4(indexer: nn.Module) -> bool:
+    return hasattr(indexer, "scorer")  # DeepseekV4Indexer scores in a submodule; DeepseekV32Indexer in itself
+
+
+def indexed_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(attention, indexer) of every layer that has an indexer: each V3.2 layer, V4's CSA layers (their compressor's)."""
+    pairs = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        indexer = getattr(attention, "indexer", None)
+        if indexer is None:
+            indexer = getattr(getattr(attention, "compressor", None), "indexer", None)
+        if indexer is not None:
+            pairs.append((attention, indexer))
+    return pairs
 
 
 @contextmanager
 def capture_attention(model: nn.Module):
-    """Hooks every layer's attention and indexer for the duration: yields a Captures filled by each forward."""
-    captures = Captures([LayerCapture() for _ in model.model.layers])
+    """Hooks every indexed layer's attention and indexer for the duration: yields a Captures filled by each
+    forward."""
+    captures = Captures([LayerCapture(attention, indexer) for attention, indexer in indexed_layers(model)])
     handles = []
-    for layer, capture in zip(model.model.layers, captures.layers):
+    for capture in captures.layers:
         def keep_inputs(_module, args, _kwargs, capture=capture):
+            if is_v4(capture.indexer):
+                hidden, q_resid, position_ids = args[:3]
+                capture.indexer_inputs = (hidden.detach(), q_resid.detach(), position_ids)
+                return
             hidden, q_resid, position_embeddings, mask = args[:4]
             allowed = mask if mask.dtype == torch.bool else mask == 0  # an additive mask is 0 where allowed
             capture.indexer_inputs = (hidden.detach(), q_resid.detach(),
@@ -94,8 +158,8 @@ def capture_attention(model: nn.Module):
                                    "attn_implementation='eager'")
             capture.probs = output[1].detach()
 
-        handles.append(layer.self_attn.indexer.register_forward_pre_hook(keep_inputs, with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(keep_probs))
+        handles.append(capture.indexer.register_forward_pre_hook(keep_inputs, with_kwargs=True))
+        handles.append(capture.attention.register_forward_hook(keep_probs))
     try:
         yield captures
     finally:
@@ -104,10 +168,11 @@ def capture_attention(model: nn.Module):
 
 
 def set_index_topk(model: nn.Module, topk: int) -> None:
-    """How many keys every layer's indexer selects (transformers reads it from the module on each call)."""
-    for layer in model.model.layers:
-        layer.self_attn.indexer.index_topk = topk
+    """How many keys (V4: compressed entries) every indexer selects (transformers reads it from the module on each
+    call)."""
+    for _, indexer in indexed_layers(model):
+        indexer.index_topk = topk
 
 
 def indexer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for layer in model.model.layers for p in layer.self_attn.indexer.parameters()]
+    return [p for _, indexer in indexed_layers(model) for p in indexer.parameters()]

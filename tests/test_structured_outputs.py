@@ -82,8 +82,9 @@ def streamed(api, **request):
 
 
 def test_required_and_named_tool_calls(server):
-    """At world 1 each request also runs again with its seed, and a named function; at world 16 (16 ranks on the
-    CI machine's two cores) the required call streamed and whole."""
+    """At world 1 each request also runs again with its seed and streamed, and a named function; at world 16 (16 ranks
+    on the CI machine's two cores) the required call whole (streaming is the front end's work, the same at any world
+    size)."""
     api = server.openai()
     one_rank = server.model.endswith("-w1")
     choices = [("required", {"get_weather", "set_alarm"})]
@@ -98,9 +99,10 @@ def test_required_and_named_tool_calls(server):
         if one_rank:
             again = api.chat.completions.create(**request)
             assert calls_checked(again.choices[0].message, allowed) == calls  # the seed repeats
-        final = streamed(api, **request)
-        assert calls_checked(final.choices[0].message, allowed) == calls
-        assert final.choices[0].finish_reason == "tool_calls"
+        if one_rank:
+            final = streamed(api, **request)
+            assert calls_checked(final.choices[0].message, allowed) == calls
+            assert final.choices[0].finish_reason == "tool_calls"
     # the next turn: the calls and their results render as the family's encoder writes them
     message = whole.choices[0].message
     followup = MESSAGES + [message.model_dump(exclude_none=True)] + [

@@ -12,8 +12,8 @@ starting from the random fixture's weights of the same config), so the model is 
 written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
 Training is meant to give the same bytes on every x86-64 CPU (fixed seed and data order, and PINNED_CPU_ENV, which
-says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2 also
-trains its Lightning indexer, which the LM loss cannot reach (tests/indexer_training.py says how).
+says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2
+and V4 train their indexers, which the LM loss cannot reach (tests/indexer_training.py says how).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 3, "deepseek_v4": 2}
+TRAINED_VERSIONS = {"deepseek_v32": 3, "deepseek_v4": 3}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 ENCODINGS = ("fp8", "bf16")
 
@@ -62,7 +62,7 @@ LR = 3e-3
 WARMUP = 10
 MIN_LR_FRACTION = 0.1  # cosine decay to this fraction of LR
 GRAD_CLIP = 1.0
-# V3.2's indexer (tests/indexer_training.py): after STEPS of dense LM training, the indexer's dense warm-up (the
+# The indexers (tests/indexer_training.py): after STEPS of dense LM training, the indexer's dense warm-up (the
 # model frozen) and a short sparse stage at the end of the LM schedule's learning rate
 INDEXER_WARMUP_STEPS = 100
 INDEXER_LR = 3e-3
@@ -87,8 +87,9 @@ TRAINED_INDEX_TOPK = 32
 PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
 
-# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (measured on an AMD EPYC
-# with AVX2 only and on one with AVX-512, which agree; docs/benchmarks.md, "Trained tiny models"). A CPU that
+# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's measured on an AMD
+# EPYC with AVX2 only and on one with AVX-512, which agree; V4's, its indexer trained, on the AVX-512 one;
+# docs/benchmarks.md, "Trained tiny models"). A CPU that
 # writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
 TRAINED_SHA256 = {
@@ -103,14 +104,14 @@ TRAINED_SHA256 = {
         "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
     },
     "deepseek_v4": {
-        "bf16/model-00001-of-00004.safetensors": "b4de30a1dd5673b71ed5430e228f6db30fe4fc7af4d8524f4a63eb7090ae5de1",
-        "bf16/model-00002-of-00004.safetensors": "4e3406968ac9247a754bcb8a0f09b847b200fd2d08c462cc50f018309912ae75",
-        "bf16/model-00003-of-00004.safetensors": "fcedfa40b19456726e59d3700beb558f63164c29272d614e6b5cfa22959ad878",
-        "bf16/model-00004-of-00004.safetensors": "4d937df40e122dd657f4ecbe8397b7818b0381cc0e7a6a01a2dde3e50ed3bd40",
-        "fp8/model-00001-of-00004.safetensors": "63954840cef9c0966905905637b7e2136d078fdb172734e5d84724f7f17c1421",
-        "fp8/model-00002-of-00004.safetensors": "dd289f6d81436eb6746f7ca02665f0be4a63ee0d4d8948c44e87158696f8ede9",
-        "fp8/model-00003-of-00004.safetensors": "306ada584860b8dd411c0ba53e37b347b9c7b5488e6e4d8a718f5bb794e4f20d",
-        "fp8/model-00004-of-00004.safetensors": "d9dec3e624e24126195e97fdc62eddcb6a4445f9f0a0f64faba54a3c87f69d97",
+        "bf16/model-00001-of-00004.safetensors": "7f56209117cd0f8ea5d62da26444fc6362ceefa8582ba53538d8ab082dc54f49",
+        "bf16/model-00002-of-00004.safetensors": "98b4ef259243e68b32995989e0dd69a516f88b48f120d3f5331b1f4f6d70d599",
+        "bf16/model-00003-of-00004.safetensors": "79f220a98e2eda5c3ff60201eb52349153e5eaa8d7f89b083a40e8338a191d7a",
+        "bf16/model-00004-of-00004.safetensors": "a107f318dcd5c6054892b7ccf3487d65b46ae0c6b04f7193f4f92a4960c1f9d4",
+        "fp8/model-00001-of-00004.safetensors": "0df8a0f4b02b8c2ddc78cf5e0c5129464f7f0011ccb914b6d388328a900b4136",
+        "fp8/model-00002-of-00004.safetensors": "c1a0f27ee1148bb494b80b002d479d5c726e8496d2c3aa727ffd15d68eab4aab",
+        "fp8/model-00003-of-00004.safetensors": "751020f4457256bc27766c427751e17fc65c6c92564666224515ee5597460078",
+        "fp8/model-00004-of-00004.safetensors": "f8601f2de17e1b2617dbca201ce1ece130ba14c1b2dbe7b06868e9af14519ffa",
     },
 }
 
@@ -201,7 +202,7 @@ def _lm_step(model, optimizer, batch: torch.Tensor, lr: float, extra_loss=None) 
 def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log: Callable[[str], None],
                 on_dense_step: Callable[[int, torch.nn.Module, torch.Tensor | None], None] | None = None):
     """transformers' model of `config`, started from the random fixture's weights, trained on random windows
-    of `tokens` -> the trained model (float32). V3.2 trains dense, then its indexer (see INDEXER_WARMUP_STEPS).
+    of `tokens` -> the trained model (float32). Both train dense, then their indexers (see INDEXER_WARMUP_STEPS).
     on_dense_step(step, model, loss), if given, sees the model as loaded (step -1, no loss) and after each dense step
     (scripts/trained_fingerprints.py: where two CPUs' training parts)."""
     from transformers import AutoModelForCausalLM
@@ -210,8 +211,6 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
                                 config_overrides={k: config[k] for k in ("num_nextn_predict_layers",
                                                                          "compress_ratios") if k in config})
     torch.manual_seed(SEED)
-    # V4's indexer (it picks compressed entries) stays as the LM loss leaves it
-    trains_indexer = family == "deepseek_v32"
     model = AutoModelForCausalLM.from_pretrained(init, config=transformers_config(family, config),
                                                  dtype=torch.float32)
     model.train()
@@ -223,8 +222,7 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
             starts = torch.randint(0, len(tokens) - SEQ_LEN, (BATCH,), generator=order)
             yield step, torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])  # [BATCH, SEQ_LEN]
 
-    if trains_indexer:
-        set_index_topk(model, SEQ_LEN)  # dense: every key selected
+    set_index_topk(model, SEQ_LEN)  # dense: every key (V4: every compressed entry) selected
     if on_dense_step:
         on_dense_step(-1, model, None)
     for step, batch in batches(STEPS):
@@ -233,8 +231,6 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
             on_dense_step(step, model, loss)
         if step % 25 == 0 or step == STEPS - 1:
             log(f"{family} step {step}: loss {loss.item():.3f}")
-    if not trains_indexer:
-        return model.eval()
 
     # the indexer's dense warm-up: the model frozen, the indexer learning its layers' attention (which only eager
     # attention returns)
