@@ -320,7 +320,10 @@ def plan_files(items: list[Stored], cap: int) -> list[list[Stored]]:
 
 def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: int = 0,
                          real_vocab: bool = False, partial_block: bool = False,
-                         config_overrides: dict | None = None, max_file_bytes: int | None = None) -> Path:
+                         config_overrides: dict | None = None, max_file_bytes: int | None = None,
+                         maker: type[TensorMaker] = TensorMaker) -> Path:
+    """The family's tiny config (with `config_overrides`) and its tensors as `maker` produces them, written as the
+    hub ships them (encoding fp8) or decoded to BF16, with the tokenizer."""
     if encoding not in ("fp8", "bf16"):
         raise ValueError(f"encoding={encoding!r} must be 'fp8' (as the hub ships it) or 'bf16'")
     if max_file_bytes is not None and max_file_bytes <= 0:
@@ -335,7 +338,7 @@ def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: i
     if real_vocab:
         overrides["vocab_size"] = REAL_VOCAB_SIZE
     config = fam.tiny_config(partial_block=partial_block, **overrides)
-    write_checkpoint(out, config, TensorMaker(fam, config, seed), encoding, max_file_bytes)
+    write_checkpoint(out, config, maker(fam, config, seed), encoding, max_file_bytes)
     _copy_tokenizer(out)
     return out
 

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass
 from dsconv.errors import InputError
 
 DEFAULT_WORLD_SIZE = 16
+# Tokens one attention-DP rank feeds per step (dsrun's --max-num-batched-tokens; dsconv plan sizes the worst-case
+# MoE exchange of such a step)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import typer
 from dsconv.console import err_console, fail
 from dsconv.errors import InputError
 from dsconv.family.arch import DEFAULT_BLOCK_SIZE
+from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run DeepSeek shards written by `dsconv shard` on their ranks and generate text.")
@@ -36,7 +37,8 @@ def _prompt_ids(text_tokenizer, text: str, family, chat: bool, system: str | Non
 KV_CACHE_DTYPE_HELP = ("KV cache entries (vLLM's flag): auto keeps them in the compute dtype; int8 stores V3 / "
                        "V3.2's MLA latent (a float32 scale per token and 128 values, the rope key kept in the "
                        "compute dtype) and indexer keys (a scale per token; the indexer scores them INT8 x INT8) "
-                       "and dequantizes the latent before attention. V4 takes auto only.")
+                       "and dequantizes the latent before attention; for V4 (C8), its compressed entries and "
+                       "sliding-window rows (a scale per row, the rotary tail in the compute dtype) and indexer keys.")
 
 
 CP_SIZE_HELP = ("Context-parallel prefill (vLLM's name): a prompt of at least --prefill-cp-min-tokens tokens is "
@@ -245,7 +247,8 @@ def serve(
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
     max_num_seqs: Annotated[int, typer.Option(help="Requests running at once per attention-DP rank.")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens one attention-DP rank feeds per step; longer "
-                                                              "prompts are prefilled in chunks.")] = 4096,
+                                                              "prompts are prefilled in chunks.")]
+    = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     cache_tokens: Annotated[int, typer.Option(help="KV cache capacity per attention-DP rank, in tokens.")] = 16384,
     max_model_len: Annotated[Optional[int], typer.Option(help=MAX_MODEL_LEN_HELP)] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
@@ -307,6 +310,82 @@ def serve(
                             "api_key": api_key}, run, timeout, sigterm_to_rank0=True)
     except InputError as exc:
         fail(str(exc))
+
+
+# The default prompt of `dsrun compare`: prose and code, so that every layer sees a varied context
+COMPARE_PROMPT = ("The Forbidden City in Beijing was the home of emperors for five centuries. def area(r): return "
+                  "3.14159 * r * r  # a circle's area")
+
+
+@app.command()
+def compare(
+    shards: Annotated[Path, typer.Option(help="A `dsconv shard` output directory (any layout, BF16 or W8A8).")],
+    reference: Annotated[Path, typer.Option(
+        help="The source checkpoint as downloaded (FP8 / FP4 / BF16; the hub's names or transformers'), run by "
+             "transformers one decoder layer at a time as the reference.")],
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        "--prompt", help="Text to compare on, fed as is (no chat format); repeat for several. Default: a sentence "
+                         "of prose and code.")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype of both sides: float32 or bfloat16.")] = "float32",
+    min_cosine: Annotated[float, typer.Option(help="A layer whose output cosine is below this fails the "
+                                                   "comparison (exit 1).")] = 0.999,
+    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = "auto",
+    device: Annotated[str, typer.Option(help="Our side's device: cpu (gloo), cuda (nccl) or npu (hccl); the "
+                                             "reference runs on the CPU.")] = "cpu",
+    world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: layers [{layer, cosine, "
+                                                             "max_abs_diff}], logits_cosine, top1_agreement, "
+                                                             "first_below.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+) -> None:
+    """Compare our forward on SHARDS with transformers' forward of the source checkpoint, layer by layer: each
+    decoder layer's output cosine and largest difference, the logits' cosine and top-1 agreement, and the first
+    layer below --min-cosine. Exit 0 if every layer holds, 1 if one does not, 2 on bad input."""
+    _import_torch()
+    import json
+    import resource
+
+    import torch
+
+    from dsconv.family.text import TextTokenizer
+    from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+    from dsconv.runner.engine.request import check_prompt
+    from dsconv.runner.entrypoints.compare import check_same_model, compare as run_compare, print_report, \
+        rank_main
+    from dsconv.runner.entrypoints.reference import Reference
+
+    try:
+        if not 0 < min_cosine <= 1:
+            raise InputError(f"--min-cosine {min_cosine} must be in (0, 1]")
+        run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
+                             cache=CacheConfig(dtype=kv_cache_dtype), scheduler=SchedulerConfig(max_num_seqs=1))
+        ref = Reference(reference, getattr(torch, dtype))
+        check_same_model(run, ref)
+        text = TextTokenizer.load(run.shards, run.model_config)
+        prompts = [text.encode(p) for p in (prompt or [COMPARE_PROMPT])]
+        for given, ids in zip(prompt or [COMPARE_PROMPT], prompts):
+            if len(ids) < 2 or not given.strip():
+                raise InputError(f"--prompt {given!r} is {len(ids)} token(s): give at least two")
+            check_prompt(ids, 1, run.vocab_size, run.max_position_embeddings)
+        longest = max(map(len, prompts))
+        # one prompt at a time on attention-DP rank 0, each prefilled in one step with a cache of one prompt and the
+        # token that ends it (the engine computes the last position's logits to choose one)
+        run = replace(run, cache=replace(run.cache, tokens=longest + 1),
+                      scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
+    except InputError as exc:
+        fail(str(exc))
+    with tempfile.TemporaryDirectory(prefix="dsrun-compare-") as scratch:
+        _launch(rank_main, {"run": run, "prompts": prompts, "out": scratch}, run, timeout)
+        report = run_compare(ref, prompts, Path(scratch)).report(min_cosine)
+    # this process ran the reference (the ranks are processes of their own, their shards memory-mapped)
+    report.update(reference_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  reference_largest_part_bytes=ref.largest_part_bytes)
+    if json_output:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    if report["first_below"] is not None:
+        raise typer.Exit(1)
 
 
 def _cache_flag(run) -> str:

@@ -20,10 +20,10 @@ from dsconv.family.arch import Family, check_kv_cache_dtype, family_for
 from dsconv.console import console, fail
 from dsconv.errors import InputError
 from dsconv.family.recipes import Recipe, recipe_for, recipes_help
-from dsconv.family.layout import DEFAULT_WORLD_SIZE, Layout
+from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_WORLD_SIZE, Layout
 from dsconv.family.placement import CATEGORIES, check_layout
 from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
-                                kv_cache_bytes_per_token)
+                                kv_cache_bytes_per_token, moe_exchange_worst_case)
 
 GB = 10**9  # every figure is printed in decimal GB, card capacity included
 CONFIG_NAME = "config.json"
@@ -64,7 +64,8 @@ def _tokens(count: int) -> str:
 
 
 def build_report(family: Family, arch: object, layout: Layout, precisions: list[tuple[str, Recipe | None]],
-                 kv_cache_dtype: str, card_gb: float, batch: int, seq: int, mtp: bool) -> dict:
+                 kv_cache_dtype: str, card_gb: float, batch: int, seq: int, mtp: bool,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> dict:
     """Everything `dsconv plan` shows, as one JSON-able object (what --json prints)."""
     per_token = kv_cache_bytes_per_token(family, arch, kv_cache_dtype)
     per_sequence = kv_cache_bytes_per_sequence(family, arch, kv_cache_dtype)
@@ -94,7 +95,9 @@ def build_report(family: Family, arch: object, layout: Layout, precisions: list[
         report["precisions"].append({
             "label": label, "recipe": None if chosen is None else chosen.name, "ranks": rows,
             "on_disk_bytes": sum(sum(by_category.values()) for by_category in on_disk.values()),
-            "shard_directories": len(on_disk)})
+            "shard_directories": len(on_disk),
+            "moe_exchange_worst_case": moe_exchange_worst_case(arch, layout, max_num_batched_tokens,
+                                                               w8a8=chosen is not None)})
     return report
 
 
@@ -154,6 +157,9 @@ def plan(
     batch: Annotated[int, typer.Option(help="Sequences per attention-DP rank (each DP rank holds only its own "
                                             "requests' KV cache).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (prompt + generated).")] = 4096,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="Tokens one attention-DP rank feeds per step (dsrun's flag): sizes the worst-case MoE exchange, every "
+             "token of every DP rank routed to one rank's experts.")] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache entries: auto (BF16) or int8 (V3 / V3.2: the MLA "
                                                      "latent and indexer keys in INT8 with float32 scales, the "
                                                      "rope key BF16), as dsrun --kv-cache-dtype.")] = "auto",
@@ -179,14 +185,16 @@ def plan(
         layout = Layout.sized(world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
         check_layout(family, arch, layout)
         check_kv_cache_dtype(family, kv_cache_dtype)
-        for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb)):
+        for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb),
+                            ("--max-num-batched-tokens", max_num_batched_tokens)):
             if value <= 0:
                 raise InputError(f"{name} {value} must be positive")
         precisions = _precisions(family, recipe)
     except InputError as exc:
         fail(str(exc))
 
-    report = build_report(family, arch, layout, precisions, kv_cache_dtype, card_gb, batch, seq, mtp)
+    report = build_report(family, arch, layout, precisions, kv_cache_dtype, card_gb, batch, seq, mtp,
+                          max_num_batched_tokens)
     if json_output:
         print(json.dumps(report, indent=1))
         return
@@ -203,6 +211,11 @@ def plan(
         console.print(f"  on disk: {_gb(precision['on_disk_bytes'])} GB in {precision['shard_directories']} shard "
                       f"directories (replicated tensors counted once; file headers and Ascend weight_offset zeros "
                       f"excluded)")
+        worst = precision["moe_exchange_worst_case"]
+        parts = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in worst["bytes"].items())
+        console.print(f"  worst-case MoE exchange on one rank, per layer: {worst['rows']:,} rows ({layout.dp} DP "
+                      f"ranks x {worst['tokens_per_dp_rank']:,} tokens x the picks one rank can own) = "
+                      f"{_gb(worst['bytes_total'])} GB ({parts}); balanced routing receives about 1/{layout.ep} of it")
     console.print(_kv_table(report, arch.num_hidden_layers))
     console.print(f"  --batch {batch} is per attention-DP rank: {layout.dp} DP ranks hold up to {batch * layout.dp} "
                   f"sequences in all. Tokens that fit: (card - weights - {batch} x bytes per sequence) / bytes per "

@@ -21,6 +21,13 @@ from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES, Placement, category, place, place_companion
 
 CACHE_DTYPE = torch.bfloat16  # KV-cache entries, and V4 compressor state (transformers keeps it in the model dtype)
+ACTIVATION_DTYPE = torch.bfloat16  # dsrun's default compute dtype
+# How a row travels in the MoE exchange (runner/models/moe.py): its activations (W8A8 experts: INT8 with a float32
+# per-token scale), then its expert's local index as int64, packed as bytes into one all-to-all
+INT8_ITEMSIZE, SCALE_ITEMSIZE, EXPERT_ID_ITEMSIZE = 1, 4, 8
+# The receiver holds two copies of the rows through the experts: the exchange's columns, then the same rows regrouped
+# by expert (the packed all-to-all buffer is freed once unpacked)
+RECEIVED_COPIES = 2
 
 
 class Entry(NamedTuple):
@@ -114,3 +121,22 @@ def kv_cache_bytes(family: Family, arch: object, batch: int, seq: int, kv_cache_
     per_token = sum(kv_cache_bytes_per_token(family, arch, kv_cache_dtype).values())
     per_sequence = sum(kv_cache_bytes_per_sequence(family, arch, kv_cache_dtype).values())
     return round(batch * (seq * per_token + per_sequence))
+
+
+def moe_exchange_worst_case(arch: object, layout: Layout, tokens_per_dp_rank: int, w8a8: bool) -> dict:
+    """The most one rank's experts can receive in one MoE layer, and what computing it holds, for a step of
+    `tokens_per_dp_rank` tokens on every attention-DP rank (an attention-TP group routes its tokens once, a share
+    per rank): every token's picks on this rank's experts, up to as many as it owns, so rows = dp x tokens x
+    min(top-k, experts per rank). Bytes, by part: the received rows (RECEIVED_COPIES), the experts' gate and up
+    outputs and their activated product ([rows, 3 x moe_intermediate], all experts at once as a grouped kernel
+    computes them), and the experts' output with its reorder to arrival order ([rows, hidden] twice), in
+    ACTIVATION_DTYPE. Balanced routing receives about 1 / ep of this."""
+    per_rank = arch.n_routed_experts // layout.ep
+    rows = layout.dp * tokens_per_dp_rank * min(arch.num_experts_per_tok, per_rank)
+    act = ACTIVATION_DTYPE.itemsize
+    row_bytes = (arch.hidden_size * INT8_ITEMSIZE + SCALE_ITEMSIZE if w8a8 else arch.hidden_size * act) \
+        + EXPERT_ID_ITEMSIZE
+    parts = {"received rows": RECEIVED_COPIES * rows * row_bytes,
+             "expert activations": rows * 3 * arch.moe_intermediate_size * act,
+             "expert outputs": 2 * rows * arch.hidden_size * act}
+    return {"tokens_per_dp_rank": tokens_per_dp_rank, "rows": rows, "bytes": parts, "bytes_total": sum(parts.values())}

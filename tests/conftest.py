@@ -70,3 +70,24 @@ def trained_source():
 
     train_missing()
     return build
+
+
+@pytest.fixture(scope="session")
+def trained_shards(trained_source, tmp_path_factory):
+    """trained_shards(family) -> (BF16 shards, W8A8 shards) of the family's trained model, one rank each (dsconv
+    quantize with the default recipe, then shard), built once per session."""
+    from dsconv.family.layout import Layout
+    from tests.helpers import quantize, shard
+
+    cache = {}
+
+    def build(family: str):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"trained-{family}")
+            quantize(trained_source(family), root / "w8a8")
+            shard(trained_source(family), root / "bf16-shards", Layout(1, 1, 1, 1))
+            shard(root / "w8a8", root / "w8a8-shards", Layout(1, 1, 1, 1))
+            cache[family] = root / "bf16-shards", root / "w8a8-shards"
+        return cache[family]
+
+    return build

@@ -123,7 +123,8 @@ def is_v4(indexer: nn.Module) -> bool:
 
 
 def indexed_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(attention, indexer) of every layer that has an indexer: each V3.2 layer, V4's CSA layers (their compressor's)."""
+    """(attention, indexer) of every layer that has an indexer: each V3.2 layer; V4's CSA layers, in their
+    compressor."""
     pairs = []
     for layer in model.model.layers:
         attention = layer.self_attn

@@ -117,20 +117,9 @@ def recorded_models(trained_source):
 
 
 @pytest.fixture(scope="module")
-def gate_shards(recorded_models, tmp_path_factory):
-    """gate_shards(family) -> (BF16 shards, W8A8 shards), one rank each."""
-    cache = {}
-
-    def build(family: str):
-        if family not in cache:
-            root = tmp_path_factory.mktemp(f"gate-{family}")
-            quantize(recorded_models(family), root / "w8a8")
-            shard(recorded_models(family), root / "bf16-shards", Layout(1, 1, 1, 1))
-            shard(root / "w8a8", root / "w8a8-shards", Layout(1, 1, 1, 1))
-            cache[family] = root / "bf16-shards", root / "w8a8-shards"
-        return cache[family]
-
-    return build
+def gate_shards(recorded_models, trained_shards):
+    """gate_shards(family) -> (BF16 shards, W8A8 shards), one rank each, of the recorded trained models."""
+    return trained_shards
 
 
 def gate(name: str, family: str, trained_source, base: tuple, other: tuple, eval_tokens: int) -> dict:

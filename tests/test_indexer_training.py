@@ -74,7 +74,8 @@ def test_indexer_kl_is_zero_only_at_the_target():
 def tiny_v4(tmp_path, index_topk: int):
     config = training_config("deepseek_v4")
     init = make_tiny_checkpoint(tmp_path / "init", "deepseek_v4", encoding="bf16", seed=3,
-                                config_overrides={k: config[k] for k in ("num_nextn_predict_layers", "compress_ratios")})
+                                config_overrides={k: config[k] for k in ("num_nextn_predict_layers",
+                                                                         "compress_ratios")})
     model = AutoModelForCausalLM.from_pretrained(init, config=transformers_config("deepseek_v4", config),
                                                  dtype=torch.float32, attn_implementation="eager").eval()
     set_index_topk(model, index_topk)

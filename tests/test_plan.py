@@ -262,3 +262,23 @@ def test_cli_json_shows_the_v4_int8_cache(models):
           f", int8 {int8['bytes_per_token_total']:,.1f} ({ratio:.4f}x); per sequence auto "
           f"{sum(auto['bytes_per_sequence'].values()):,}, int8 {sum(int8['bytes_per_sequence'].values()):,}; tokens "
           f"that fit per rank auto {fits['auto']:,}, int8 {fits['int8']:,}")
+
+
+def test_cli_json_gives_the_worst_case_moe_exchange():
+    """Every token of every attention-DP rank routed to one rank's experts: V4-Flash at DP16 / EP16 owns 16 of 256
+    experts per rank, so all 6 picks of each of 16 x 2048 tokens can land on one rank; rows travel as 4096 BF16
+    values (W8A8: 4096 INT8 and a float32 scale) and an int64 expert index, held twice, beside the experts'
+    [rows, 3 x 2048] activations and [rows, 4096] outputs twice, in BF16."""
+    result = run_plan("--config", V4_FLASH, "--max-num-batched-tokens", 2048, "--json")
+    assert result.exit_code == 0, result.output
+    bf16, w8a8 = (precision["moe_exchange_worst_case"] for precision in json.loads(result.output)["precisions"])
+    rows = 16 * 2048 * 6
+    assert bf16["rows"] == w8a8["rows"] == rows and bf16["tokens_per_dp_rank"] == 2048
+    assert bf16["bytes"] == {"received rows": 2 * rows * (4096 * 2 + 8), "expert activations": rows * 3 * 2048 * 2,
+                             "expert outputs": 2 * rows * 4096 * 2}
+    assert w8a8["bytes"]["received rows"] == 2 * rows * (4096 + 4 + 8)
+    assert w8a8["bytes_total"] == sum(w8a8["bytes"].values())
+    # V3.2-Exp at DP2 x TP8: the two DP groups' tokens, each routed once by its TP ranks
+    result = run_plan("--config", V32_EXP, "--attn-tp", 8, "--max-num-batched-tokens", 2048, "--json")
+    assert json.loads(result.output)["precisions"][0]["moe_exchange_worst_case"]["rows"] == 2 * 2048 * 8
+    assert_one_line_error(run_plan("--config", V32_EXP, "--max-num-batched-tokens", 0), "--max-num-batched-tokens 0")

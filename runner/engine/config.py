@@ -10,7 +10,7 @@ from pathlib import Path
 from dsconv.errors import InputError
 from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
                                check_kv_cache_dtype, family_for)
-from dsconv.family.layout import Layout
+from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
 from dsconv.kernels.device import NPU_DEVICE_TYPE
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
@@ -35,7 +35,7 @@ class SchedulerConfig:
     """What rank 0's scheduler may run at once per attention-DP rank, how it places requests, and context-parallel
     prefill (cp_size ranks prefill a prompt of at least cp_min_tokens tokens together)."""
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     balancing: str = "least-loaded"
     cp_size: int = 1
     cp_min_tokens: int | None = None

@@ -10,6 +10,8 @@ The layers (projections, norms, rotary tables, MLPs, routed experts) come from r
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -345,6 +347,9 @@ class DeepseekV3:
         w.finish()
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, dist.device)
         self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
+        # observe(layer index, its output [T, hidden]) after each layer and observe("logits", logits): set by
+        # `dsrun compare` on the rank that records
+        self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -355,8 +360,13 @@ class DeepseekV3:
         for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
             x = x + mlp(mlp_norm(x))
+            if self.observe is not None:
+                self.observe(layer, x)
         h = self.norm(x)
-        return self.logits(h if rows is None else h[rows])
+        logits = self.logits(h if rows is None else h[rows])
+        if self.observe is not None:
+            self.observe("logits", logits)
+        return logits
 
     def step_rope(self, positions: torch.Tensor) -> StepRope:
         return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)

@@ -22,6 +22,8 @@ together (`Attention.decode`, batched over the gathered caches). Attention TP is
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -472,6 +474,9 @@ class DeepseekV4:
         for name in [n for n in w.tensors if n.startswith("mtp.")]:
             w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
         w.finish()
+        # observe(layer index, its output streams [T, hc_mult, hidden]) after each layer and observe("logits",
+        # logits): set by `dsrun compare` on the rank that records
+        self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -485,7 +490,12 @@ class DeepseekV4:
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies
         for layer, block in enumerate(self.layers):
             streams = block(streams, tokens, meta, cache.layers[layer])
+            if self.observe is not None:
+                self.observe(layer, streams)
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
-        return self.head(h)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
+        logits = self.head(h)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
+        if self.observe is not None:
+            self.observe("logits", logits)
+        return logits
