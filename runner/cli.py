@@ -48,6 +48,9 @@ CP_SIZE_HELP = ("Context-parallel prefill (vLLM's name): a prompt of at least --
 MAX_MODEL_LEN_HELP = ("The most tokens one request may hold, prompt and reply (vLLM's flag). Default: the smaller of "
                       "the model's max_position_embeddings and what one attention-DP rank's KV cache holds; a chat "
                       "request without max_tokens gets what is left after its prompt.")
+RECORD_SHAPES_HELP = ("Append one JSON row of what the run's steps covered to this file: prompt lengths, batch size, "
+                      "layout, MoE handoff, dtypes, the compression ratios that ran in prefill and decode, and the "
+                      "blocks and compression windows crossed (docs/shape_matrix.md is rendered from such rows).")
 CP_MIN_TOKENS_HELP = "The shortest prompt a context-parallel group prefills (see --prefill-context-parallel-size)."
 # Below V3.2's index_topk (2048) the indexer keeps every key and a prompt's prefill is short: the group's step
 # and its per-layer gathers are worth giving for longer ones (docs/benchmarks.md: 4,096 tokens at CP 2).
@@ -111,6 +114,7 @@ def generate(
         help="With --json: each new token's logprob and this many most likely tokens' (vLLM's "
              "SamplingParams.logprobs; the server's top_logprobs limit applies).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+    record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
@@ -142,7 +146,8 @@ def generate(
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
-                                                       cp_min_tokens=prefill_cp_min_tokens))
+                                                       cp_min_tokens=prefill_cp_min_tokens),
+                             record_shapes=_record_path(record_shapes))
         # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for
         # each of a rank's prompts
         run = run.with_max_num_seqs(-(-len(prompt) // run.layout.dp))
@@ -188,6 +193,7 @@ def perplexity(
     prefill_context_parallel_size: Annotated[int, typer.Option(help=CP_SIZE_HELP)] = 1,
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+    record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens (BOS in front where the
     tokenizer's config says add_bos_token), in consecutive windows of --context tokens spread over the attention-DP
@@ -204,7 +210,8 @@ def perplexity(
                              cache=CacheConfig(memory_bytes=kv_cache_memory_bytes, dtype=kv_cache_dtype,
                                                block_size=block_size),
                              scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
-                                                       cp_min_tokens=prefill_cp_min_tokens))
+                                                       cp_min_tokens=prefill_cp_min_tokens),
+                             record_shapes=_record_path(record_shapes))
         try:
             text = file.read_bytes().decode("utf-8")
         except OSError as exc:
@@ -262,6 +269,7 @@ def serve(
                                                                   "shards directory's name).")] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
+    record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
     api_key: Annotated[Optional[str], typer.Option(
@@ -302,7 +310,8 @@ def serve(
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
                                                        prefill_context_parallel_size, prefill_cp_min_tokens),
-                             max_model_len=max_model_len, drain_timeout_s=drain_timeout)
+                             max_model_len=max_model_len, drain_timeout_s=drain_timeout,
+                             record_shapes=_record_path(record_shapes))
         run.check_holds(max_model_len)
         resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         _launch(rank_main, {"run": run, "host": host, "port": port,
@@ -386,6 +395,18 @@ def compare(
         print_report(report)
     if report["first_below"] is not None:
         raise typer.Exit(1)
+
+
+def _record_path(path: Optional[Path]) -> Optional[Path]:
+    """--record-shapes as an absolute path (rank 0 appends to it), refused at once if it cannot be written."""
+    if path is None:
+        return None
+    path = path.resolve()
+    if not path.parent.is_dir():
+        raise InputError(f"--record-shapes {path}: its directory does not exist")
+    if path.is_dir():
+        raise InputError(f"--record-shapes {path} is a directory, not a file")
+    return path
 
 
 def _cache_flag(run) -> str:

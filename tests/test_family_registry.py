@@ -36,6 +36,7 @@ class ToyConfig:
     num_attention_heads: int
     head_dim: int
     n_routed_experts: int
+    num_experts_per_tok: int
     moe_intermediate_size: int
     fp8: bool  # linears ship FP8 with 128x128 block scales
 
@@ -46,7 +47,7 @@ class ToyConfig:
 
 
 _KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "n_routed_experts",
-         "moe_intermediate_size")
+         "num_experts_per_tok", "moe_intermediate_size")
 
 
 def parse_config(raw: dict) -> ToyConfig:
@@ -95,7 +96,8 @@ def tiny_config(partial_block: bool = False, **overrides) -> dict:
     if partial_block:
         raise ArchError(f"partial_block=True: {TOY} has no partial scale block")
     config = {"model_type": TOY, "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 8, "head_dim": 128, "n_routed_experts": 16, "moe_intermediate_size": 128,
+              "num_attention_heads": 8, "head_dim": 128, "n_routed_experts": 16, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 128,
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
               **overrides}
     parse_config(config)

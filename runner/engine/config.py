@@ -45,7 +45,8 @@ class SchedulerConfig:
 class RunConfig:
     """Everything a rank needs to build its part of the engine. `manifest` is the checked manifest of `shards`
     (`dsconv verify`'s); max_model_len None: the smaller of the context and the cache (request.resolve_max_model_len).
-    keepalive_s: how often an idle rank 0 wakes the others (None: the loop ends when idle, as generate's does)."""
+    keepalive_s: how often an idle rank 0 wakes the others (None: the loop ends when idle, as generate's does).
+    record_shapes: the file rank 0 appends the shape matrix's row to (--record-shapes)."""
     shards: Path
     manifest: dict
     dtype: str = "bfloat16"
@@ -55,6 +56,7 @@ class RunConfig:
     max_model_len: int | None = None
     keepalive_s: float | None = None
     drain_timeout_s: float = 30.0
+    record_shapes: Path | None = None  # append a row of what the run's steps covered (engine/shapes.py)
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":

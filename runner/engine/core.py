@@ -34,6 +34,7 @@ from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt, \
     resolve_max_model_len
 from dsconv.runner.engine.scheduler import Scheduler, Step
+from dsconv.runner.engine.shapes import ShapeRecorder
 from dsconv.runner.engine.worker import Worker
 from dsconv.runner.models.batch import Batch
 from dsconv.runner.models.dist import Dist
@@ -167,6 +168,7 @@ class EngineCore:
         self.world_size, self.attn_tp = world_size, attn_tp
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
+        self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
 
     @property
     def leads(self) -> bool:
@@ -211,6 +213,8 @@ class EngineCore:
                     _deliver(request.on_output, out)
         finally:
             self._send(Plan(stop=True))
+            if self.shapes is not None:
+                self.shapes.flush()
 
     def _apply(self, command: tuple, door: EngineClient) -> None:
         kind, *args = command
@@ -233,6 +237,8 @@ class EngineCore:
         step = self.scheduler.schedule()
         if step is None:
             return []
+        if self.shapes is not None:
+            self.shapes.observe(step)
         results = self._run(step.batches)
         outputs = self.scheduler.update(step, results)
         if self.metrics is not None:

@@ -17,6 +17,7 @@ from dsconv.console import console
 from dsconv.family.text import Detokenizer, TextTokenizer
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
+from dsconv.runner.engine.shapes import recorder_for
 from dsconv.runner.engine.request import SamplingParams, TokenLogprob
 
 
@@ -39,6 +40,7 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
     engine = start_engine(run)
     result = None
     if engine.leads:
+        engine.shapes = recorder_for(run, "generate")
         door = EngineClient()
         door.open(engine)
         result = Generated([[] for _ in prompts], None if logprobs is None else [[] for _ in prompts])

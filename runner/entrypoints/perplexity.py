@@ -28,6 +28,7 @@ from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
+from dsconv.runner.engine.shapes import recorder_for
 from dsconv.runner.engine.request import RequestOutput, SamplingParams
 
 SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
@@ -49,6 +50,7 @@ def score(run: RunConfig, windows: list[list[int]], progress: bool = False) -> d
     if not engine.leads:
         engine.run()
         return None
+    engine.shapes = recorder_for(run, "perplexity")
     door = EngineClient()
     door.open(engine)
     bar = tqdm(total=len(windows), unit="window", desc="perplexity", file=sys.stderr, dynamic_ncols=True) \

@@ -21,6 +21,7 @@ from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
+from dsconv.runner.engine.shapes import recorder_for
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
@@ -60,6 +61,7 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     signal.signal(signal.SIGTERM, lambda *_: door.drain())
     try:
         engine = start_engine(run, grammars, metrics)
+        engine.shapes = recorder_for(run, "serve")
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({layout.world_size} ranks, "

@@ -1,0 +1,149 @@
+"""The pipeline at the real dimensions, truncated in depth and experts, end to end at world 16 on this machine.
+
+    python scripts/real_dims.py [--family deepseek_v32 deepseek_v4] [--experts 32] [--work DIR]
+
+For each family it builds a checkpoint in the hub's encodings from the real config (tests/data/*.config.json) with
+the real attention, indexer and vocabulary sizes and routing, but few layers and `--experts` routed experts per
+layer (random weights: FP8 e4m3 with 128 x 128 block scales; V4's experts FP4 with e8m0 scales per 32):
+  - V3.2: one dense layer and two MoE layers, 7168 hidden, 128 heads, index top-k 2048, top-8 of 8 groups / top-4;
+  - V4-Flash: four layers with ratios 0, 4, 128, 4, the first hash-routed, 4096 hidden, 64 x 512 heads, top-6.
+Then `dsconv quantize`, `dsconv shard` (EP16 / lm_head TP16 at attention DP16; V3.2 also DP2 x TP8, and DP16 with
+o_proj and embedding TP16), `dsrun generate` at world 16 with a prompt of more than 2048 tokens (so that V3.2's
+indexer selects, and V4's CSA layers hold more than index_topk entries), and `dsrun compare` of the BF16 and W8A8
+shards against the source. It prints, and appends to --work/real_dims.jsonl: seconds per stage, the peak RSS of
+each stage's process tree (per rank and in all, from psutil), per-layer cosines, and decode tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"deepseek_v32": REPO / "tests" / "data" / "deepseek_v32_exp.config.json",
+           "deepseek_v4": REPO / "tests" / "data" / "deepseek_v4_flash.config.json"}
+# what each family's truncated checkpoint changes in the real config (the rest is the real model's)
+TRUNCATION = {
+    "deepseek_v32": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0},
+    "deepseek_v4": {"num_hidden_layers": 4, "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1,
+                    "num_nextn_predict_layers": 0},
+}
+LAYOUTS = {"deepseek_v32": {"dp16": ["--ep", 16, "--tp", 16], "dp2-tp8": ["--ep", 16, "--tp", 16, "--attn-tp", 8],
+                            "dp16-fine": ["--ep", 16, "--tp", 16, "--oproj-tp", 16, "--embed-tp", 16]},
+           "deepseek_v4": {"dp16": ["--ep", 16, "--tp", 16]}}
+NEW_TOKENS = 8
+PROMPT_CHARS = 9000  # Python source: about 2,400 tokens with DeepSeek's tokenizer
+POLL_S = 0.5
+
+
+class TreePeak:
+    """The peak RSS of a process and its descendants, polled: in all, and of the largest single process."""
+
+    def __init__(self, pid: int):
+        self.root, self.total, self.largest, self._stop = psutil.Process(pid), 0, 0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+                sizes = [p.memory_info().rss for p in procs if p.is_running()]
+            except psutil.Error:
+                continue
+            self.total, self.largest = max(self.total, sum(sizes)), max(self.largest, max(sizes, default=0))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self.thread.join()
+        return {"peak_rss_total_gb": round(self.total / 1e9, 2), "peak_rss_one_process_gb": round(self.largest / 1e9, 2)}
+
+
+def stage(record: dict, name: str, cmd: list, capture: bool = False) -> str:
+    started = time.perf_counter()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    peak = TreePeak(proc.pid)
+    out, err = proc.communicate()
+    figures = {"seconds": round(time.perf_counter() - started, 1), **peak.stop()}
+    if proc.returncode not in (0, 1):  # dsrun compare exits 1 when a layer is below its bound: a figure, not a crash
+        raise RuntimeError(f"{name} failed ({proc.returncode}): {err[-3000:]}")
+    record[name] = figures
+    print(f"  {name}: {figures}", flush=True)
+    return out or ""
+
+
+def build_source(family: str, out: Path, experts: int) -> None:
+    from dsconv.convert.tiny_checkpoint import TensorMaker, _copy_tokenizer, write_checkpoint
+    from dsconv.family.arch import family_for
+
+    config = {**json.loads(CONFIGS[family].read_text()), **TRUNCATION[family], "n_routed_experts": experts}
+    out.mkdir(parents=True)
+    write_checkpoint(out, config, TensorMaker(family_for(config), config, seed=0), "fp8")
+    _copy_tokenizer(out)
+
+
+def run_family(family: str, work: Path, experts: int) -> dict:
+    record: dict = {"family": family, "experts_per_layer": experts, **TRUNCATION[family]}
+    py = sys.executable
+    source, w8a8 = work / f"{family}-src", work / f"{family}-w8a8"
+    if not source.exists():
+        stage(record, "build source", [py, __file__, "--build", family, "--experts", experts, "--work", work])
+    record["source_gb"] = round(sum(p.stat().st_size for p in source.glob("*.safetensors")) / 1e9, 2)
+    stage(record, "quantize", [py, "-m", "dsconv.cli", "quantize", source, w8a8])
+    prompt = Path(inspect.__file__).read_text(encoding="utf-8")[:PROMPT_CHARS]
+    for layout, flags in LAYOUTS[family].items():
+        for precision, src in (("bf16", source), ("w8a8", w8a8)):
+            if precision == "bf16" and layout != "dp16":
+                continue  # BF16 shards once, for the comparison at the first layout
+            shards = work / f"{family}-{precision}-{layout}"
+            stage(record, f"shard {precision} {layout}", [py, "-m", "dsconv.cli", "shard", src, shards, *flags])
+            out = stage(record, f"generate {precision} {layout}",
+                        [py, "-m", "dsconv.runner.cli", "generate", "--shards", shards, "--prompt", prompt, "--no-chat",
+                         "--max-new-tokens", NEW_TOKENS, "--json"], capture=True)
+            generated = json.loads(out.strip().splitlines()[-1])
+            record[f"generate {precision} {layout}"].update(
+                prompt_tokens=generated.get("prompt_tokens"), timings=generated.get("timings"))
+            if layout == "dp16":
+                out = stage(record, f"compare {precision}",
+                            [py, "-m", "dsconv.runner.cli", "compare", "--shards", shards, "--reference", source,
+                             "--prompt", prompt, "--json"], capture=True)
+                report = json.loads(out.strip().splitlines()[-1])
+                record[f"compare {precision}"].update(
+                    layer_cosines=[round(row["cosine"], 6) for row in report["layers"]],
+                    logits_cosine=round(report["logits_cosine"], 6), top1=round(report["top1_agreement"], 4),
+                    reference_peak_gb=round(report["reference_peak_rss_bytes"] / 1e9, 2),
+                    reference_largest_part_gb=round(report["reference_largest_part_bytes"] / 1e9, 2))
+            if shards.exists():
+                subprocess.run(["rm", "-rf", str(shards)], check=True)  # the disk holds one shard set at a time
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer (the real: 256)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/real_dims"))
+    parser.add_argument("--build", help=argparse.SUPPRESS)  # the source build's own process (its peak RSS measured)
+    args = parser.parse_args()
+    if args.build:
+        build_source(args.build, args.work / f"{args.build}-src", args.experts)
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    for family in args.family:
+        print(f"{family}: experts {args.experts}, work {args.work}", flush=True)
+        record = run_family(family, args.work, args.experts)
+        with (args.work / "real_dims.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
