@@ -64,19 +64,29 @@ class TreePeak:
     def stop(self) -> dict:
         self._stop.set()
         self.thread.join()
-        return {"peak_rss_total_gb": round(self.total / 1e9, 2), "peak_rss_one_process_gb": round(self.largest / 1e9, 2)}
+        return {"peak_rss_total_gb": round(self.total / 1e9, 2),
+                "peak_rss_one_process_gb": round(self.largest / 1e9, 2)}
 
 
-def stage(record: dict, name: str, cmd: list, capture: bool = False) -> str:
+class StageFailed(Exception):
+    pass
+
+
+def stage(record: dict, name: str, cmd: list, capture: bool = False, figures_exit: int | None = None) -> str:
+    """Runs one stage, recording its seconds and peak RSS; a failed stage is recorded with the last line of its
+    error and ends the family's run (figures_exit: an exit code that carries figures, as dsrun compare's 1)."""
     started = time.perf_counter()
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     peak = TreePeak(proc.pid)
     out, err = proc.communicate()
     figures = {"seconds": round(time.perf_counter() - started, 1), **peak.stop()}
-    if proc.returncode not in (0, 1):  # dsrun compare exits 1 when a layer is below its bound: a figure, not a crash
-        raise RuntimeError(f"{name} failed ({proc.returncode}): {err[-3000:]}")
     record[name] = figures
+    if proc.returncode not in (0, figures_exit):
+        lines = [line for line in err.splitlines() if line.strip()]
+        figures["failed"] = f"exit {proc.returncode}: {lines[-1] if lines else ''}"
+        print(f"  {name}: {figures}", flush=True)
+        raise StageFailed(name)
     print(f"  {name}: {figures}", flush=True)
     return out or ""
 
@@ -91,8 +101,9 @@ def build_source(family: str, out: Path, experts: int) -> None:
     _copy_tokenizer(out)
 
 
-def run_family(family: str, work: Path, experts: int) -> dict:
-    record: dict = {"family": family, "experts_per_layer": experts, **TRUNCATION[family]}
+def run_family(family: str, work: Path, experts: int, record: dict) -> None:
+    """Every stage of one family, its figures into `record`; raises StageFailed at the first that fails."""
+    record.update(experts_per_layer=experts, **TRUNCATION[family])
     py = sys.executable
     source, w8a8 = work / f"{family}-src", work / f"{family}-w8a8"
     if not source.exists():
@@ -115,7 +126,7 @@ def run_family(family: str, work: Path, experts: int) -> dict:
             if layout == "dp16":
                 out = stage(record, f"compare {precision}",
                             [py, "-m", "dsconv.runner.cli", "compare", "--shards", shards, "--reference", source,
-                             "--prompt", prompt, "--json"], capture=True)
+                             "--prompt", prompt, "--json"], capture=True, figures_exit=1)
                 report = json.loads(out.strip().splitlines()[-1])
                 record[f"compare {precision}"].update(
                     layer_cosines=[round(row["cosine"], 6) for row in report["layers"]],
@@ -124,7 +135,6 @@ def run_family(family: str, work: Path, experts: int) -> dict:
                     reference_largest_part_gb=round(report["reference_largest_part_bytes"] / 1e9, 2))
             if shards.exists():
                 subprocess.run(["rm", "-rf", str(shards)], check=True)  # the disk holds one shard set at a time
-    return record
 
 
 def main() -> None:
@@ -140,7 +150,11 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     for family in args.family:
         print(f"{family}: experts {args.experts}, work {args.work}", flush=True)
-        record = run_family(family, args.work, args.experts)
+        record = {"family": family}
+        try:
+            run_family(family, args.work, args.experts, record)
+        except StageFailed as failed:
+            print(f"{family}: stopped at {failed}", flush=True)
         with (args.work / "real_dims.jsonl").open("a") as out:
             out.write(json.dumps(record) + "\n")
 
