@@ -2,6 +2,7 @@
 indexers: the scores it recomputes with gradients select what transformers' DeepseekV32Indexer / DeepseekV4Indexer
 select, and its KL loss reaches the indexers' weights alone."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -45,19 +46,6 @@ def test_index_logits_select_what_transformers_selects(tmp_path):
         selected = torch.zeros_like(allowed).scatter(-1, theirs, True) & allowed
         assert torch.equal(capture.probs.sum(dim=1) > 0, selected)
         assert bool((selected.sum(-1) == allowed.sum(-1).clamp(max=5)).all())
-
-
-def test_indexer_kl_trains_only_the_indexer(tmp_path):
-    model = tiny_v32(tmp_path, index_topk=5)
-    tokens = torch.randint(2, 1024, (2, 16), generator=torch.Generator().manual_seed(1))
-    with capture_attention(model) as captured:
-        with torch.no_grad():
-            model(tokens)
-        captured.indexer_loss(model, selected_only=False).backward()
-    indexer = {id(p) for p in indexer_parameters(model)}
-    for p in model.parameters():
-        has_grad = p.grad is not None and bool(p.grad.abs().sum() > 0)
-        assert has_grad == (id(p) in indexer)
 
 
 def test_indexer_kl_is_zero_only_at_the_target():
@@ -114,8 +102,9 @@ def test_v4_index_scores_select_what_transformers_selects(tmp_path):
         assert torch.equal(attended, selected)
 
 
-def test_v4_indexer_kl_trains_only_the_indexer(tmp_path):
-    model = tiny_v4(tmp_path, index_topk=3)
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_indexer_kl_trains_only_the_indexers(family, tmp_path):
+    model = (tiny_v32 if family == "deepseek_v32" else tiny_v4)(tmp_path, index_topk=3)
     tokens = torch.randint(2, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
     with capture_attention(model) as captured:
         with torch.no_grad():

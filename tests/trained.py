@@ -18,7 +18,6 @@ and V4 train their indexers, which the LM loss cannot reach (tests/indexer_train
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -35,6 +34,7 @@ import torch
 from dsconv.family.arch import Encoding, family_for
 from dsconv.kernels.device import cpu_model_and_flags
 from dsconv.convert.demo import build_once, cache_dir
+from dsconv.runner.entrypoints.reference import transformers_config
 from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
@@ -163,21 +163,6 @@ def training_config(family: str) -> dict:
     if family == "deepseek_v4":
         overrides["compress_ratios"] = family_for({"model_type": family}).tiny_config()["compress_ratios"][:-1]
     return family_for({"model_type": family}).tiny_config(**overrides)
-
-
-# transformers' config classes, and the hub keys each takes as constructor arguments and folds into its fields
-LEGACY_KEYS = {"deepseek_v3": ("rope_scaling", "rope_theta"), "deepseek_v32": ("rope_scaling", "rope_theta"),
-               "deepseek_v4": ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling")}
-
-
-def transformers_config(family: str, raw: dict):
-    """Our config.json as a user gets it from transformers' config class: only the keys the class knows."""
-    import transformers
-
-    cls = {"deepseek_v3": transformers.DeepseekV3Config, "deepseek_v32": transformers.DeepseekV32Config,
-           "deepseek_v4": transformers.DeepseekV4Config}[family]
-    known = {f.name for f in dataclasses.fields(cls)} | set(LEGACY_KEYS[family])
-    return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 def _learning_rate(step: int) -> float:

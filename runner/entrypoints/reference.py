@@ -127,7 +127,6 @@ class Reference:
         # every tensor transformers' model loads, by name: what the renamed source tensors must land on
         self.meta_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.fused_sources: dict[str, int] = {}  # a fused tensor -> how many source patterns it concatenates
-        self.layers = self.config.num_hidden_layers
         self.parts: dict[str, list[SourceWeight]] = {}
         for weight in self.checkpoint.weights:
             part = _part_of(weight.spec)
