@@ -371,8 +371,9 @@ def compare(
         ref = Reference(reference, getattr(torch, dtype))
         check_same_model(run, ref)
         text = TextTokenizer.load(run.shards, run.model_config)
-        prompts = [text.encode(p) for p in (prompt or [COMPARE_PROMPT])]
-        for given, ids in zip(prompt or [COMPARE_PROMPT], prompts):
+        texts = prompt or [COMPARE_PROMPT]
+        prompts = [text.encode(p) for p in texts]
+        for given, ids in zip(texts, prompts):
             if len(ids) < 2 or not given.strip():
                 raise InputError(f"--prompt {given!r} is {len(ids)} token(s): give at least two")
             check_prompt(ids, 1, run.vocab_size, run.max_position_embeddings)

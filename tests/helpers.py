@@ -367,3 +367,12 @@ def answer_ctrl_c() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def assert_one_line_error(result, *needles):
+    """A CliRunner result of bad input: exit 2 and one line, `error: ...`, holding every needle."""
+    assert result.exit_code == 2, (result.exit_code, result.output[-2000:])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsconv.family.layout import Layout
-from tests.helpers import shard
+from tests.helpers import assert_one_line_error, shard
 
 pytestmark = pytest.mark.slow  # ranks and a reference model per call
 
@@ -94,14 +94,6 @@ def cli_compare(shards, reference, *args):
 
     return CliRunner().invoke(app, ["compare", "--shards", str(shards), "--reference", str(reference),
                                     *map(str, args)], env={"COLUMNS": "200"})
-
-
-def assert_one_line_error(result, *needles):
-    assert result.exit_code == 2, (result.exit_code, result.output[-2000:])
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 def test_bad_input_is_one_line(tiny_source, tmp_path):

@@ -22,6 +22,7 @@ from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES
 from dsconv.shard.sizes import entries, footprint
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+from tests.helpers import assert_one_line_error
 
 TOY = "toy_moe"
 WORLD = 16
@@ -202,17 +203,9 @@ def test_plan_equals_the_shard_files(toy, toy_run, layout_dir, attn_tp):
     assert f"{kv_per_token:,}" in result.output
 
 
-def one_line_error(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-
-
 def test_the_toy_layout_check_and_recipes_are_its_own(toy, toy_run):
-    one_line_error(cli("plan", "--config", toy_run / "src", "--attn-tp", 8), "attn-tp=8", TOY)
-    one_line_error(cli("quantize", toy_run / "src", toy_run / "x", "--recipe", "v4"), "recipe 'v4'", TOY)
+    assert_one_line_error(cli("plan", "--config", toy_run / "src", "--attn-tp", 8), "attn-tp=8", TOY)
+    assert_one_line_error(cli("quantize", toy_run / "src", toy_run / "x", "--recipe", "v4"), "recipe 'v4'", TOY)
     assert recipe_for("all-linears", toy).name == "all-linears"
 
 

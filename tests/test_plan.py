@@ -16,6 +16,7 @@ from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES, category, check_layout, place
 from dsconv.shard.sizes import (entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token,
                          rank_bytes)
+from tests.helpers import assert_one_line_error
 
 DATA = Path(__file__).parent / "data"
 V4_FLASH = DATA / "deepseek_v4_flash.config.json"
@@ -174,14 +175,6 @@ def test_cli_prints_tables(expected, path, extra, recipe):
     per_rank = expected(path, Layout(ep=16, tp=16, attn_tp=extra[1] if extra else 1))
     for key in ("bf16", "w8a8"):
         assert f"{sum(per_rank[key][0].values()) / GB:.2f}" in text, key
-
-
-def assert_one_line_error(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 def test_cli_errors(tmp_path):

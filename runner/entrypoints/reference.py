@@ -123,10 +123,13 @@ class Reference:
         with torch.device("meta"):
             self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
         self._rebuild_rotary()
-        self.mapping = get_model_conversion_mapping(self.model)
+        from transformers.core_model_loading import WeightConverter
+
+        mapping = get_model_conversion_mapping(self.model)
+        self.converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        self.renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
         # every tensor transformers' model loads, by name: what the renamed source tensors must land on
         self.meta_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
-        self.fused_sources: dict[str, int] = {}  # a fused tensor -> how many source patterns it concatenates
         self.parts: dict[str, list[SourceWeight]] = {}
         for weight in self.checkpoint.weights:
             part = _part_of(weight.spec)
@@ -152,13 +155,12 @@ class Reference:
         conversion mapping and either set as its parameter or buffer, or, for tensors the mapping fuses (experts
         stacked, gate and up concatenated), written into its slice of the fused parameter, allocated once. So the
         part's own size is all it holds, not its tensors and their fused copies."""
-        from transformers.core_model_loading import WeightConverter, apply_renamings, rename_source_key
+        from transformers.core_model_loading import apply_renamings, rename_source_key
 
-        converters = [t for t in self.mapping if isinstance(t, WeightConverter)]
-        renamings = [t for t in self.mapping if not isinstance(t, WeightConverter)]
-        written: dict[str, int] = {}
+        written: dict[str, int] = {}  # a fused tensor -> the source tensors written into it
+        expected: dict[str, int] = {}  # and how many it takes: experts x the patterns it concatenates
         for weight in self.parts[part]:
-            target, pattern = rename_source_key(weight.spec.name, renamings, converters,
+            target, pattern = rename_source_key(weight.spec.name, self.renamings, self.converters,
                                                 self.model.base_model_prefix, self.meta_shapes)
             if target not in self.meta_shapes:
                 raise InputError(f"transformers' {type(self.model).__name__} has no tensor for the reference's "
@@ -167,15 +169,14 @@ class Reference:
             if pattern is None:
                 self._set(target, value)
                 continue
-            converter = next(c for c in converters if pattern in c.source_patterns)
-            renamed = apply_renamings(weight.spec.name, renamings)
-            self._write_fused(target, converter, pattern, renamed, value)
+            converter = next(c for c in self.converters if pattern in c.source_patterns)
+            expected[target] = self._write_fused(target, converter, pattern,
+                                                 apply_renamings(weight.spec.name, self.renamings), value)
             written[target] = written.get(target, 0) + 1
         for target, count in written.items():
-            expected = self.meta_shapes[target][0] * self.fused_sources[target]  # experts x fused patterns
-            if count != expected:
-                raise InputError(f"the reference's {part} gave {count} of the {expected} tensors transformers fuses "
-                                 f"into {target}")
+            if count != expected[target]:
+                raise InputError(f"the reference's {part} gave {count} of the {expected[target]} tensors "
+                                 f"transformers fuses into {target}")
 
     def _target_tensor(self, target: str) -> tuple[torch.nn.Module, str]:
         path, _, leaf = target.rpartition(".")
@@ -191,10 +192,10 @@ class Reference:
         value = value.to(meta.dtype)
         setattr(module, leaf, torch.nn.Parameter(value, requires_grad=False) if leaf in module._parameters else value)
 
-    def _write_fused(self, target: str, converter, pattern: str, renamed: str, value: torch.Tensor) -> None:
+    def _write_fused(self, target: str, converter, pattern: str, renamed: str, value: torch.Tensor) -> int:
         """One source tensor into its slice of a fused parameter: MergeModulelist(dim=0) stacks the experts in the
         order of their index (the `*` of the pattern), and a following Concatenate(dim=1) puts each source pattern's
-        rows after the previous pattern's."""
+        rows (all the same count) after the previous pattern's. -> how many source tensors the parameter takes."""
         from transformers.core_model_loading import Concatenate, MergeModulelist
 
         ops = [(type(op), op.dim) for op in converter.operations]
@@ -210,10 +211,11 @@ class Reference:
         if fused.is_meta:
             fused = torch.nn.Parameter(torch.empty(fused.shape, dtype=fused.dtype), requires_grad=False)
             setattr(module, leaf, fused)
-        self.fused_sources[target] = len(converter.source_patterns) if len(ops) == 2 else 1
+        concatenated = len(converter.source_patterns) if len(ops) == 2 else 1
         rows = value.shape[0]
-        start = converter.source_patterns.index(pattern) * rows if len(ops) == 2 else 0
+        start = converter.source_patterns.index(pattern) * rows if concatenated > 1 else 0
         fused.data[expert, start:start + rows] = value.to(fused.dtype)
+        return fused.shape[0] * concatenated
 
     def _free(self, module: torch.nn.Module) -> None:
         module.to("meta")
