@@ -149,6 +149,28 @@ def place_companion(weight: Placement, layout: Layout) -> Placement:
     return Placement(COMMON_DIR, tuple(range(layout.world_size)), Mode.REPLICATED, None)
 
 
+_EXPERT_W13 = (Role.EXPERT_W1, Role.EXPERT_W3)  # an expert's gate rows, then its up rows
+
+
+def stack_of(spec: TensorSpec, family: Family) -> tuple[tuple, tuple] | None:
+    """(stack, position) of a tensor dsrun stacks with others into one tensor at load; None for one taken alone.
+    - A layer's routed experts: each expert's gate then up projection (w13 [experts, 2 * inter, hidden]), and
+      their down projections (w2), each in expert order.
+    - A layer's fused group (`Family.fused`: gate/up of dense MLPs and shared experts; V3's q_a, kv_a and V3.2's
+      indexer wk and weights_proj), in the group's order.
+    The sharder writes a stack's tensors of one directory back to back in position order (an INT8 stack's scales
+    likewise), so a rank maps the stack as one view of its shard file instead of copying it
+    (runner.models.weights.RankWeights.take_stacked): 16 local ranks then share a replicated stack's pages."""
+    if spec.role in _EXPERT_W13:
+        return ("experts w13", spec.layer, spec.mtp), (spec.expert, _EXPERT_W13.index(spec.role))
+    if spec.role is Role.EXPERT_W2:
+        return ("experts w2", spec.layer, spec.mtp), (spec.expert,)
+    for group in family.fused:
+        if spec.role in group:
+            return ("fused", group, spec.layer, spec.mtp), (group.index(spec.role),)
+    return None
+
+
 CATEGORIES = ("experts", "attention", "embed", "lm_head", "other")
 _ATTENTION_PREFIXES = ("attn.", "indexer.", "compressor.")
 

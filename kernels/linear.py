@@ -33,6 +33,14 @@ INT_MM_MULTIPLE = 8
 # (docs/benchmarks.md, "Kernel choices"). One row is a matrix-vector product either way; from 32 rows on, the
 # usual order is as fast or faster.
 CPU_FEW_ROWS = 16
+# Whether this CPU multiplies BF16 in hardware (AVX512-BF16 or AMX; torch's BF16 GEMMs then run on oneDNN's native
+# kernels). On a 2-core EPYC with avx512_bf16, BF16 GEMMs took 2x-5x less time than float32 ones of the same
+# weight at 2 to 512 rows (docs/benchmarks.md, "Kernel choices"): there a BF16 weight is multiplied as it is.
+CPU_BF16_GEMM = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# The float32 tile a BF16 weight is converted into on a CPU without BF16 instructions: at 8 MiB the tiled products
+# took as long as, or less than, products of a float32 copy of the whole weight (2 to 512 rows of weights from
+# [2048, 7168] to [7168, 16384]), and 16 local ranks hold 128 MiB of tiles between them, not a copy each.
+CPU_TILE_BYTES = 8 * 2**20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,30 +64,52 @@ def linear_t(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 
 
 class FloatWeight:
-    """A float projection weight [n, k] as the products take it, its transposed views made once: one row
-    multiplies it in its own dtype, several rows in `matmul_dtype`. They differ on CPU for BF16/FP16, where
-    several rows multiply a float32 copy made here (twice the BF16 bytes, besides the BF16 weight): a CPU without
-    BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that grows with every row, while one row, a
-    matrix-vector product bound by the weight's bytes, reads half the bytes from the BF16 weight (figures in
-    docs/benchmarks.md, "Kernel choices"). The float32 product rounded back once is what a BF16 GEMM with float32
-    accumulation computes, up to the order of the sums."""
+    """A float projection weight [n, k] as the products take it, its transposed view made once, and no copy: the
+    weight stays the rank's memory-mapped shard, which the ranks on one machine share (a per-rank copy of every
+    replicated weight is what kept 16 local ranks at the real dimensions out of 24 GB).
 
-    def __init__(self, one_row_t: torch.Tensor, rows_t: torch.Tensor):
-        self.one_row_t, self.rows_t = one_row_t, rows_t
+    One row multiplies the weight in its own dtype, as do several rows on a device or on a CPU that multiplies BF16
+    in hardware (`CPU_BF16_GEMM`). A CPU without BF16 instructions (AVX2) emulates BF16 GEMMs at a cost that grows
+    with every row, so there several rows multiply the weight converted to float32 tile by tile (`float32_tiles`);
+    one row, a matrix-vector product bound by the weight's bytes, reads half the bytes from the BF16 weight. Both
+    products accumulate in float32 and round once, as a BF16 GEMM with float32 accumulation does, up to the order
+    of the sums (figures in docs/benchmarks.md, "Kernel choices")."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.weight_t = weight, weight.t()
+        self.in_tiles = matmul_dtype(weight) != weight.dtype and not (weight.dtype == torch.bfloat16 and CPU_BF16_GEMM)
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> "FloatWeight":
-        return cls.stacked(weight[None])[0]
+        return cls(weight)
 
     @classmethod
     def stacked(cls, weights: torch.Tensor) -> list["FloatWeight"]:
-        """weights [E, n, k] (a rank's experts) -> one per entry, the stack converted once."""
-        rows = weights.to(matmul_dtype(weights))  # weights itself where the dtypes agree
-        return [cls(one.t(), several.t()) for one, several in zip(weights.unbind(), rows.unbind())]
+        """weights [E, n, k] (a rank's experts) -> one per entry."""
+        return [cls(one) for one in weights.unbind()]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> [..., n] in x's dtype."""
-        return linear_t(x, self.one_row_t if x.dim() == 2 and x.shape[0] == 1 else self.rows_t)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if self.in_tiles and rows.shape[0] > 1:
+            return float32_tiles(rows, self.weight).to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
+        return linear_t(x, self.weight_t)
+
+
+def float32_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, k] @ weight [n, k].T -> float32 [M, n], the weight converted to float32 CPU_TILE_BYTES at a time into
+    one scratch tile: the products of a float32 copy of the whole weight, with no such copy held."""
+    n, k = weight.shape
+    tile_rows = max(1, min(n, CPU_TILE_BYTES // (k * 4)))
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32, device=x.device)  # [n, M]: each tile's rows contiguous
+    scratch = torch.empty(tile_rows, k, dtype=torch.float32, device=x.device)
+    x_t = cast(x, torch.float32).t()
+    for start in range(0, n, tile_rows):
+        stop = min(start + tile_rows, n)
+        tile = scratch[:stop - start]
+        tile.copy_(weight[start:stop])
+        torch.mm(tile, x_t, out=out_t[start:stop])
+    return out_t.t()
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -152,18 +182,39 @@ def int8_matmul_reference(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch
 
 
 def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
-    """Same int32 result as the reference. On CUDA, torch._int_mm (`int_mm_padded`) where the shapes allow;
-    otherwise float32 GEMMs over K-slices short enough to be exact: on CPU an int32 matmul is a plain loop,
-    several times slower than these BLAS float32 GEMMs, and torch._int_mm is slower still at more than a few
-    rows."""
+    """Same int32 result as the reference. On CUDA, torch._int_mm (`int_mm_padded`) where the shapes allow; on a
+    CPU whose torch._int_mm is exact (`CPU_INT8_GEMM`), torch._int_mm; otherwise float32 GEMMs over K-slices short
+    enough to be exact (an int32 matmul on CPU is a plain loop, several times slower). Every path gives the exact
+    integer sums, so the choice changes no value."""
     if x_q.device.type == "cuda" and not x_q.shape[1] % INT_MM_MULTIPLE \
             and not weight_int8.shape[0] % INT_MM_MULTIPLE:
         return int_mm_padded(x_q, weight_int8)
+    if x_q.device.type == "cpu" and CPU_INT8_GEMM and x_q.shape[0]:
+        return torch._int_mm(x_q.contiguous(), weight_int8.t())
     acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):
         cols = slice(start, start + EXACT_FLOAT32_K)
         acc += (x_q[:, cols].to(torch.float32) @ weight_int8[:, cols].to(torch.float32).T).to(torch.int32)
     return acc
+
+
+def _cpu_int_mm_is_exact() -> bool:
+    """Whether torch._int_mm on this CPU returns exact int32 sums. oneDNN runs it on VNNI instructions where the CPU
+    has them, exact; on AVX2 alone (or with ONEDNN_MAX_CPU_ISA capping it there) it adds pairs of u8 x s8 products
+    into saturating int16 lanes, and sums go wrong: measured 121157 off in a [8, 1024] @ [1024, 256] product. The
+    probe: 64 products of 127 x 127, whose pairs saturate int16 in that form."""
+    x = torch.full((1, 64), INT8_MAX, dtype=torch.int8)
+    weight = torch.full((8, 64), INT8_MAX, dtype=torch.int8)
+    try:
+        return bool((torch._int_mm(x, weight.t()) == 64 * INT8_MAX**2).all())
+    except RuntimeError:  # a torch build without a CPU kernel for it
+        return False
+
+
+# torch._int_mm on a CPU with VNNI, where the probe finds it exact: 9x-11x less time than the float32 K-slices on a
+# 2-core EPYC with avx512_vnni, from 1 to 512 rows of [2048, 7168] to [24576, 1536] weights (docs/benchmarks.md,
+# "Kernel choices"). Without VNNI it was slower than the slices at more than a few rows (measured on an AVX2 EPYC).
+CPU_INT8_GEMM = torch.cpu._is_vnni_supported() and _cpu_int_mm_is_exact()
 
 
 def int_mm_padded(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ class ExpertWeights:
             self.w13 = self.w2 = self.w13_scale = self.w2_scale = None
             return
         # each expert's projection operands, made once (views; float ones as kernels.linear.FloatWeight holds
-        # them, with a float32 copy on CPU for BF16): a list index per group instead of tensor selects
+        # them): a list index per group instead of tensor selects
         if self.int8:
             self._w13, self._w2 = list(zip(w13.unbind(), w13_scale.unbind())), list(zip(w2.unbind(), w2_scale.unbind()))
         else:

@@ -190,6 +190,17 @@ def compare_ppl(name: str, ref_path: Path, dev_path: Path, ref_label: str, dev_l
     return 1 if bad else 0
 
 
+def show_compare(name: str, path: Path) -> int:
+    """One line of `dsrun compare --json`'s figures: the lowest layer cosine, the logits' cosine and top-1."""
+    report = _last_json(path)
+    layers = report["layers"]
+    worst = min(layers, key=lambda row: row["cosine"])
+    print(f"{name}: {len(layers)} layers, lowest cosine {worst['cosine']:.7f} (layer {worst['layer']}), logits "
+          f"cosine {report['logits_cosine']:.7f}, top-1 {report['top1_agreement']:.3f}, first below "
+          f"{report['min_cosine']}: {report['first_below']}")
+    return 0 if report["first_below"] is None else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +209,9 @@ def main() -> int:
     sub.add_parser("imports")
     sub.add_parser("demo-source").add_argument("family")
     sub.add_parser("write-text").add_argument("path", type=Path)
+    show = sub.add_parser("show-compare")
+    show.add_argument("name")
+    show.add_argument("path", type=Path)
     for command in ("compare-gen", "compare-ppl"):
         p = sub.add_parser(command)
         p.add_argument("name")
@@ -224,6 +238,8 @@ def main() -> int:
     if args.command == "write-text":
         args.path.write_text(TEXT, encoding="utf-8")
         return 0
+    if args.command == "show-compare":
+        return show_compare(args.name, args.path)
     ref_label, dev_label = args.labels.split(",")
     try:
         if args.command == "compare-gen":

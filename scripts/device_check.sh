@@ -20,8 +20,11 @@
 #      cpu and on cuda -> how many leading tokens agree (GPU kernels differ, so exact agreement is not required);
 #      `dsrun perplexity` of a ~300-token text (2 windows of 256) on both -> both values and their relative
 #      difference. FAIL: a crash or timeout, a non-finite perplexity, a relative difference above 1%.
-#   4. then the same in bfloat16 (dsrun's default dtype), for each shard set whose float32 checks took a time that,
-#      x1.5, still fits: figures only; FAIL only on a crash, a timeout or a non-finite perplexity.
+#   4. `dsrun compare` of each family's BF16 shards on the device (float32) against transformers' model of the demo
+#      source on the CPU, where transformers imports (pip install 'dsconv[compare]', or its wheels in .whl/):
+#      the lowest layer cosine, the logits' cosine and top-1. FAIL: a layer below 0.999 or a crash.
+#   5. then the same as 3 in bfloat16 (dsrun's default dtype), for each shard set whose float32 checks took a time
+#      that, x1.5, still fits: figures only; FAIL only on a crash, a timeout or a non-finite perplexity.
 # Every step has its own timeout and prints its elapsed seconds; the whole run stays under ~460 s.
 #
 # Settings (environment):
@@ -166,10 +169,12 @@ fi
 # --- 2. the demo checkpoints, sharded for world size 1 --------------------------------------------------------
 echo "== demo checkpoints, world size 1 (t=$(elapsed) s)"
 SETS=()
+declare -A SOURCES  # the demo source of each family, the reference of step 4
 for family in deepseek_v32 deepseek_v4; do
     short=${family#deepseek_}
     step "build $short demo source" 180 "$PY" "${HELPER[@]}" demo-source "$family" || continue
     source_dir=$(tail -n 1 "$(out_of "build $short demo source")")
+    SOURCES[$short]=$source_dir
     if step "shard $short bf16" 120 "$PY" -m dsconv.cli shard "$source_dir" "$SHARDS/$short-bf16" \
         --ep 1 --tp 1 --world-size 1; then
         SETS+=("$short-bf16")
@@ -214,11 +219,31 @@ compare() {
     fi
 }
 
+# device_compare: step 4, each family's BF16 shards through `dsrun compare --device $DEVICE`.
+device_compare() {
+    echo "== dsrun compare on $DEVICE against transformers on the cpu (float32; t=$(elapsed) s)"
+    if ! "$PY" -c "import transformers" 2>/dev/null; then
+        echo "  SKIP: transformers does not import here (pip install 'dsconv[compare]', or its wheels in .whl/)"
+        SKIPPED+=("dsrun compare")
+        return
+    fi
+    local short name
+    for short in v32 v4; do
+        [[ -n ${SOURCES[$short]-} && " ${SETS[*]} " == *" $short-bf16 "* ]] || continue
+        name="compare $short-bf16 $DEVICE"
+        step "$name" 150 "$PY" -m dsconv.runner.cli compare --shards "$SHARDS/$short-bf16" \
+            --reference "${SOURCES[$short]}" --dtype float32 --device "$DEVICE" --world-size 1 --timeout 90 --json
+        [[ -s $(out_of "$name") ]] && check "layers $short-bf16" "$PY" "${HELPER[@]}" show-compare "$name" \
+            "$(out_of "$name")"
+    done
+}
+
 DEV_LABEL=$DEVICE  # the compared run's name in logs and lines; a cpu dry run compares cpu with cpu2
 [[ $DEVICE == cpu ]] && DEV_LABEL=cpu2
 NCCL_SHOWN=
 declare -A SET_SECONDS  # how long each shard set's float32 checks took
 for dtype in float32 bfloat16; do
+    [[ $dtype == bfloat16 ]] && device_compare
     echo "== $dtype: cpu vs $DEV_LABEL (generate: 2 prompts x $NEW_TOKENS tokens; perplexity: 2 windows of 256; t=$(elapsed) s)"
     for set in "${SETS[@]}"; do
         started=$(elapsed)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsconv.convert import outdir
-from dsconv.family.arch import Encoding, TensorSpec
+from dsconv.family.arch import Encoding, Family, TensorSpec
 from dsconv.errors import InputError
 from dsconv.convert.execute import part_is_complete, write_part
 from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
@@ -23,7 +23,7 @@ from dsconv.convert.plan import DECODED, KEEP, PART_METADATA, TO_BF16, Item, Par
 from dsconv.convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import Checkpoint, SourceWeight, open_checkpoint
 from dsconv.family.layout import Layout
-from dsconv.family.placement import Placement, check_layout, place, place_companion, sliced_shape
+from dsconv.family.placement import Placement, check_layout, place, place_companion, sliced_shape, stack_of
 
 W8A8, BF16 = "w8a8", "bf16"
 
@@ -109,10 +109,26 @@ def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
     return shards
 
 
-def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int) -> list[ShardFile]:
-    groups = pack(shards, lambda shard: shard.item.outputs, max_file_bytes)
+def _stacks(shards: list[ShardTensor], family: Family) -> list[list[ShardTensor]]:
+    """One directory's tensors in stacks (family.placement.stack_of; an INT8 stack's scales are a stack of their
+    own), each at its first member's place and in position order; every other tensor a stack of one. A stack is
+    packed into one file, where Part.tensors keeps it back to back (its members share a dtype)."""
+    stacks: dict[tuple, list[ShardTensor]] = {}
+    for shard in shards:
+        stack = stack_of(shard.source, family)
+        key = ("alone", shard.item.outputs[0].name) if stack is None else (*stack[0], shard.companion_of is not None)
+        stacks.setdefault(key, []).append(shard)
+    return [sorted(members, key=lambda shard: stack_of(shard.source, family)[1]) if len(members) > 1 else members
+            for members in stacks.values()]
+
+
+def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int, family: Family) -> list[ShardFile]:
+    groups = pack(_stacks(shards, family), lambda stack: [t for shard in stack for t in shard.item.outputs],
+                  max_file_bytes)
     n = len(groups)
-    return [ShardFile(Part(f"{directory}/part-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s.item for s in g)), tuple(g))
+    return [ShardFile(Part(f"{directory}/part-{i + 1:05d}-of-{n:05d}.safetensors",
+                           tuple(shard.item for stack in g for shard in stack)),
+                      tuple(shard for stack in g for shard in stack))
             for i, g in enumerate(groups)]
 
 
@@ -122,7 +138,8 @@ def make_shard_plan(src: Path, layout: Layout, max_file_bytes: int) -> ShardPlan
     by_directory: dict[str, list[ShardTensor]] = {}
     for shard in _shard_tensors(checkpoint, layout):
         by_directory.setdefault(shard.placement.directory, []).append(shard)
-    files = [f for directory in sorted(by_directory) for f in _pack(directory, by_directory[directory], max_file_bytes)]
+    files = [f for directory in sorted(by_directory)
+             for f in _pack(directory, by_directory[directory], max_file_bytes, checkpoint.family)]
     precision = W8A8 if any(w.encoding == "w8a8" for w in checkpoint.weights) else BF16
     return ShardPlan(checkpoint, layout, precision, tuple(files))
 

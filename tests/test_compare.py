@@ -174,3 +174,21 @@ def test_the_reference_of_a_2gb_checkpoint_holds_one_layer_at_a_time(tmp_path):
           f"peak RSS {figures['peak'] / GB:.2f} GB, largest part {figures['largest_part'] / GB:.2f} GB")
     assert figures["largest_part"] > 1.5 * GB  # one MoE layer in BF16
     assert figures["peak"] < figures["largest_part"] + PEAK_HEADROOM
+
+
+def test_the_reference_decodes_partial_fp8_blocks():
+    """A weight the FP8 block grid does not divide (the real V3.2's kv_a_proj_with_mqa: [576, 7168], a [5, 56] grid
+    of 128 x 128 blocks), which transformers' Fp8Dequantize refuses as it is: every value is its code times its
+    block's scale."""
+    from types import SimpleNamespace
+
+    from dsconv.runner.entrypoints.reference import decode
+
+    block, rows, cols = (4, 8), 10, 20  # a [3, 3] grid: the last block row and column partial
+    gen = torch.Generator().manual_seed(3)
+    codes = (torch.randn(rows, cols, generator=gen) * 8).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, generator=gen) + 0.5
+    tensor = lambda value: SimpleNamespace(read=lambda: value, entry=SimpleNamespace(dtype=value.dtype))
+    weight = SimpleNamespace(value=tensor(codes), scale=tensor(scale), encoding="fp8", spec=None)
+    expected = codes.float() * scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    assert torch.equal(decode(weight, block), expected)

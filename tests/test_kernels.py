@@ -18,7 +18,8 @@ from dsconv.kernels.attention import attention, attention_reference, causal_mask
 from dsconv.kernels.device import require_torch_npu
 from dsconv.kernels.int8 import INT8_MAX
 from dsconv.kernels import linear as linear_module
-from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, INT_MM_MIN_ROWS, int8_matmul,
+from dsconv.kernels.linear import (CPU_FEW_ROWS, EXACT_FLOAT32_K, INT_MM_MIN_ROWS, FloatWeight, float32_tiles,
+                                   int8_matmul,
                                    int8_matmul_reference, int_mm_padded, linear,
                                    linear_t, matmul, matmul_dtype, quantize_activations, w8a8_linear,
                                    w8a8_linear_reference)
@@ -40,8 +41,13 @@ def _int8(*shape, gen):
 
 
 # --- linear ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("int_mm", [True, False], ids=["cpu-int-mm", "float-slices"])
 @pytest.mark.parametrize("m,k,n", [(1, 7, 3), (0, 16, 8), (5, 33, 9), (17, 64, 32), (3, 2 * EXACT_FLOAT32_K + 5, 11)])
-def test_int8_matmul_matches_int32_reference(m, k, n):
+def test_int8_matmul_matches_int32_reference(m, k, n, int_mm, monkeypatch):
+    """Both CPU paths: torch._int_mm (where the probe found it exact on this CPU) and the float32 K-slices."""
+    if int_mm and not linear_module.CPU_INT8_GEMM:
+        pytest.skip("torch._int_mm is not exact on this CPU (no VNNI): the float32 slices run instead")
+    monkeypatch.setattr(linear_module, "CPU_INT8_GEMM", int_mm)
     gen = torch.Generator().manual_seed(m * 1000 + k)
     x_q, w = _int8(m, k, gen=gen), _int8(n, k, gen=gen)
     assert torch.equal(int8_matmul(x_q, w), int8_matmul_reference(x_q, w))
@@ -72,6 +78,21 @@ def test_w8a8_through_int_mm_equals_the_float_slices(monkeypatch):
             patch.setattr(linear_module, "int8_matmul", int_mm_padded)
             got = w8a8_linear(x, w, w_scale, out_dtype=torch.float32)
         assert torch.equal(got, expected)
+
+
+def test_the_cpu_int_mm_probe_sees_saturating_sums(monkeypatch):
+    """oneDNN's AVX2 form of torch._int_mm adds u8 x s8 product pairs into saturating int16 lanes: a kernel that
+    saturates so fails the probe, and int8_matmul then takes the float32 slices."""
+    def saturating(x, weight_t):  # x shifted to u8, product pairs clamped to int16 as vpmaddubsw does, shift undone
+        shifted = x.to(torch.int32) + 128
+        products = shifted[:, :, None] * weight_t.to(torch.int32)[None]  # [m, k, n]
+        pairs = products.view(x.shape[0], -1, 2, weight_t.shape[1]).sum(2).clamp(-2**15, 2**15 - 1)
+        return (pairs.sum(1) - 128 * weight_t.to(torch.int32).sum(0)).to(torch.int32)
+
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not linear_module._cpu_int_mm_is_exact()
+    monkeypatch.setattr(torch, "_int_mm", lambda x, weight_t: int8_matmul_reference(x, weight_t.t()))
+    assert linear_module._cpu_int_mm_is_exact()
 
 
 def test_int8_matmul_exact_at_worst_case_sums():
@@ -177,6 +198,27 @@ def test_matmul_is_a_half_precision_product_rounded_once():
     assert matmul_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
     b32 = b.float()  # an operand already in matmul_dtype is used as is: same result
     assert torch.equal(matmul(a, b32), out)
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_float_weight_keeps_the_mapped_weight_and_rounds_once(monkeypatch, bf16_gemm):
+    """A BF16 projection holds no copy of its weight. Several rows on a CPU without BF16 instructions multiply
+    float32 tiles of it (several tiles here), elsewhere the BF16 weight itself; either way the product is the exact
+    one rounded to BF16 once, up to the order of float32 sums."""
+    monkeypatch.setattr(linear_module, "CPU_BF16_GEMM", bf16_gemm)
+    monkeypatch.setattr(linear_module, "CPU_TILE_BYTES", 7 * 96 * 4)  # 7 rows a tile: 40 rows take 6 tiles
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    projection = FloatWeight.of(weight)
+    assert projection.weight.data_ptr() == weight.data_ptr() and projection.in_tiles != bf16_gemm
+    for shape in [(1, 96), (3, 96), (33, 96), (2, 5, 96)]:
+        x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        out = projection(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (*shape[:-1], 40)
+        exact = x.double() @ weight.double().T
+        torch.testing.assert_close(out.double(), exact, rtol=2.0**-8, atol=1e-4)
+    x = torch.randn(33, 96, generator=gen)
+    torch.testing.assert_close(float32_tiles(x, weight), x @ weight.float().T, rtol=1e-6, atol=1e-5)
 
 
 def test_require_torch_npu_says_why():

@@ -93,6 +93,21 @@ def test_greedy_tokens_equal_transformers_generate(pair, absorbed, monkeypatch):
     assert got == expected
 
 
+def test_prefill_scores_a_query_at_a_time_equal_transformers_generate(pair, monkeypatch):
+    """A prefill's attention and index scores taken one query at a time (step.PREFILL_SCORES bounds them; a long
+    prompt takes a few hundred queries at a time): the same tokens, V3.2's indexer selecting past index_topk."""
+    monkeypatch.setattr(step_module, "PREFILL_SCORES", 1)
+    monkeypatch.setattr(Attention, "absorbed_is_cheaper", lambda self, queries, context: False)  # expanded
+    ours, reference = pair
+    model, cache, cfg = ours()
+    ids = prompt(cfg.vocab_size, seed=1)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = greedy(model, cache, [ids], NEW_TOKENS, eos_id=None)[0]
+    assert got == expected
+
+
 def test_greedy_tokens_equal_transformers_in_blocks_of_64(pair):
     """A prompt inside the first block of 64 tokens, its decode crossing into the second."""
     ours, reference = pair

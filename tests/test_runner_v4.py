@@ -104,6 +104,19 @@ def test_greedy_tokens_equal_transformers_generate(pair, block_size):
     assert got == expected
 
 
+def test_prefill_scores_a_query_at_a_time_equal_transformers_generate(pair, monkeypatch):
+    """A prefill's attention and index scores taken one query at a time (step.PREFILL_SCORES bounds them): the
+    same tokens."""
+    monkeypatch.setattr(step_module, "PREFILL_SCORES", 1)
+    model, cfg, reference, _ = pair
+    ids = prompt(cfg.vocab_size, GEN_PROMPT_LEN, seed=1)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
+    assert got == expected
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_steps_of_any_size_equal_one_whole_forward(pair, block_size):
     """A sequence fed in uneven chunks (one token, a partial window, several whole windows) continues its

@@ -85,13 +85,25 @@ def _part_of(spec: TensorSpec) -> str | None:
     return TOP
 
 
-def decode(weight: SourceWeight) -> torch.Tensor:
-    """A source tensor's values: FP8 / FP4 through transformers' dequantization (float32), the rest as stored."""
+def decode(weight: SourceWeight, block: tuple[int, int] | None) -> torch.Tensor:
+    """A source tensor's values: FP8 / FP4 through transformers' dequantization (float32), the rest as stored.
+
+    block: the checkpoint's FP8 weight block. transformers 5.23's Fp8Dequantize takes the block from the scale
+    grid and refuses a weight it does not divide: the real V3 / V3.2 kv_a_proj_with_mqa, [576, 7168] with a [5, 56]
+    grid of 128 x 128 blocks, the last block row partial. Such a weight is zero-padded to whole blocks for it and
+    cropped after (each value is still its code times its block's scale)."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     value = weight.value.read()
     if weight.encoding in ("fp8", "fp4"):
-        return Fp8Dequantize(None)._dequantize_one(value, weight.scale.read(), output_dtype=torch.float32)
+        scale = weight.scale.read()
+        rows, cols = value.shape
+        whole = (scale.shape[0] * block[0], scale.shape[1] * block[1]) if weight.encoding == "fp8" and block else None
+        if whole is not None and (rows, cols) != whole:
+            value = torch.nn.functional.pad(value.view(torch.uint8), (0, whole[1] - cols, 0, whole[0] - rows))
+            return Fp8Dequantize(None)._dequantize_one(value.view(weight.value.entry.dtype), scale,
+                                                       output_dtype=torch.float32)[:rows, :cols]
+        return Fp8Dequantize(None)._dequantize_one(value, scale, output_dtype=torch.float32)
     if weight.encoding in ("int", "float"):
         return value
     raise InputError(f"{weight.spec.name} is stored {weight.encoding}: the reference is the checkpoint as "
@@ -165,7 +177,7 @@ class Reference:
             if target not in self.meta_shapes:
                 raise InputError(f"transformers' {type(self.model).__name__} has no tensor for the reference's "
                                  f"{weight.spec.name} (renamed {target})")
-            value = decode(weight)
+            value = decode(weight, self.checkpoint.block)
             if pattern is None:
                 self._set(target, value)
                 continue

@@ -23,7 +23,7 @@ from dsconv.kernels.linear import matmul_dtype
 from dsconv.kernels.rope import apply_rope, apply_rope_prefix, softmax_scale
 from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.kv_cache import LatentCache
-from dsconv.runner.models.step import DECODE_GATHER_ROWS, DecodeRows, StepMeta
+from dsconv.runner.models.step import DECODE_GATHER_ROWS, DecodeRows, StepMeta, query_chunks
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel
@@ -187,7 +187,10 @@ class Attention:
         values = torch.einsum("cl,hvl->hcv", ctx_c, self.w_uv)
         keys = torch.cat([k_nope, ctx[None, :, lora:].expand(heads, -1, -1)], dim=-1)
         query = cast(torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1), product_dtype)
-        return cast(attention(query, keys, values, scale, allowed).transpose(0, 1), q_nope.dtype)
+        out = q_nope.new_empty(q_nope.shape[0], heads, values.shape[-1])
+        for part in query_chunks(query.shape[1], heads * ctx.shape[0]):  # the scores stay bounded
+            out[part] = cast(attention(query[:, part], keys, values, scale, allowed[part]).transpose(0, 1), out.dtype)
+        return out
 
     def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
                decode: DecodeRows, scale: float) -> torch.Tensor:
@@ -252,15 +255,22 @@ class Indexer:
         """One sequence's S queries; head_weights [S, index_n_heads]: weights_proj of the layer input. -> [S, k]
         per query the context positions of its top k = min(index_topk, C) index scores."""
         q = self.queries(q_resid, cos, sin)  # [S, heads, dim]
-        if cache.is_int8("index_k"):  # A8C8: INT8 queries against the INT8 key cache
+        int8 = cache.is_int8("index_k")
+        if int8:  # A8C8: INT8 queries against the INT8 key cache
             keys, key_scale = cache.read_int8(layer, "index_k", seq=seq)  # [C, dim] int8, [C, 1]
-            q_int8, q_scale = quantize_tokens(self.rotate(q).view(-1, q.shape[-1]))  # a scale per query, head
-            scores = int8_scores(q_int8, q_scale, keys, key_scale).view(*q.shape[:2], -1)
         else:
             (keys,) = cache.read(layer, seq, "index_k")  # [C, dim]
-            # torch.mm: einsum and matmul fold to this product, with per-call setup on top
-            scores = torch.mm(q.float().view(-1, q.shape[-1]), cast(keys, torch.float32).t()).view(*q.shape[:2], -1)
-        return self.top(self.index(scores, head_weights).masked_fill(~allowed, float("-inf")))
+            keys_t = cast(keys, torch.float32).t()
+        top = []
+        for part in query_chunks(q.shape[0], q.shape[1] * keys.shape[0]):  # the scores stay bounded
+            rows = q[part]
+            if int8:
+                q_int8, q_scale = quantize_tokens(self.rotate(rows).reshape(-1, rows.shape[-1]))  # per query, head
+                scores = int8_scores(q_int8, q_scale, keys, key_scale).view(*rows.shape[:2], -1)
+            else:  # torch.mm: einsum and matmul fold to this product, with per-call setup on top
+                scores = torch.mm(rows.float().reshape(-1, rows.shape[-1]), keys_t).view(*rows.shape[:2], -1)
+            top.append(self.top(self.index(scores, head_weights[part]).masked_fill(~allowed[part], float("-inf"))))
+        return top[0] if len(top) == 1 else torch.cat(top)
 
     def select_decode(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int,
                       decode: DecodeRows) -> torch.Tensor:

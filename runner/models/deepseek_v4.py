@@ -33,7 +33,7 @@ from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4Step
+from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4Step, query_chunks
 from dsconv.runner.models.v4_cache import CompressorPool, LayerPool, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
@@ -201,11 +201,13 @@ class Indexer:
         """One sequence's rows of the queries and head weights (`project`), its compressed keys (`keys`), complete
         [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
         dim = self.cfg.index_head_dim
-        scores = F.relu(self.dot(q, keys)) * dim**-0.5  # [T, heads, n]
-        index = (scores * head_weights[..., None]).sum(dim=1).masked_fill(~complete, float("-inf"))
-        top = topk_lowest_index(index, self.cfg.index_topk)  # ties: the lowest entry
+        chosen = torch.zeros_like(complete)
+        for part in query_chunks(q.shape[0], q.shape[1] * complete.shape[1]):  # the scores stay bounded
+            scores = F.relu(self.dot(q[part], keys)) * dim**-0.5  # [T, heads, n]
+            index = (scores * head_weights[part, :, None]).sum(dim=1).masked_fill(~complete[part], float("-inf"))
+            chosen[part].scatter_(-1, topk_lowest_index(index, self.cfg.index_topk), True)  # ties: the lowest entry
         # early queries have fewer complete entries than index_topk: their extra picks are not complete
-        return torch.zeros_like(complete).scatter_(-1, top, True) & complete
+        return chosen & complete
 
     def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys,
                       valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,8 +271,10 @@ class Attention:
             rows = slice(prefill.seq.start, prefill.seq.stop)
             keys, allowed = self.prefill(kv[rows], positions[rows], [t[rows] for t in compress],
                                          [t[rows] for t in index], prefill, pool)
-            out[rows] = attention(q[rows].transpose(0, 1), keys, keys, head_dim**-0.5, allowed,
-                                  sinks=self.sinks).transpose(0, 1)
+            for part in query_chunks(rows.stop - rows.start, heads * keys.shape[0]):  # the scores stay bounded
+                chunk = slice(rows.start + part.start, rows.start + part.stop)
+                out[chunk] = attention(q[chunk].transpose(0, 1), keys, keys, head_dim**-0.5, allowed[part],
+                                       sinks=self.sinks).transpose(0, 1)
         for group in step.decodes:
             rows = group.rows
             out[rows] = self.decode(q[rows], kv[rows], [t[rows] for t in compress], [t[rows] for t in index], group,

@@ -32,8 +32,9 @@ class Dist:
     device: torch.device = torch.device("cpu")  # where the collectives' buffers live (gloo: cpu)
     groups: object | None = None  # comm.groups.Groups when distributed
     comm_seconds: float = 0.0
-    # this step's most rows on one rank of each fine-grained TP group (o_proj, embedding): `start_step`
-    step_most: dict = field(default_factory=dict)
+    # this step's rows on each rank of each fine-grained TP group (o_proj, embedding), in group-rank order:
+    # `start_step`
+    step_counts: dict = field(default_factory=dict)
 
     @classmethod
     def from_layout(cls, layout: Layout, device: torch.device, cp_size: int = 1) -> "Dist":
@@ -59,15 +60,15 @@ class Dist:
             self.comm_seconds += time.perf_counter() - started
 
     def start_step(self, rows: int) -> None:
-        """Called by the model at the top of each step with its row count: the most rows any member of each
+        """Called by the model at the top of each step with its row count: the rows each member of each
         fine-grained TP group (o_proj, embedding) holds this step, learnt once here for every layer's exchange."""
-        self.step_most = {}
+        self.step_counts = {}
         for name, size in (("oproj_tp", self.oproj_tp), ("embed_tp", self.embed_tp)):
             if size > 1:
-                self.step_most[name] = self.most_rows(rows, getattr(self.groups, name))
+                self.step_counts[name] = self.row_counts(rows, getattr(self.groups, name))
 
-    def most_rows(self, rows: int, group) -> int:
-        """The most rows any member of `group` holds (each member passes its own count)."""
+    def row_counts(self, rows: int, group) -> list[int]:
+        """The rows each member of `group` holds, in group-rank order (each member passes its own count)."""
         with self.timed():
             counts = all_gather_cat(torch.tensor([rows], device=self.device), group, dim=0)  # rows per member
-        return int(counts.max())  # host sync: the exchanges take their sizes as ints
+        return counts.tolist()  # host sync: the exchanges take their sizes as ints

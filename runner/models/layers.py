@@ -3,8 +3,9 @@ three orders, rotary tables, the gated MLP and a rank's routed experts.
 
 The math lives in kernels/ (one function per primitive, each with a torch reference); a layer takes its weights
 by name from the rank's shards, holds them in the form its kernel takes (made once, at load) and calls it.
-Float weights are used in the compute dtype (a BF16 run keeps the mapped shard as is); on CPU a BF16 run also
-holds float32 copies, made once at load, for products of several rows (kernels.linear.FloatWeight).
+Float weights are used in the compute dtype: a BF16 run keeps the mapped shard as is, stacks included (the
+sharder writes what a layer stacks back to back), so the ranks on one machine share the pages of every replicated
+weight (kernels.linear.FloatWeight says how a BF16 weight is multiplied on CPU).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dsconv.family.placement import local_experts
 
 
 class Proj:
-    """A projection whose weight is BF16 (multiplied as kernels.linear.FloatWeight says: on CPU several rows
-    take a float32 copy), or INT8 with a per-output-channel scale (W8A8)."""
+    """A projection whose weight is BF16 (multiplied as kernels.linear.FloatWeight says), or INT8 with a
+    per-output-channel scale (W8A8)."""
 
     def __init__(self, weights: RankWeights, name: str, dtype: torch.dtype):
         weight = weights.take(f"{name}.weight")
@@ -48,7 +49,8 @@ class Proj:
     def merged(cls, weights: RankWeights, names: list[str], dtype: torch.dtype) -> "Proj":
         """Projections of the same input as one, their output rows stacked in `names` order: one GEMM (and
         under W8A8 one activation quantization) instead of several, as vLLM merges gate/up and q_a/kv_a. The
-        stacked weight is a copy made at load; the recipes give each such pair one type (family.recipes)."""
+        stacked weight is a view of the shard (`_take_stacked`); the recipes give each such group one type
+        (family.recipes)."""
         weight, scale = _take_stacked(weights, [names], dtype)
         return cls.of(weight[0], None if scale is None else scale[0])
 
@@ -83,8 +85,20 @@ class GroupedProj:
 def _take_stacked(weights: RankWeights, names: list[list[str]],
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """For each entry of `names`, those projections' output rows concatenated; the entries stacked -> weight
-    [len(names), rows, in] (float in dtype, or INT8) and scale [len(names), rows, 1] (None for float). One copy,
-    written in place, one source tensor at a time."""
+    [len(names), rows, in] (float in dtype, or INT8) and scale [len(names), rows, 1] (None for float).
+
+    A view of the shard where the sharder wrote the stack back to back (RankWeights.take_stacked), so that the
+    local ranks share its pages; otherwise one copy, written in place one source tensor at a time (shards written
+    before the sharder ordered stacks, or float weights converted to another compute dtype)."""
+    weight_names = [[f"{name}.weight" for name in group] for group in names]
+    scale_names = [[f"{name}.weight_scale" for name in group] for group in names]
+    first = weights.tensors.get(weight_names[0][0])
+    scaled = {name in weights.tensors for group in scale_names for name in group}  # {True}: INT8, {False}: float
+    int8 = scaled == {True}
+    if first is not None and len(scaled) == 1 and (int8 or first.dtype == dtype):
+        views = weights.take_stacked(weight_names, scale_names if int8 else None)
+        if views is not None:
+            return views
     stacked = scales = None
     for i, group in enumerate(names):
         parts = [(weights.take(f"{name}.weight"), weights.take_optional(f"{name}.weight_scale")) for name in group]
@@ -170,9 +184,9 @@ class GatedMLP:
 
 class RoutedExperts:
     """This rank's routed experts, the placement table's `local_experts` for its EP rank, run by the grouped
-    kernel (kernels.moe.grouped_mlp). Their weights are stacked once at load (copies): w13 [E, 2 * inter,
-    hidden] with each expert's gate rows, then its up rows (as GatedMLP merges them), w2 [E, hidden, inter];
-    INT8 with [E, n, 1] scales under W8A8. names: an expert's gate, up and down projections under
+    kernel (kernels.moe.grouped_mlp). Their weights are stacked (views of the shard, `_take_stacked`): w13
+    [E, 2 * inter, hidden] with each expert's gate rows, then its up rows (as GatedMLP merges them), w2 [E, hidden,
+    inter]; INT8 with [E, n, 1] scales under W8A8. names: an expert's gate, up and down projections under
     `{prefix}.{expert}.`. Rows grouped by expert go through `__call__`, a lone token's k experts through
     `token` (the same kernel, nothing to group)."""
 

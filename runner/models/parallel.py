@@ -44,18 +44,15 @@ class VocabParallelEmbedding:
         table, dist = self.table, self.dist
         if dist.embed_tp == 1:
             return F.embedding(tokens, table)
-        group, most = dist.groups.embed_tp, dist.step_most["embed_tp"]
-        if most == 0:
+        group, counts = dist.groups.embed_tp, dist.step_counts["embed_tp"]
+        if not any(counts):
             return table.new_empty(0, table.shape[1])
-        with dist.timed():
-            everyone = all_gather_cat(F.pad(tokens, (0, most - tokens.shape[0])), group, dim=0)  # [size * most]
+        everyone = _to_every_member(dist, tokens, group, counts)  # [sum(counts)]: the group's ids, in rank order
         local = everyone - group.rank * table.shape[0]
         outside = (local < 0) | (local >= table.shape[0])
         partial = F.embedding(local.clamp(0, table.shape[0] - 1), table).masked_fill_(outside[:, None], 0)
-        with dist.timed():
-            # every member sends `most` rows to each, so the counts need no exchange (nor a host sync)
-            mine, _ = all_to_all_variable(partial, [most] * group.size, group, recv_counts=[most] * group.size)
-        return mine.view(group.size, most, -1).sum(0)[:tokens.shape[0]]
+        mine = _from_every_member(dist, partial, group, counts, tokens.shape[0])  # [size, T, hidden]
+        return mine.sum(0)
 
 
 class OutputSplitLinear:
@@ -75,25 +72,22 @@ class OutputSplitLinear:
         proj, dist = self.proj, self.dist
         if dist.oproj_tp == 1:
             return proj(x)
-        group, most = dist.groups.oproj_tp, dist.step_most["oproj_tp"]
-        if most == 0:
+        group, counts = dist.groups.oproj_tp, dist.step_counts["oproj_tp"]
+        if not any(counts):
             return x.new_empty(0, proj.weight.shape[0] * group.size)
-        pad = most - x.shape[0]
-        with dist.timed():
-            if proj.scale is None:
-                sliced_in = (all_gather_cat(F.pad(x, (0, 0, 0, pad)), group, dim=0),)
-            else:
-                x_q, x_scale = quantize_activations(x)
-                sliced_in = (all_gather_cat(F.pad(x_q, (0, 0, 0, pad)), group, dim=0),
-                             all_gather_cat(F.pad(x_scale, (0, 0, 0, pad)), group, dim=0))
-        sliced = proj(*sliced_in) if proj.scale is None else proj.quantized(*sliced_in, x.dtype)
-        return _own_rows(dist, sliced, group, most, x.shape[0])
+        if proj.scale is None:
+            sliced = proj(_to_every_member(dist, x, group, counts))
+        else:
+            x_q, x_scale = quantize_activations(x)
+            sliced = proj.quantized(_to_every_member(dist, x_q, group, counts),
+                                    _to_every_member(dist, x_scale, group, counts), x.dtype)
+        return _own_columns(_from_every_member(dist, sliced, group, counts, x.shape[0]))
 
 
 class ParallelLMHead:
-    """lm_head with its vocabulary rows split over the lm_head-TP group: every rank's rows are gathered (padded to
-    the group's largest count), each rank computes its vocabulary slice for all of them, and an all-to-all hands
-    each rank the slices of its own rows: the full logits of its rows."""
+    """lm_head with its vocabulary rows split over the lm_head-TP group: every rank's rows go to every member, each
+    computes its vocabulary slice for all of them, and a second exchange hands each rank the slices of its own
+    rows: the full logits of its rows."""
 
     def __init__(self, head: Proj, vocab_size: int, dist: Dist):
         check_rows("lm_head", head.weight.shape[0], vocab_size, dist.tp, "tp")
@@ -105,21 +99,37 @@ class ParallelLMHead:
         if dist.tp == 1:
             return head(h)
         group = dist.groups.tp
-        most = dist.most_rows(h.shape[0], group)
-        if most == 0:  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
+        counts = dist.row_counts(h.shape[0], group)
+        if not any(counts):  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
             return h.new_empty(0, head.weight.shape[0] * group.size)
-        with dist.timed():
-            everyone = all_gather_cat(F.pad(h, (0, 0, 0, most - h.shape[0])).contiguous(), group, dim=0)
-        return _own_rows(dist, head(everyone), group, most, h.shape[0])  # my vocabulary slice of everyone's rows
+        sliced = head(_to_every_member(dist, h, group, counts))  # my vocabulary slice of everyone's rows
+        return _own_columns(_from_every_member(dist, sliced, group, counts, h.shape[0]))
 
 
-def _own_rows(dist: Dist, sliced: torch.Tensor, group, most: int, rows: int) -> torch.Tensor:
-    """sliced [size * most, n / size]: this rank's output columns of every member's rows (padded to `most`)
-    -> [rows, n], this rank's rows with every member's columns, in group-rank order."""
+# The exchanges of the three layers above carry each member's real rows only, its count known to all (learnt once a
+# step, or per call for lm_head), with no padding to the largest: one 2,400-token prompt on one attention-DP rank of
+# 16 used to give every rank 16 x 2,400 padded rows, [38400, vocab / 16] logits (1.2 GB in float32) each, and ran
+# 24 GB out of memory (docs/benchmarks.md, "Real dimensions").
+def _to_every_member(dist: Dist, x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
+    """This rank's rows x [rows, ...] to every member of `group` -> every member's rows [sum(counts), ...], in
+    group-rank order."""
     with dist.timed():
-        # slice i, from rank i: `most` rows from each, known here, so no exchange of counts
-        mine, _ = all_to_all_variable(sliced.contiguous(), [most] * group.size, group, recv_counts=[most] * group.size)
-    return mine.view(group.size, most, -1).transpose(0, 1).reshape(most, -1)[:rows]
+        everyone, _ = all_to_all_variable(x.repeat(group.size, *[1] * (x.dim() - 1)), [x.shape[0]] * group.size,
+                                          group, recv_counts=counts)
+    return everyone
+
+
+def _from_every_member(dist: Dist, sliced: torch.Tensor, group, counts: list[int], rows: int) -> torch.Tensor:
+    """sliced [sum(counts), n]: this rank's result for every member's rows -> [size, rows, n], every member's
+    result for this rank's rows, in group-rank order."""
+    with dist.timed():
+        mine, _ = all_to_all_variable(sliced.contiguous(), counts, group, recv_counts=[rows] * group.size)
+    return mine.view(group.size, rows, sliced.shape[1])
+
+
+def _own_columns(parts: torch.Tensor) -> torch.Tensor:
+    """[size, rows, n / size], each member's output columns of this rank's rows -> [rows, n]."""
+    return parts.transpose(0, 1).reshape(parts.shape[1], parts.shape[0] * parts.shape[2])
 
 
 def attention_tp_sum(dist: Dist, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 # values) are 151 MB in float32, 75 MB in BF16; V3.2's indexer keys (128 values) a quarter of that. A sequence
 # whose context alone is longer gets a group of its own, which gathers its context as a loop over sequences would.
 DECODE_GATHER_ROWS = 65536
+# The most attention or index scores (query rows x heads x context positions) a prefill chunk holds at once: its
+# queries are taken this many scores at a time, so a long prompt's scores stay bounded as the gather above does.
+# 2**25 float32 scores are 128 MiB; the attention's softmax holds about two such tensors more. Measured before
+# (scripts/real_dims.py): one 2,400-token V3.2 prompt (128 heads) peaked at 10 GB in its rank, the whole
+# [heads, 2400, 2400] scores in float32 held twice.
+PREFILL_SCORES = 2**25
+
+
+def query_chunks(queries: int, scores_per_query: int) -> list[slice]:
+    """Slices of a prefill chunk's queries, each holding at most PREFILL_SCORES scores (one query at least)."""
+    per = max(1, PREFILL_SCORES // max(1, scores_per_query))
+    return [slice(first, min(first + per, queries)) for first in range(0, queries, per)]
 
 
 @dataclass(frozen=True)
