@@ -185,11 +185,14 @@ def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
     """Same int32 result as the reference. On CUDA, torch._int_mm (`int_mm_padded`) where the shapes allow; on a
     CPU whose torch._int_mm is exact (`CPU_INT8_GEMM`), torch._int_mm; otherwise float32 GEMMs over K-slices short
     enough to be exact (an int32 matmul on CPU is a plain loop, several times slower). Every path gives the exact
-    integer sums, so the choice changes no value."""
+    integer sums, so the choice changes no value. No rows (an idle rank's step) touch no weight: the slices would
+    convert the whole weight to float32 for nothing, which made every W8A8 decode step at world 16 cost seconds."""
+    if not x_q.shape[0]:
+        return torch.zeros(0, weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     if x_q.device.type == "cuda" and not x_q.shape[1] % INT_MM_MULTIPLE \
             and not weight_int8.shape[0] % INT_MM_MULTIPLE:
         return int_mm_padded(x_q, weight_int8)
-    if x_q.device.type == "cpu" and CPU_INT8_GEMM and x_q.shape[0]:
+    if x_q.device.type == "cpu" and CPU_INT8_GEMM:
         return torch._int_mm(x_q.contiguous(), weight_int8.t())
     acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):
