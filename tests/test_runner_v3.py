@@ -77,28 +77,18 @@ def test_prefill_hidden_states_and_logits(pair):
     assert cosine(logits, ref.logits[0]) >= COSINE_MIN
 
 
-@pytest.mark.parametrize("absorbed", [None, True, False])
-def test_greedy_tokens_equal_transformers_generate(pair, absorbed, monkeypatch):
+@pytest.mark.parametrize("absorbed,prefill_scores", [(None, None), (True, None), (False, None), (False, 1)],
+                         ids=["as-picked", "absorbed", "expanded", "expanded-a-query-at-a-time"])
+def test_greedy_tokens_equal_transformers_generate(pair, absorbed, prefill_scores, monkeypatch):
     """absorbed: V3.2's prefill past index_topk in the absorbed form (True) or expanded (False) whatever the
-    multiply-add count picks (None: as it picks, absorbed for the tiny shapes)."""
+    multiply-add count picks (None: as it picks, absorbed for the tiny shapes). prefill_scores 1: the attention and
+    index scores taken one query at a time (step.PREFILL_SCORES bounds them; a long prompt takes a few hundred
+    queries at a time)."""
     ours, reference = pair
     if absorbed is not None:
         monkeypatch.setattr(Attention, "absorbed_is_cheaper", lambda self, queries, context: absorbed)
-    model, cache, cfg = ours()
-    ids = prompt(cfg.vocab_size, seed=1)
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        got = greedy(model, cache, [ids], NEW_TOKENS, eos_id=None)[0]
-    assert got == expected
-
-
-def test_prefill_scores_a_query_at_a_time_equal_transformers_generate(pair, monkeypatch):
-    """A prefill's attention and index scores taken one query at a time (step.PREFILL_SCORES bounds them; a long
-    prompt takes a few hundred queries at a time): the same tokens, V3.2's indexer selecting past index_topk."""
-    monkeypatch.setattr(step_module, "PREFILL_SCORES", 1)
-    monkeypatch.setattr(Attention, "absorbed_is_cheaper", lambda self, queries, context: False)  # expanded
-    ours, reference = pair
+    if prefill_scores is not None:
+        monkeypatch.setattr(step_module, "PREFILL_SCORES", prefill_scores)
     model, cache, cfg = ours()
     ids = prompt(cfg.vocab_size, seed=1)
     with torch.no_grad():
