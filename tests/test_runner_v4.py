@@ -91,8 +91,13 @@ def prompt(vocab, n, seed):
 BLOCK_SIZES = [16, 64]  # the default, and one past the sliding window and several CSA windows
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_greedy_tokens_equal_transformers_generate(pair, block_size):
+@pytest.mark.parametrize("block_size,prefill_scores",
+                         [(size, None) for size in BLOCK_SIZES] + [(BLOCK_SIZES[0], 1)])
+def test_greedy_tokens_equal_transformers_generate(pair, block_size, prefill_scores, monkeypatch):
+    """prefill_scores 1: the prefill's attention and index scores taken one query at a time (step.PREFILL_SCORES
+    bounds them)."""
+    if prefill_scores is not None:
+        monkeypatch.setattr(step_module, "PREFILL_SCORES", prefill_scores)
     model, cfg, reference, _ = pair
     ids = prompt(cfg.vocab_size, GEN_PROMPT_LEN, seed=1)
     with torch.no_grad():
@@ -101,19 +106,6 @@ def test_greedy_tokens_equal_transformers_generate(pair, block_size):
         got = greedy(model, V4Cache(cfg, 512, torch.float32, block_size=block_size), [ids], NEW_TOKENS,
                      eos_id=None)[0]
     assert GEN_PROMPT_LEN < 2 * cfg.hca_compress_rate <= GEN_PROMPT_LEN + NEW_TOKENS
-    assert got == expected
-
-
-def test_prefill_scores_a_query_at_a_time_equal_transformers_generate(pair, monkeypatch):
-    """A prefill's attention and index scores taken one query at a time (step.PREFILL_SCORES bounds them): the
-    same tokens."""
-    monkeypatch.setattr(step_module, "PREFILL_SCORES", 1)
-    model, cfg, reference, _ = pair
-    ids = prompt(cfg.vocab_size, GEN_PROMPT_LEN, seed=1)
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        got = greedy(model, V4Cache(cfg, 512, torch.float32), [ids], NEW_TOKENS, eos_id=None)[0]
     assert got == expected
 
 

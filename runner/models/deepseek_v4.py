@@ -202,6 +202,7 @@ class Indexer:
         [T, n] bool (entry s pools only tokens <= t) -> chosen [T, n] bool."""
         dim = self.cfg.index_head_dim
         chosen = torch.zeros_like(complete)
+        keys = keys if isinstance(keys, tuple) else keys.float()  # once, not per chunk (`dot` takes it as is)
         for part in query_chunks(q.shape[0], q.shape[1] * complete.shape[1]):  # the scores stay bounded
             scores = F.relu(self.dot(q[part], keys)) * dim**-0.5  # [T, heads, n]
             index = (scores * head_weights[part, :, None]).sum(dim=1).masked_fill(~complete[part], float("-inf"))
