@@ -37,31 +37,58 @@ def all_gather_cat(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """send_counts [group.size] (rows this rank sends each member) -> [group.size], the rows each member sends
+    this rank, as a tensor where the counts live: no host sync here (the caller reads both at once)."""
+    if group.size == 1:
+        return send_counts
+    counts_in = torch.empty_like(send_counts)
+    dist.all_to_all_single(counts_in, send_counts.contiguous(), group=group.handle)
+    return counts_in
+
+
+class InFlight:
+    """An all-to-all issued with async_op=True: `wait()` returns what the blocking call returns, (recv,
+    recv_counts). On an accelerator the wait orders the current stream after the exchange; on CPU (gloo) it
+    blocks until gloo's thread has finished it. Until then the main thread computes whatever does not need it."""
+
+    def __init__(self, work, finish, buffers: tuple[torch.Tensor, ...] = ()):
+        self._work, self._finish = work, finish
+        self._buffers = buffers  # the exchange's send and receive buffers, alive until it is waited for
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        if self._work is not None:
+            self._work.wait()
+        self._buffers = ()
+        return self._finish()
+
+
 def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tensor, group: Group,
-                        recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                        recv_counts: list[int] | None = None, async_op: bool = False
+                        ) -> tuple[torch.Tensor, list[int]] | InFlight:
     """EP exchange: rows `send[offset_j : offset_j + send_counts[j]]` go to group rank j.
 
     send: [N, ...] rows grouped by destination, in group-rank order; send_counts: [group.size], sum N.
     Returns recv: [M, ...] (same trailing shape and dtype), the rows from rank 0 first, then rank 1, ...;
     and recv_counts: rows received from each rank, sum M. Zero rows to or from any rank are fine, including
     N = 0 (a rank with no tokens still takes part). recv_counts, when the caller already knows them (the
-    reverse of an earlier exchange), skip the exchange of counts.
+    reverse of an earlier exchange, or `exchange_counts` read back), skip the exchange of counts.
+    async_op: return an `InFlight` at once, the rows still travelling; its wait() returns (recv, recv_counts).
     """
     send_counts = [int(c) for c in (send_counts.tolist() if torch.is_tensor(send_counts) else send_counts)]
     if len(send_counts) != group.size or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
         raise ValueError(f"send_counts={send_counts} must give a non-negative row count for each of the "
                          f"{group.size} ranks of group {group.name}, summing to the {send.shape[0]} rows sent")
     if group.size == 1:
-        return send, send_counts
+        return InFlight(None, lambda: (send, send_counts)) if async_op else (send, send_counts)
 
     if recv_counts is None:
         # 1. Counts first: every rank learns how many rows each peer will send it, to size its receive buffer.
-        counts_out = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
-        counts_in = torch.empty_like(counts_out)
-        dist.all_to_all_single(counts_in, counts_out, group=group.handle)
-        recv_counts = counts_in.tolist()
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+        recv_counts = exchange_counts(counts, group).tolist()
     elif len(recv_counts) != group.size:
         raise ValueError(f"recv_counts={recv_counts} must have one entry per rank of group {group.name}")
+    recv_counts = [int(c) for c in recv_counts]
 
     # 2. The rows. An all-to-all only moves data, so it moves bytes: each row becomes `row_bytes` uint8
     # values. One code path for every dtype, including float8 and the e8m0 scales that gloo cannot send
@@ -85,15 +112,19 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
         send_splits[pad] += 1
         recv_splits[pad] += 1
     recv_bytes = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
-    dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group.handle)
-    if sum(recv_counts) == 0:  # only the extra row arrived
-        return torch.empty(0, *row_shape, dtype=send.dtype, device=send.device), list(recv_counts)
-    if pad is not None:
-        end = sum(recv_splits[:pad + 1])  # the extra row closes this rank's own part
-        recv_bytes = _cat_rows([recv_bytes[:end - 1], recv_bytes[end:]])
-    recv = recv_bytes.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape)
-    return recv, list(recv_counts)
+    work = dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=recv_splits,
+                                  input_split_sizes=send_splits, group=group.handle, async_op=async_op)
+
+    def finish() -> tuple[torch.Tensor, list[int]]:
+        if sum(recv_counts) == 0:  # only the extra row arrived
+            return torch.empty(0, *row_shape, dtype=send.dtype, device=send.device), list(recv_counts)
+        arrived = recv_bytes
+        if pad is not None:
+            end = sum(recv_splits[:pad + 1])  # the extra row closes this rank's own part
+            arrived = _cat_rows([recv_bytes[:end - 1], recv_bytes[end:]])
+        return arrived.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape), list(recv_counts)
+
+    return InFlight(work, finish, (send_bytes, recv_bytes)) if async_op else finish()
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -39,6 +39,7 @@ class Groups:
     oproj_tp: Group
     embed_tp: Group
     cp: Group
+    host: Group  # the world over gloo, whatever the device: what travels between hosts (the engine's step plan)
 
 
 def cp_members(layout: Layout, cp_size: int) -> list[list[int]]:
@@ -75,8 +76,13 @@ def make_groups(layout: Layout | dict, cp_size: int = 1) -> Groups:
                 handles[members] = dist.new_group(list(members)) if len(members) > 1 else None
             if rank in members:
                 mine[name] = Group(name, members, members.index(rank), handles[members])
-    return Groups(world=Group("world", world_ranks, rank, handles[world_ranks]),
-                  **{name: mine[name] for name in (*GROUP_NAMES, "cp")})
+    world = Group("world", world_ranks, rank, handles[world_ranks])
+    # the step plan and the results are host objects: over gloo they never touch an accelerator (HCCL or NCCL
+    # would copy them to the device and back, a host sync each way); on CPU the world already is gloo
+    host = world
+    if world_size > 1 and dist.get_backend() != dist.Backend.GLOO:
+        host = Group("host", world_ranks, rank, dist.new_group(list(world_ranks), backend=dist.Backend.GLOO))
+    return Groups(world=world, host=host, **{name: mine[name] for name in (*GROUP_NAMES, "cp")})
 
 
 def _as_layout(layout: Layout | dict) -> Layout:

@@ -83,6 +83,11 @@ KV_CACHE_MEMORY_HELP = ("KV cache size per attention-DP rank in bytes (vLLM's fl
                         "--max-num-seqs for its windows and compressor state).")
 
 
+OVERLAP_HELP = ("Compute each MoE layer's shared expert while its expert exchange travels (the dispatch and combine "
+                "are issued asynchronously; on NPU / CUDA the shared expert runs on a second stream). Off: the "
+                "shared expert runs after the combine. The tokens are the same either way.")
+
+
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch (prompts are "
@@ -115,6 +120,8 @@ def generate(
              "SamplingParams.logprobs; the server's top_logprobs limit applies).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
+    overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
+                                                         help=OVERLAP_HELP)] = True,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
@@ -147,7 +154,8 @@ def generate(
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens),
-                             record_shapes=_record_path(record_shapes))
+                             record_shapes=_record_path(record_shapes),
+                             overlap_shared_experts=overlap_shared_experts)
         # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for
         # each of a rank's prompts
         run = run.with_max_num_seqs(-(-len(prompt) // run.layout.dp))
@@ -194,6 +202,8 @@ def perplexity(
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
+    overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
+                                                         help=OVERLAP_HELP)] = True,
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens (BOS in front where the
     tokenizer's config says add_bos_token), in consecutive windows of --context tokens spread over the attention-DP
@@ -211,7 +221,8 @@ def perplexity(
                                                block_size=block_size),
                              scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
                                                        cp_min_tokens=prefill_cp_min_tokens),
-                             record_shapes=_record_path(record_shapes))
+                             record_shapes=_record_path(record_shapes),
+                             overlap_shared_experts=overlap_shared_experts)
         try:
             text = file.read_bytes().decode("utf-8")
         except OSError as exc:
@@ -270,6 +281,8 @@ def serve(
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
+    overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
+                                                         help=OVERLAP_HELP)] = True,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
     api_key: Annotated[Optional[str], typer.Option(
@@ -311,7 +324,8 @@ def serve(
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
                                                        prefill_context_parallel_size, prefill_cp_min_tokens),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout,
-                             record_shapes=_record_path(record_shapes))
+                             record_shapes=_record_path(record_shapes),
+                             overlap_shared_experts=overlap_shared_experts)
         run.check_holds(max_model_len)
         resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         _launch(rank_main, {"run": run, "host": host, "port": port,

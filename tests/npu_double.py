@@ -37,6 +37,7 @@ import json
 import sys
 import types
 from collections import Counter
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class TorchNpuDouble(types.ModuleType):
     def __init__(self):
         super().__init__("tests.npu_double (contract double, not torch_npu)")
         self.calls: Counter = Counter()
+        self.npu = NpuStreams(self.calls)
         _kernels()
 
     def __getattr__(self, name: str):
@@ -110,7 +112,65 @@ class TorchNpuDouble(types.ModuleType):
 
 
 def _count(name: str) -> None:
-    _active[-1].calls[name] += 1
+    double = _active[-1]
+    double.calls[name] += 1
+    if double.npu.current is not double.npu.default:  # the op was queued on a second stream
+        double.calls[f"{name} on a second stream"] += 1
+
+
+# --- torch_npu.npu's streams and events: the calls kernels.streams makes, with the signatures of torch_npu's wheel
+# (tests/npu_schemas.py, stream_api; a test compares them), recorded in the double's `calls` ---
+class NpuStreams(types.ModuleType):
+    """torch_npu.npu's Stream, Event, current_stream and stream as the double's `npu` attribute. Nothing runs
+    asynchronously on CPU: the double checks the calls' order (an event is recorded before a stream waits for it, a
+    stream context is entered on a stream of this module) and records where each op was queued."""
+
+    def __init__(self, calls: Counter):
+        super().__init__("tests.npu_double.npu (contract double, not torch_npu.npu)")
+        module, self.calls = self, calls
+
+        class Stream:
+            def __init__(self, device=None, priority=0, **kwargs):
+                calls["npu.Stream"] += 1
+                self.device = device
+
+            def wait_event(self, event):
+                calls["npu.Stream.wait_event"] += 1
+                _require(isinstance(event, Event), "Stream.wait_event takes a torch_npu.npu.Event [assumed]")
+                _require(event.recorded, "a stream waits for an event that was never recorded: it would not "
+                                         "wait at all [assumed]")
+
+        class Event:
+            def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+                calls["npu.Event"] += 1
+                self.recorded = False
+
+            def record(self, stream=None):
+                calls["npu.Event.record"] += 1
+                _require(stream is None or isinstance(stream, Stream), "Event.record takes a torch_npu.npu.Stream "
+                                                                       "[assumed]")
+                self.recorded = True
+
+        self.Stream, self.Event = Stream, Event
+        self.default = Stream.__new__(Stream)  # the device's default stream, made without counting it
+        self.default.device = None
+        self.current = self.default
+
+        def current_stream(device=None):
+            calls["npu.current_stream"] += 1
+            return module.current
+
+        @contextmanager
+        def stream(stream):
+            calls["npu.stream"] += 1
+            _require(stream is None or isinstance(stream, Stream), "npu.stream takes a torch_npu.npu.Stream")
+            previous, module.current = module.current, stream or module.current
+            try:
+                yield
+            finally:
+                module.current = previous
+
+        self.current_stream, self.stream = current_stream, stream
 
 
 # --- the modelled ops: CPU kernels behind torch_npu's schemas (arguments arrive as the dispatcher binds them) ---
@@ -411,10 +471,10 @@ class SyncCounter:
             setattr(torch.Tensor, name, counted)
         execute = worker.Worker.execute
 
-        def counted_step(worker_self, batch):
+        def counted_step(worker_self, batch, plan=None):
             self.current = {}
             try:
-                return execute(worker_self, batch)
+                return execute(worker_self, batch, plan)
             finally:
                 self.steps.append(self.current)
                 self.current = None
@@ -464,9 +524,9 @@ class ZeroSizeWatch:
 
         execute = worker.Worker.execute
 
-        def watched_step(worker_self, batch):
+        def watched_step(worker_self, batch, plan=None):
             with Watch():
-                return execute(worker_self, batch)
+                return execute(worker_self, batch, plan)
 
         worker.Worker.execute = watched_step
 

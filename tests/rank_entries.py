@@ -13,3 +13,16 @@ def recorded(entry, record_path: str, **kwargs) -> None:
     if result is not None:
         record = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
         Path(record_path).write_text(json.dumps(record))
+
+
+def profiled(inner, trace_dir: str, **kwargs):
+    """inner(**kwargs) under torch.profiler (CPU ops and the package's record_function spans); this rank's trace to
+    trace_dir/rank{R}.json (Chrome's trace format)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        result = inner(**kwargs)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trace.export_chrome_trace(str(Path(trace_dir) / f"rank{rank}.json"))
+    return result

@@ -15,6 +15,7 @@ import dsconv.comm.launch as launch_module
 from dsconv.comm.launch import TORCHRUN_ENV, launch
 from dsconv.errors import InputError
 from dsconv.kernels.device import reset_npu_path
+from dsconv.kernels.streams import STREAM_API, SideStream
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
 from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp, token_mlp
 from dsconv.runner.models.dist import Dist
@@ -25,7 +26,7 @@ from dsconv.family.layout import Layout
 from tests.helpers import NEW_TOKENS, PROMPTS, expert_scales_to_bf16, quantized_weight, run_ranks, shard
 from tests.npu_double import (CALLS_NAME, generate_on_double, INT8_CACHE_NPU_OPS, MODELLED, SYNCS_NAME, ZEROS_NAME, ContractError, TorchNpuDouble,
                               forbid_cpu_int8_path, install, keep_cpu_attention)
-from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered
+from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered, stream_api
 
 PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -215,6 +216,70 @@ def test_named_device_ops_use_the_real_argument_names(torch_npu_schemas):
         assert all(a in real and real[a].kwarg_only for a in keywords), (step, keywords)
 
 
+def _double_stream_api() -> dict:
+    """The double's stream calls by STREAM_SOURCES' names: a class as its constructor, a method unbound."""
+    npu = TorchNpuDouble().npu
+    return {"Stream": npu.Stream, "Stream.wait_event": npu.Stream.wait_event, "Event": npu.Event,
+            "Event.record": npu.Event.record, "current_stream": npu.current_stream, "stream": npu.stream}
+
+
+def _unbound(signature: inspect.Signature, method: bool) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of each parameter, without a method's self."""
+    params = list(signature.parameters.values())[1 if method else 0:]
+    return [(p.name, p.kind, p.default) for p in params]
+
+
+def test_stream_calls_match_torch_npu_and_torch_cuda():
+    """kernels.streams calls the same names on torch_npu.npu and torch.cuda. The double's Stream, Event,
+    current_stream and stream take exactly the parameters of torch_npu 2.14.0's (read from its wheel's source), and
+    torch.cuda's take those too, in the same order (CUDA's Event has one more, `external`, after them): a call the
+    helper makes that binds on the double binds on both."""
+    try:
+        real = stream_api()
+    except SchemasUnavailable as e:
+        pytest.skip(f"torch_npu {TORCH_NPU_VERSION}'s stream sources are unavailable: {e}")
+    assert set(real) == {f"{owner}.{name}" if owner != "module" else name
+                         for owner, names in STREAM_API.items() for name in names}
+    double = _double_stream_api()
+    cuda = {"Stream": torch.cuda.Stream.__new__, "Stream.wait_event": torch.cuda.Stream.wait_event,
+            "Event": torch.cuda.Event.__new__, "Event.record": torch.cuda.Event.record,
+            "current_stream": torch.cuda.current_stream, "stream": torch.cuda.stream}
+    for name, signature in real.items():
+        ours = _unbound(inspect.signature(double[name]), method="." in name and not isinstance(double[name], type))
+        ours = [(n, k, d) for n, k, d in ours]
+        assert ours == _unbound(signature, method=False), name
+        theirs = _unbound(inspect.signature(cuda[name]), method=name in ("Stream", "Event") or "." in name)
+        assert [(n, k) for n, k, _ in theirs[:len(ours)]] == [(n, k) for n, k, _ in ours], (name, theirs)
+        assert [d for _, _, d in theirs[:len(ours)]] == [d for _, _, d in ours], (name, theirs)
+
+
+def test_side_stream_orders_its_work_through_events():
+    """On the double's NPU path: a second stream made once, each block after an event of the main stream, its ops
+    queued there, and the join waits for the block's own event; on CPU the block runs in order."""
+    double = install()
+    try:
+        side = SideStream(torch.device("cpu"))
+        assert side.parallel
+        with side.beside():
+            double.npu_dynamic_quant(torch.ones(2, 4, dtype=torch.bfloat16))
+        side.join()
+        side.join()  # nothing left to wait for
+        assert (side.uses, side.joins) == (1, 1)
+        calls = double.calls
+        assert calls["npu.Stream"] == 1 and calls["npu.Event.record"] == 2 and calls["npu.Stream.wait_event"] == 2
+        assert calls["npu_dynamic_quant on a second stream"] == 1
+        with pytest.raises(ContractError, match="never recorded"):
+            side.stream.wait_event(double.npu.Event())
+    finally:
+        reset_npu_path()
+    cpu = SideStream(torch.device("cpu"))
+    ran = []
+    with cpu.beside():
+        ran.append(1)
+    cpu.join()
+    assert not cpu.parallel and ran == [1] and (cpu.uses, cpu.joins) == (0, 0)
+
+
 def test_the_dispatcher_binds_calls_against_the_schema():
     double = TorchNpuDouble()
     x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -370,11 +435,13 @@ def bfloat16_route_on_cpu(set_attribute) -> None:
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
 def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source, tmp_path):
     """One prompt on DP16 / EP16: 15 ranks have no sequence in any step, yet enter every collective and expert
-    group, each with a throwaway token. Every rank runs the double with the CPU INT8 kernels refused."""
+    group, each with a throwaway token. Every rank runs the double with the CPU INT8 kernels refused, the shared
+    experts overlapped with the exchange on a second stream; the CPU path runs them after the exchange
+    (--no-overlap-shared-experts): the same tokens, bit for bit, from both orders."""
     shards = tmp_path / "w16"
     shard(npu_source(family), shards, Layout(16, 16, 16, 1))
     prompts = [PROMPTS[1]]
-    want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
+    want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", overlap_shared_experts=False)
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry=generate_on_double,
                     results_name="npu", result_dir=str(tmp_path / "npu"))
     assert got == want
@@ -386,15 +453,23 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
     # every rank runs its INT8 projections there: rank 0 its sequence's, the idle ranks their throwaway token's
     assert all(c["npu_quant_matmul"] > 0 for c in calls), calls
     assert sum(c.get("npu_grouped_matmul", 0) for c in calls) > 0  # expert owners ran their groups there
-    # host syncs in each decode step (every step after the prefill), per rank: 2 per MoE layer (the EP all-to-all
-    # takes its split sizes as lists: the sent counts, and the received ones from the count exchange), 1 for
-    # lm_head TP (the most rows any rank holds), and on the rank that samples 1 for the drawn tokens
     config = load_manifest(shards)["model"]["config"]
     moe_layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)  # V4: every layer
+    steps = len(json.loads((tmp_path / "npu" / SYNCS_NAME.format(rank=0)).read_text()))
+    # V3.2: each layer's indexer prolog (its keys) beside the MLA prolog
+    beside = moe_layers + (config["num_hidden_layers"] if family == "deepseek_v32" else 0)
+    for call in calls:  # each MoE layer of each step: the shared expert on the second stream, joined
+        assert call["npu.Stream"] == 1, call  # one second stream per rank, made once
+        assert call["npu.stream"] == call["npu.Stream.wait_event"] / 2 == beside * steps, call
+        assert call["npu_quant_matmul on a second stream"] == 2 * moe_layers * steps, call  # gate_up and down
+    # host syncs in each decode step (every step after the prefill), per rank: 1 per MoE layer (the EP all-to-all
+    # takes its split sizes as lists: the sent counts and the received ones, read back together) and on the rank
+    # that samples 1 for the drawn tokens; lm_head TP takes each rank's rows from the step plan. Before: 2 per MoE
+    # layer (the two lists read one after the other) and 1 for lm_head TP (the rows exchanged and read back).
     for rank in range(16):
         steps = json.loads((tmp_path / "npu" / SYNCS_NAME.format(rank=rank)).read_text())
         decode = [sum(step.values()) for step in steps[1:]]
-        assert decode == [2 * moe_layers + 1 + (rank == 0)] * (NEW_TOKENS - 1), (rank, steps)
+        assert decode == [moe_layers + (rank == 0)] * (NEW_TOKENS - 1), (rank, steps)
 
 
 @pytest.mark.slow
@@ -402,11 +477,12 @@ def test_attention_tp_shares_reach_the_quantizer_without_padding_rows(npu_source
     """V3.2 at attention DP2 x TP8: the 8 ranks of a group each route a share of the group's rows through the
     MoE. A share padded with zero rows would reach npu_dynamic_quant, whose documented formula divides 0 by 0
     for an all-zero row (the double refuses it): the shares are unpadded, an empty one is a throwaway copy of a
-    real row, and the tokens are the CPU path's."""
+    real row, and the tokens are the CPU path's (which runs the shared experts after the exchange, the double's
+    beside it: bit for bit the same tokens from both orders at DP2 x TP8 too)."""
     shards = tmp_path / "dp2tp8"
     shard(npu_source("deepseek_v32"), shards, Layout(16, 16, 16, 8))
     prompts = [PROMPTS[1], PROMPTS[2]]  # 37 and 20 rows: shares of 5 and 3, the last ones shorter or empty
-    want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16")
+    want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", overlap_shared_experts=False)
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry=generate_on_double,
                     results_name="npu", result_dir=str(tmp_path / "npu"))
     assert got == want

@@ -53,9 +53,10 @@ def test_one_token_path_equals_the_general_path(int8, limit):
     x = torch.randn(3, HIDDEN, generator=gen).to(torch.bfloat16)
     chosen = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(3)])  # [3, k]
     weights = torch.rand(3, TOP_K, generator=gen)
-    batch = expert_parallel(x, chosen, weights, experts, Dist())  # grouped by expert
+    no_shared = torch.zeros_like  # routed + 0: the routed sum alone
+    batch = expert_parallel(x, chosen, weights, experts, Dist(), no_shared)  # grouped by expert
     for t in range(3):  # each token alone takes the one-token path
-        alone = expert_parallel(x[t:t + 1], chosen[t:t + 1], weights[t:t + 1], experts, Dist())
+        alone = expert_parallel(x[t:t + 1], chosen[t:t + 1], weights[t:t + 1], experts, Dist(), no_shared)
         assert torch.equal(alone, batch[t:t + 1])
         # and both are the routing-weighted sum of the chosen experts, each computed on its own
         expected = sum(weights[t, j] * expert_mlp(tensors, e, x[t:t + 1], limit).float()

@@ -57,6 +57,8 @@ class RunConfig:
     keepalive_s: float | None = None
     drain_timeout_s: float = 30.0
     record_shapes: Path | None = None  # append a row of what the run's steps covered (engine/shapes.py)
+    # the MoE's shared expert computes while the expert exchange travels (runner/models/moe.py)
+    overlap_shared_experts: bool = True
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
@@ -159,6 +161,13 @@ class RunConfig:
             raise InputError(f"--kv-cache-memory-bytes {cache.memory_bytes} holds {self.cache_tokens} tokens, fewer "
                              f"than --max-model-len {max_model_len}: one such request needs at least "
                              f"{self.bytes_for(blocks)} bytes ({blocks} blocks of {cache.block_size} tokens)")
+
+    @property
+    def overlap_summary(self) -> str:
+        """Which MoE order runs, for the closing or start-up line."""
+        if self.overlap_shared_experts:
+            return "shared experts overlapped with the expert exchange"
+        return "shared experts after the expert exchange (--no-overlap-shared-experts)"
 
     def cache_summary(self) -> str:
         """The KV cache in one line, for the start-up output."""

@@ -120,8 +120,9 @@ def rank_device(device: str) -> torch.device:
 def start_rank(run: RunConfig):
     """On every rank, after the launcher's init_process_group: -> (Dist, model, new_cache) of this rank's shards."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size) \
-        if torch.distributed.is_initialized() else Dist(device=rank_device(run.device))
+    overlap = run.overlap_shared_experts
+    dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size, overlap) \
+        if torch.distributed.is_initialized() else Dist(device=rank_device(run.device), overlap_shared_experts=overlap)
     model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype])
     return dist, model, new_cache
 
@@ -169,6 +170,11 @@ class EngineCore:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
+
+    @property
+    def _host(self):
+        """The process group the step plan and results travel over: the world over gloo (comm.groups)."""
+        return self.worker.dist.groups.host.handle
 
     @property
     def leads(self) -> bool:
@@ -250,26 +256,26 @@ class EngineCore:
         if self.world_size == 1:
             return [self.worker.execute(batches[0])]
         self._send(Plan(batches))
-        mine = self.worker.execute(batches[self.worker.dp_index])
+        mine = self.worker.execute(batches[self.worker.dp_index], batches)
         everyone = [None] * self.world_size
-        torch.distributed.gather_object(mine, everyone, dst=0)
+        torch.distributed.gather_object(mine, everyone, dst=0, group=self._host)
         return [everyone[dp_index * self.attn_tp] for dp_index in range(len(batches))]  # each index's reporter
 
     def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
-            torch.distributed.broadcast_object_list([plan], src=0)
+            torch.distributed.broadcast_object_list([plan], src=0, group=self._host)
 
     def _follow(self) -> None:
         while True:
             message = [None]
-            torch.distributed.broadcast_object_list(message, src=0)
+            torch.distributed.broadcast_object_list(message, src=0, group=self._host)
             plan: Plan = message[0]
             if plan.stop:
                 return
             if plan.batches is None:  # keep-alive
                 continue
-            mine = self.worker.execute(plan.batches[self.worker.dp_index])
-            torch.distributed.gather_object(mine, None, dst=0)
+            mine = self.worker.execute(plan.batches[self.worker.dp_index], plan.batches)
+            torch.distributed.gather_object(mine, None, dst=0, group=self._host)
 
     # -- metrics -----------------------------------------------------------------------------------------------
 

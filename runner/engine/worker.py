@@ -64,6 +64,13 @@ class InputBuilder:
         return StepInputs(self._ids(batch), self.meta(batch),
                           None if every_row else torch.tensor(rows, dtype=torch.long, device=self.device))
 
+    def step_rows(self, batch: Batch) -> tuple[int, int]:
+        """(tokens, logit rows) the rank running `batch` feeds the model this step, as `__call__` builds them: an
+        idle rank's throwaway token is one of each."""
+        if batch.num_tokens == 0 and batch.cp is None and self.cache.dummy_block is not None:
+            return 1, 1
+        return batch.num_tokens, len(batch.logit_rows())
+
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
         self.context_slots.pop(seq_id, None)
@@ -160,15 +167,21 @@ class Worker:
         self.steps = 0  # steps this rank has run
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[SeqResult] | None:
+    def execute(self, batch: Batch, plan: list[Batch] | None = None) -> list[SeqResult] | None:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
-        others)."""
+        others). plan: every DP index's batch of the step (as every rank received it), from which each rank's
+        rows are known without exchanging them."""
         inputs = self.inputs(batch)
         if self.grammars is not None:
             for seq_id in batch.releases:
                 self.grammars.release(seq_id)
         self.steps += 1
-        logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
+        if plan is not None:
+            self.dist.plan_step([self.inputs.step_rows(b) for b in plan])
+        try:
+            logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
+        finally:
+            self.dist.plan_step(None)
         if inputs.dummy:
             self.inputs.release(DUMMY_SEQ_ID)
             return [] if self.reports else None

@@ -100,11 +100,11 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
         return
     if printer is not None:
         printer.close()
-    _report(result, prompts, tokenizer, json_output, time.time() - started_at)
+    _report(result, prompts, tokenizer, json_output, time.time() - started_at, run.overlap_shared_experts)
 
 
 def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenizer, json_output: bool,
-            seconds: float) -> None:
+            seconds: float, overlap: bool) -> None:
     prefill_tps = sum(map(len, prompts)) / result.prefill_s if result.prefill_s else 0.0
     decoded = sum(len(g) - 1 for g in result.generated if g)
     decode_tps = decoded / result.decode_s if result.decode_s else 0.0
@@ -113,7 +113,7 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                   "text": [tokenizer.decode(o) for o in result.generated],
                   "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                               "wall_s": seconds},
-                  "context_parallel_prefills": result.cp_prefills}
+                  "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap}
         if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
             report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
                                     "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}
@@ -123,7 +123,8 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
     for i, out in list(enumerate(result.generated))[1:]:  # the first prompt was streamed; show the rest
         console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
     console.print(f"[dim]{sum(map(len, prompts))} prompt tokens, {sum(map(len, result.generated))} new tokens; "
-                  f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall[/]",
+                  f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall; "
+                  f"shared experts {'overlapped' if overlap else 'not overlapped'}[/]",
                   highlight=False)
 
 

@@ -84,9 +84,11 @@ def rank_main(run: RunConfig, windows: list[list[int]], context: int, json_outpu
     summary = score(run, windows, progress=not json_output)
     if summary is None:
         return
-    summary.update(windows=len(windows), context=context, seconds=time.time() - started_at)
+    summary.update(windows=len(windows), context=context, seconds=time.time() - started_at,
+                   overlap_shared_experts=run.overlap_shared_experts)
     if json_output:
         print(json.dumps(summary), flush=True)
         return
     console.print(f"perplexity [bold]{summary['perplexity']:.4f}[/] over {summary['tokens']} tokens "
-                  f"({len(windows)} windows of up to {context}); {summary['seconds']:.1f} s", highlight=False)
+                  f"({len(windows)} windows of up to {context}); {summary['seconds']:.1f} s; {run.overlap_summary}",
+                  highlight=False)

@@ -82,6 +82,10 @@ class Attention:
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         # V3.2: index_k_w = the indexer's key and head weights
         q_a, c_kv, k_pe, *index_k_w = self.wqkv_a(x).split(self.input_split, dim=-1)
+        side = self.dist.side_stream
+        if self.indexer is not None:  # the indexer's prolog beside the MLA prolog (on CPU: in order, first)
+            with side.beside():
+                index_k = self.indexer.keys(index_k_w[0], step_rope, cache)
         q_resid = self.q_norm(q_a)
         q = self.wq_b(q_resid).view(-1, heads, nope + rope)  # [T, heads, qk_head]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
@@ -90,7 +94,8 @@ class Attention:
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
         entries = {"c_kv_k_pe": torch.cat([self.kv_norm(c_kv), k_pe], dim=-1)}  # [T, lora + rope]
         if self.indexer is not None:
-            entries["index_k"] = self.indexer.keys(index_k_w[0], step_rope, cache)
+            side.join()
+            entries["index_k"] = index_k
         out = x.new_empty(x.shape[0], heads, cfg.v_head_dim)
         if meta.cp is not None:
             self.context_parallel(out, q_nope, q_pe, q_resid, index_k_w, step_rope, entries, cache, layer,
@@ -331,11 +336,9 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         share = attention_tp_share(self.dist, x)  # attention-TP ranks hold the same rows: each routes its share
-        return attention_tp_unshare(self.dist, self.routed(share) + self.shared(share), x.shape[0])
-
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x)
-        return expert_parallel(x, experts, weights, self.experts, self.dist)
+        experts, weights = self.route(share)
+        out = expert_parallel(share, experts, weights, self.experts, self.dist, self.shared)  # routed + shared
+        return attention_tp_unshare(self.dist, out, x.shape[0])
 
 
 class DeepseekV3:

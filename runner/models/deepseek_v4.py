@@ -386,11 +386,9 @@ class MoE:
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         share = attention_tp_share(self.dist, x)  # attention-TP ranks hold the same rows: each routes its share
         share_tokens = attention_tp_share(self.dist, tokens[:, None])[:, 0]
-        return attention_tp_unshare(self.dist, self.routed(share, share_tokens) + self.shared(share), x.shape[0])
-
-    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x, tokens)
-        return expert_parallel(x, experts, weights, self.experts, self.dist)
+        experts, weights = self.route(share, share_tokens)
+        out = expert_parallel(share, experts, weights, self.experts, self.dist, self.shared)  # routed + shared
+        return attention_tp_unshare(self.dist, out, x.shape[0])
 
 
 class HyperConnection:

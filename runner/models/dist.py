@@ -16,6 +16,10 @@ import torch
 
 from dsconv.comm.collectives import all_gather_cat
 from dsconv.family.layout import Layout
+from dsconv.kernels.streams import SideStream
+
+
+PLANNED = ("tokens", "logit_rows")  # what `plan_step` gives per attention-DP index, in this order
 
 
 @dataclass
@@ -35,9 +39,14 @@ class Dist:
     # this step's rows on each rank of each fine-grained TP group (o_proj, embedding), in group-rank order:
     # `start_step`
     step_counts: dict = field(default_factory=dict)
+    # the shared expert computes while the MoE's dispatch travels (models/moe.py); False: after the combine
+    overlap_shared_experts: bool = True
+    _side_stream: SideStream | None = field(default=None, repr=False)
+    _planned: list[tuple[int, int]] | None = field(default=None, repr=False)  # `plan_step`
 
     @classmethod
-    def from_layout(cls, layout: Layout, device: torch.device, cp_size: int = 1) -> "Dist":
+    def from_layout(cls, layout: Layout, device: torch.device, cp_size: int = 1,
+                    overlap_shared_experts: bool = True) -> "Dist":
         """After init_process_group: this rank's groups from the manifest's layout and the context-parallel
         prefill's group size (called on every rank)."""
         from dsconv.comm.groups import make_groups
@@ -45,7 +54,15 @@ class Dist:
         groups = make_groups(layout, cp_size)
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
                    ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, oproj_tp=groups.oproj_tp.size,
-                   embed_tp=groups.embed_tp.size, cp=groups.cp.size, device=device, groups=groups)
+                   embed_tp=groups.embed_tp.size, cp=groups.cp.size, device=device, groups=groups,
+                   overlap_shared_experts=overlap_shared_experts)
+
+    @property
+    def side_stream(self) -> SideStream:
+        """The second stream the overlapped work runs on (on CPU: in order, kernels.streams), made at first use."""
+        if self._side_stream is None:
+            self._side_stream = SideStream(self.device)
+        return self._side_stream
 
     @property
     def world_size(self) -> int:
@@ -59,16 +76,29 @@ class Dist:
         finally:
             self.comm_seconds += time.perf_counter() - started
 
+    def plan_step(self, rows: list[tuple[int, int]] | None) -> None:
+        """The next forward's (tokens, logit rows) on each attention-DP index, from the step plan every rank holds
+        (engine/worker.py), or None after it: the TP exchanges then take their members' row counts from here
+        instead of exchanging them (a host sync each on an accelerator)."""
+        self._planned = rows
+
     def start_step(self, rows: int) -> None:
         """Called by the model at the top of each step with its row count: the rows each member of each
         fine-grained TP group (o_proj, embedding) holds this step, learnt once here for every layer's exchange."""
         self.step_counts = {}
         for name, size in (("oproj_tp", self.oproj_tp), ("embed_tp", self.embed_tp)):
             if size > 1:
-                self.step_counts[name] = self.row_counts(rows, getattr(self.groups, name))
+                self.step_counts[name] = self.row_counts(rows, getattr(self.groups, name), "tokens")
 
-    def row_counts(self, rows: int, group) -> list[int]:
-        """The rows each member of `group` holds, in group-rank order (each member passes its own count)."""
+    def row_counts(self, rows: int, group, of: str) -> list[int]:
+        """The rows each member of `group` holds, in group-rank order (each member passes its own count): from the
+        step plan when there is one (`of`: "tokens" the model is fed, or "logit_rows"), else exchanged."""
+        if self._planned is not None:
+            column = PLANNED.index(of)
+            counts = [self._planned[member // self.attn_tp][column] for member in group.ranks]
+            if counts[group.rank] != rows:
+                raise ValueError(f"rank {self.rank} holds {rows} rows, but the step plan gives it {counts[group.rank]}")
+            return counts
         with self.timed():
             counts = all_gather_cat(torch.tensor([rows], device=self.device), group, dim=0)  # rows per member
         return counts.tolist()  # host sync: the exchanges take their sizes as ints

@@ -6,7 +6,8 @@ process groups (models/dist.py), computes its local size from the model's config
 shard with a one-line error naming both, and runs its exchange.
 
 Every member of a group enters the same exchanges in the same order, with zero rows if it has none; the sizes of
-the embedding's and o_proj's exchanges are learnt once a step (`Dist.start_step`), lm_head's per call.
+the embedding's and o_proj's exchanges are learnt once a step (`Dist.start_step`), lm_head's per call; both from the
+step plan every rank holds, when the engine runs the step (`Dist.plan_step`), without an exchange.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class ParallelLMHead:
         if dist.tp == 1:
             return head(h)
         group = dist.groups.tp
-        counts = dist.row_counts(h.shape[0], group)
+        counts = dist.row_counts(h.shape[0], group, "logit_rows")
         if not any(counts):  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
             return h.new_empty(0, head.weight.shape[0] * group.size)
         sliced = head(_to_every_member(dist, h, group, counts))  # my vocabulary slice of everyone's rows
