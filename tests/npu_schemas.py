@@ -14,6 +14,7 @@ The x86-64 / CPython 3.11 build is fetched whatever this machine runs: every bui
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -140,11 +141,10 @@ STREAM_SOURCES = {"Stream": "torch_npu/npu/streams.py", "Stream.wait_event": "to
                   "current_stream": "torch_npu/npu/utils.py", "stream": "torch_npu/npu/utils.py"}
 
 
-def stream_api() -> dict[str, "inspect.Signature"]:
+def stream_api() -> dict[str, inspect.Signature]:
     """The signatures STREAM_SOURCES names as torch_npu's wheel defines them, read from its source (never imported):
     a class as its __new__ without `cls`, a method without `self`."""
     import ast
-    import inspect
 
     def signature(node: ast.FunctionDef, bound: bool) -> inspect.Signature:
         args = node.args
