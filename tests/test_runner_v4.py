@@ -236,8 +236,8 @@ def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
     """EP16 + lm_head TP16 through dsrun's rank_main, in blocks of 64 tokens (world 16's other V4 runs use the
     default 16), three prompts of different lengths on different attention-DP ranks (13 ranks have none and run
     zero-token steps); the longest completes an HCA entry and crosses 8 sliding windows and two blocks, the
-    shortest no CSA window before decoding: each one's tokens equal transformers'. With --kv-cache-dtype int8 they
-    equal the INT8 cache's at world 1."""
+    shortest no CSA window before decoding: each one's tokens equal transformers'. With --kv-cache-dtype int8 (and
+    the shared experts after the exchange, --no-overlap-shared-experts) they equal the INT8 cache's at world 1."""
     model, cfg, reference, _ = pair
     prompts = [prompt(cfg.vocab_size, n, seed=n) for n in (3, cfg.hca_compress_rate + 2, 20)]
     shards = tmp_path / "w16"
@@ -248,7 +248,8 @@ def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(t) == DIST_NEW_TOKENS for t in want)
     assert got == want
-    got = run_ranks(shards, tmp_path, prompts, block_size=64, kv_cache_dtype="int8", results_name="int8")
+    got = run_ranks(shards, tmp_path, prompts, block_size=64, kv_cache_dtype="int8", results_name="int8",
+                    overlap_shared_experts=False)
     with torch.no_grad():
         want = greedy(model, V4Cache(cfg, 256, torch.float32, block_size=64, kv_cache_dtype="int8"), prompts,
                       DIST_NEW_TOKENS, eos_id=None)
