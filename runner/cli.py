@@ -88,6 +88,12 @@ OVERLAP_HELP = ("Compute each MoE layer's shared expert while its expert exchang
                 "shared expert runs after the combine. The tokens are the same either way.")
 
 
+PREFIX_CACHING_HELP = ("Reuse the KV cache of prompt blocks an earlier request on the same attention-DP rank has "
+                       "computed (vLLM's flag and default): a request computes only what follows its longest cached "
+                       "run of full --block-size blocks, and usage.prompt_tokens_details.cached_tokens says how many "
+                       "it reused. DeepSeek-V3 / V3.2 caches; DeepSeek-V4's take no hit yet.")
+
+
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option("--prompt", help="Prompt text; repeat for a batch (prompts are "
@@ -122,6 +128,8 @@ def generate(
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
     overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
                                                          help=OVERLAP_HELP)] = True,
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                        help=PREFIX_CACHING_HELP)] = True,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
@@ -153,7 +161,8 @@ def generate(
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs=1, cp_size=prefill_context_parallel_size,
-                                                       cp_min_tokens=prefill_cp_min_tokens),
+                                                       cp_min_tokens=prefill_cp_min_tokens,
+                                                       enable_prefix_caching=enable_prefix_caching),
                              record_shapes=_record_path(record_shapes),
                              overlap_shared_experts=overlap_shared_experts)
         # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for
@@ -283,6 +292,8 @@ def serve(
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
     overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
                                                          help=OVERLAP_HELP)] = True,
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                        help=PREFIX_CACHING_HELP)] = True,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
     api_key: Annotated[Optional[str], typer.Option(
@@ -322,7 +333,8 @@ def serve(
         run = RunConfig.open(shards, world_size, dtype=dtype, device=device,
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
-                                                       prefill_context_parallel_size, prefill_cp_min_tokens),
+                                                       prefill_context_parallel_size, prefill_cp_min_tokens,
+                                                       enable_prefix_caching),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout,
                              record_shapes=_record_path(record_shapes),
                              overlap_shared_experts=overlap_shared_experts)

@@ -222,10 +222,11 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
 
 def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
                max_num_seqs=16, max_num_batched_tokens=4096, block_size=DEFAULT_BLOCK_SIZE,
-               overlap_shared_experts=True) -> RunConfig:
+               overlap_shared_experts=True, enable_prefix_caching=True) -> RunConfig:
     return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype, block_size),
                           scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size,
-                                                    cp_min_tokens=cp_min_tokens),
+                                                    cp_min_tokens=cp_min_tokens,
+                                                    enable_prefix_caching=enable_prefix_caching),
                           overlap_shared_experts=overlap_shared_experts)
 
 

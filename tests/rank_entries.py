@@ -26,3 +26,32 @@ def profiled(inner, trace_dir: str, **kwargs):
     rank = dist.get_rank() if dist.is_initialized() else 0
     trace.export_chrome_trace(str(Path(trace_dir) / f"rank{rank}.json"))
     return result
+
+
+def one_after_another(run, prompts: list[list[int]], max_new_tokens: int, dp_rank: int = 0) -> dict | None:
+    """Every rank: the prompts through one engine, each submitted on rank 0 when the one before has finished, all on
+    attention-DP rank `dp_rank` (so a later one can find an earlier one's blocks in that rank's prefix cache) ->
+    rank 0: {"generated": tokens per prompt, "cached": cached prompt tokens per prompt}."""
+    from dsconv.runner.engine.core import EngineClient, start_engine
+    from dsconv.runner.engine.request import SamplingParams
+
+    engine = start_engine(run)
+    if not engine.leads:
+        engine.run()
+        return None
+    door = EngineClient()
+    door.open(engine)
+    generated, cached = [[] for _ in prompts], [0] * len(prompts)
+
+    def submit(index: int) -> None:
+        def on_output(out) -> None:
+            generated[index].extend(out.new_token_ids)
+            cached[index] = out.cached_tokens
+            if out.finished and index + 1 < len(prompts):
+                submit(index + 1)
+
+        door.submit(prompts[index], SamplingParams(max_tokens=max_new_tokens), on_output, dp_rank=dp_rank)
+
+    submit(0)
+    engine.run(door, until_idle=True)
+    return {"generated": generated, "cached": cached}

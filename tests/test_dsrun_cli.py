@@ -231,7 +231,7 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     # in such a token would print without it.)
     assert any("\ufffd" in decode([token]) for token in generated[0][:-1]), generated[0]
     assert not texts[0].endswith("\ufffd")
-    summary = (f"{sum(len(token_ids(p)) for p in prompts)} prompt tokens, 16 new tokens; rank 0: "
+    summary = (f"{sum(len(token_ids(p)) for p in prompts)} prompt tokens \\(0 cached\\), 16 new tokens; rank 0: "
                f"prefill [0-9.]+ tok/s, decode [0-9.]+ tok/s; [0-9.]+ s wall; shared experts overlapped")
     assert re.fullmatch(re.escape(f"{texts[0]}\nprompt 1: {texts[1]}\n") + summary + "\n", proc.stdout), \
         (proc.stdout, texts)

@@ -125,7 +125,7 @@ def test_preempted_request_is_recomputed_and_gives_the_same_tokens():
     alone = run_pair(scheduler(num_blocks=64), expect_preemption=False)
     tight = scheduler(num_blocks=6)
     assert run_pair(tight, expect_preemption=True) == alone
-    assert all(not table for table in tight.pools[0].tables.values()) and len(tight.pools[0].free) == 6
+    assert all(not table for table in tight.pools[0].tables.values()) and tight.pools[0].num_free == 6
 
 
 def run_pair(s, expect_preemption):
@@ -185,7 +185,7 @@ def test_abort_frees_the_cache_and_tells_the_rank():
     s.add("a", list(range(10)), greedy(5), None)
     s.update(step := s.schedule(), fake_results(step))
     [(request, out)] = s.abort("a")
-    assert out.finished and out.finish_reason == "abort" and len(s.pools[0].free) == 64
+    assert out.finished and out.finish_reason == "abort" and s.pools[0].num_free == 64
     assert s.schedule() is None and s.releases[0] == [request.seq_id]
     assert s.abort("a") == []  # aborting twice is harmless
 
@@ -230,7 +230,7 @@ def test_samples_prefill_once_and_share_the_prompts_full_blocks():
         pass
     outputs = run_samples(s)
     assert outputs == {("r", 0): [13], ("r", 1): [14], ("r", 2): [15]}
-    assert len(pool.free) == pool.num_blocks and not any(pool.holders)
+    assert pool.num_free == pool.num_blocks and not any(pool.holders)
 
 
 def test_samples_without_room_to_fork_recompute_and_give_the_same_tokens():
@@ -241,7 +241,7 @@ def test_samples_without_room_to_fork_recompute_and_give_the_same_tokens():
         forks = []
         outputs = run_samples(s, lambda step: forks.extend(step.batches[0].forks))
         pool = s.pools[0]
-        assert len(pool.free) == num_blocks and not any(pool.holders)
+        assert pool.num_free == num_blocks and not any(pool.holders)
         return outputs, len(forks), s.preemptions
 
     ample, forks, preemptions = samples(64)
@@ -288,10 +288,11 @@ def test_prompt_scoring_without_generation():
     assert finished.finished and finished.finish_reason == "length" and len(finished.prompt_logprobs) == 10
 
 
-def engine(model, cache, max_num_seqs: int, budget: int):
+def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True):
     """dsrun's engine on one rank, stepped by the test through its scheduler."""
     return new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
+                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                enable_prefix_caching=prefix_caching))
 
 
 # (block size, prompt lengths, a cache too small for both): 21 + 12 and 30 + 12 tokens do not fit together in 4
@@ -344,9 +345,9 @@ def test_model_samples_equal_requests_with_their_seeds(family, kv_cache_dtype, t
     def params(n, seed):
         return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, n=n)
 
-    def generate(cache_tokens, requests):
+    def generate(cache_tokens, requests, prefix_caching=True):
         cache = new_cache(cache_tokens, kv_cache_dtype)
-        core = engine(model, cache, 8, 64)
+        core = engine(model, cache, 8, 64, prefix_caching)
         s = core.scheduler
         outputs = {}
         for request_id, prompt, p in requests:
@@ -362,8 +363,11 @@ def test_model_samples_equal_requests_with_their_seeds(family, kv_cache_dtype, t
     together = [(str(i), p, params(3, 100 * i)) for i, p in enumerate(prompts)]
     ample, preemptions = generate(512, together)
     assert ample == alone and preemptions == 0
-    tight, preemptions = generate(80, together)  # 5 blocks of 16 for 21 + 10 and 37 + 10 tokens, 3 samples each
+    # 5 blocks of 16 for 21 + 10 and 37 + 10 tokens, 3 samples each; without prefix caching a sample whose fork
+    # fails recomputes its prompt, and samples are preempted; with it (V3.2) the prompt's published blocks serve it
+    tight, preemptions = generate(80, together, prefix_caching=False)
     assert tight == alone and preemptions > 0
+    assert generate(80, together)[0] == alone
 
 
 # -- sampling --------------------------------------------------------------------------------------------------

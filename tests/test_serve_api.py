@@ -218,7 +218,8 @@ def test_completion_text_prompt(client):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": decode(following(prompt[-1], 5)), "logprobs": None,
                                 "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5}
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_prompt_lists_are_indexed_choices(client):
@@ -251,7 +252,8 @@ def test_completion_samples_are_n_choices_per_prompt_from_one_engine_request():
             generated = following(prompt[-1] + sample, 3)
             assert choice["text"] == decode(prompt) + decode(generated)
             assert len(choice["logprobs"]["tokens"]) == len(prompt) + 3
-    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert chunks[-1] == "[DONE]" and chunks[-2]["usage"] == whole["usage"]
     streamed = {}
     for chunk in chunks[:-2]:

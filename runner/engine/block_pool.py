@@ -4,23 +4,57 @@ tables and slots into the Batch; the ranks' caches are storage that take them as
 
 A sample forked from another (n > 1) shares the full blocks of the prompt they have in common, which neither
 writes again (a sequence writes only at positions past its context, and a recomputed one into new blocks); a
-block returns to the free list when the last table holding it lets it go."""
+block returns to the free blocks when the last table holding it lets it go.
+
+Prefix caching (vLLM's automatic prefix caching, at block granularity): a full block whose entries have been
+computed is published under its hash (`block_hashes`: a chain over the parent block's hash, the block's token ids
+and the request's cache_salt). A new sequence whose first blocks' hashes are published starts its table with those
+blocks (`adopt`) and computes only the rest. A published block nobody holds stays in the pool with its entries
+(`evictable`, least recently released first) and is given out again, its hash forgotten, only when no never-used
+or forgotten block is left. A block's entries are never written again while it is published: a sequence writes
+only past its context, and its own full blocks are published only after the step that wrote them."""
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 from dsconv.errors import InputError
+
+HASH_BYTES = 16  # of sha256: a block's identity (collisions at 2^-64 per pair of blocks)
+TOKEN_BYTES = 4  # a token id in the hashed bytes (little-endian; vocabularies stay below 2^32)
+
+
+def block_hashes(tokens: list[int], block_size: int, salt: str | None = None, known: list[bytes] = ()) -> list[bytes]:
+    """The hashes of `tokens`' full blocks, each over its parent's hash, its token ids and the salt (a request's
+    cache_salt: requests with different salts share no block). known: the hashes of the first blocks, already
+    computed (extended, not recomputed)."""
+    hashes = list(known)
+    for i in range(len(hashes), len(tokens) // block_size):
+        digest = hashlib.sha256(hashes[-1] if hashes else (salt or "").encode())
+        digest.update(b"".join(t.to_bytes(TOKEN_BYTES, "little") for t in tokens[i * block_size:(i + 1) * block_size]))
+        hashes.append(digest.digest()[:HASH_BYTES])
+    return hashes
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # popped from the end: blocks 0, 1, ... go first
+        self.free = list(range(num_blocks - 1, -1, -1))  # never used or forgotten; popped from the end: 0, 1, ...
         self.tables: dict[int, list[int]] = {}
         self.holders = [0] * num_blocks  # how many tables hold each block
+        self.cached: dict[bytes, int] = {}  # a published block by its hash
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a sequence can take: the free ones and the published ones nobody holds."""
+        return len(self.free) + len(self.evictable)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -32,7 +66,7 @@ class BlockPool:
     def grow(self, seq_id: int, tokens: int) -> list[int]:
         """seq_id's block table, grown to hold `tokens` tokens (the scheduler checks `missing` first)."""
         need = self.missing(seq_id, tokens)
-        if need > len(self.free):
+        if need > self.num_free:
             raise InputError(f"the KV cache holds {self.capacity_tokens} tokens; sequence {seq_id} needs {tokens} "
                              f"(raise --cache-tokens or shorten the prompt)")
         table = self.tables.setdefault(seq_id, [])
@@ -41,9 +75,40 @@ class BlockPool:
         return table
 
     def _take(self) -> int:
-        block = self.free.pop()
+        if self.free:
+            block = self.free.pop()
+        else:  # the least recently released published block: its entries are given up
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of[block]]
+            self.hash_of[block] = None
         self.holders[block] = 1
         return block
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The published blocks of the longest prefix of `hashes`."""
+        blocks = []
+        for digest in hashes:
+            block = self.cached.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def adopt(self, seq_id: int, blocks: list[int]) -> None:
+        """A new sequence's table starts with these published blocks (`match`), held like its own."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        for block in blocks:
+            self.holders[block] += 1
+            self.evictable.pop(block, None)
+        self.tables[seq_id] = list(blocks)
+
+    def publish(self, seq_id: int, hashes: list[bytes]) -> None:
+        """seq_id's first len(hashes) blocks are full and computed: each is published under its hash (a hash that
+        another block already stands for keeps that block)."""
+        for block, digest in zip(self.tables[seq_id], hashes):
+            if self.hash_of[block] is None and digest not in self.cached:
+                self.cached[digest], self.hash_of[block] = block, digest
 
     def fork(self, parent: int, child: int, tokens: int) -> list[tuple[int, int]] | None:
         """child's table for the first `tokens` tokens of parent's -> the (parent block, child block) pairs
@@ -52,7 +117,7 @@ class BlockPool:
         source = self.tables[parent][:self.blocks_for(tokens)]
         shared = source[:tokens // self.block_size]
         own = source[len(shared):]
-        if len(own) > len(self.free):
+        if len(own) > self.num_free:
             return None
         for block in shared:
             self.holders[block] += 1
@@ -64,8 +129,11 @@ class BlockPool:
         for block in reversed(self.tables.pop(seq_id, [])):
             self.holders[block] -= 1
             if not self.holders[block]:
-                self.free.append(block)
+                if self.hash_of[block] is None:
+                    self.free.append(block)
+                else:
+                    self.evictable[block] = None
 
     @property
     def used_fraction(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks

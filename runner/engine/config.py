@@ -39,6 +39,7 @@ class SchedulerConfig:
     balancing: str = "least-loaded"
     cp_size: int = 1
     cp_min_tokens: int | None = None
+    enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py); V3 / V3.2 caches only
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,15 @@ class RunConfig:
             line += (f" of compressed entries and indexer keys (every group holds each block's {size} tokens), and "
                      f"{_slots(self.seq_slots)} (a {window}-token sliding window and the unfinished "
                      f"compression windows each), {self.seq_slots * per_seq / 2**20:.1f} MiB")
-        return line + f" ({self.cache.dtype})"
+        return line + f" ({self.cache.dtype}); {self.prefix_caching_summary}"
+
+    @property
+    def prefix_caching_summary(self) -> str:
+        if not self.scheduler.enable_prefix_caching:
+            return "prefix caching off (--no-enable-prefix-caching)"
+        if self.family.prefix_caching_refusal is not None:
+            return f"prefix caching off for {self.family.name}: {self.family.prefix_caching_refusal}"
+        return f"prefix caching on, at {self.cache.block_size}-token blocks"
 
     @property
     def layout(self) -> Layout:

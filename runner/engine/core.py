@@ -153,7 +153,8 @@ def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int,
     s = scheduler
     plan = Scheduler(dist.world_size // dist.attn_tp, cache.num_blocks, cache.block_size, s.max_num_seqs,
                      s.max_num_batched_tokens, eos_token_id, s.balancing,
-                     cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens)
+                     cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens,
+                     prefix_caching=s.enable_prefix_caching and cache.prefix_caching)
     return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
                       metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
 
@@ -170,6 +171,7 @@ class EngineCore:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
+        self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already given to the metrics
 
     @property
     def _host(self):
@@ -306,6 +308,10 @@ class EngineCore:
             if batch.cp is not None and batch.cp.member == 0:  # once per prefill, by its owner
                 m.model(m.cp_prefills).inc()
                 m.model(m.cp_prefill_tokens).inc(batch.cp.length)
+        queries, hits = self.scheduler.prefix_queries, self.scheduler.prefix_hits
+        m.model(m.prefix_queries).inc(queries - self._prefix_seen[0])
+        m.model(m.prefix_hits).inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
         for request in step.started:
             m.model(m.prompt_tokens).inc(len(request.prompt))
             m.model(m.queue).observe(request.first_scheduled - request.arrival)

@@ -35,6 +35,10 @@ class ServeMetrics:
         self.steps = Counter("dsrun:engine_steps", "Engine steps run", per_model, registry=registry)
         self.cp_prefills = Counter("dsrun:context_parallel_prefills", "Prompts prefilled by a context-parallel "
                                    "group (--prefill-context-parallel-size)", per_model, registry=registry)
+        self.prefix_queries = Counter("dsrun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      per_model, registry=registry)
+        self.prefix_hits = Counter("dsrun:prefix_cache_hits", "Prompt tokens found in the prefix cache (their entries "
+                                   "reused, not computed)", per_model, registry=registry)
         self.cp_prefill_tokens = Counter("dsrun:context_parallel_prefill_tokens", "Prompt tokens prefilled by "
                                          "context-parallel groups", per_model, registry=registry)
 
@@ -47,6 +51,8 @@ class ServeMetrics:
         self.queue = histogram("dsrun:request_queue_time_seconds", "Arrival to first scheduled")
         self.imbalance = histogram("dsrun:dp_imbalance", "Per busy step: max over mean of the DP ranks' tokens",
                                    IMBALANCE_BUCKETS)
+        for counter in (self.prefix_queries, self.prefix_hits):  # from the start, at 0
+            counter.labels(model_name)
         for rank in range(dp):  # every rank's series exists from the start, at 0
             for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions, self.zero_token_steps):
                 gauge.labels(model_name, str(rank))

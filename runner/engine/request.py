@@ -28,6 +28,7 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prefill; sample i draws with seed + i (scheduler.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): added to the logits before the grammar's
     #                                                 mask and sampling (OpenAI's logit_bias)
+    cache_salt: str | None = None  # vLLM's request field: only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -90,6 +91,7 @@ class RequestOutput:
     error: str | None = None  # set when the engine gave up on the request (finish_reason FINISH_ABORT)
     unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)
     index: int = 0  # which of the request's n samples
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

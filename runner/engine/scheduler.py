@@ -14,6 +14,11 @@ A request for n > 1 samples is one sequence until its prompt is in the cache: th
 last token draws all n first tokens from that row (sample i with seed + i), and the n - 1 further samples start
 as sequences of their own on the same DP rank from a fork of its cache (block_pool.py: the prompt's full blocks
 are shared), so the prompt is prefilled once. Admission keeps room in max_num_seqs for all n.
+
+Prefix caching (`prefix_caching`): a request admitted with nothing computed starts from the longest run of its
+first full blocks that its DP rank's pool has published (block_pool.py), leaving at least its last token to compute
+so that its logits exist; after each step every running sequence's full, computed blocks are published. A request
+that scores its prompt (prompt_logprobs) needs every row and takes no cached block.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.block_pool import BlockPool
+from dsconv.runner.engine.block_pool import BlockPool, block_hashes
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
 from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, SampleSpec
@@ -55,6 +60,9 @@ class Request:
     first_scheduled: float | None = None
     last_token: float | None = None
     previous_token: float | None = None  # the time of the token before the last, for inter-token latency
+    hashes: list[bytes] = field(default_factory=list)  # its tokens' full blocks' hashes, computed so far
+    published: int = 0  # of its blocks, those published in its pool
+    cached_tokens: int = 0  # tokens taken from the prefix cache when it was first scheduled
 
     @property
     def key(self) -> tuple[str, int]:
@@ -89,9 +97,9 @@ class Step:
 class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
-                 cp_min_tokens: int | None = None):
+                 cp_min_tokens: int | None = None, prefix_caching: bool = False):
         """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
-        group of cp_size ranks in one step (context parallelism)."""
+        group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -113,6 +121,8 @@ class Scheduler:
         self.cp_prefills = 0  # in all
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
         self.preemptions = 0  # in all, over every rank
+        self.prefix_caching = prefix_caching
+        self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found, in all
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -152,7 +162,7 @@ class Scheduler:
         if self.balancing == "round-robin":
             return next(self._round_robin)
         horizon = max(1, max_tokens)
-        return min(range(self.dp), key=lambda r: (self.load(r, horizon), -len(self.pools[r].free), r))
+        return min(range(self.dp), key=lambda r: (self.load(r, horizon), -self.pools[r].num_free, r))
 
     def seqs(self, rank: int) -> int:
         """The sequences a DP rank's running requests run as, each request's n samples counted before they fork:
@@ -184,7 +194,7 @@ class Scheduler:
             while scheduled < len(running) and budget > 0:
                 request = running[scheduled]
                 n = min(len(request.tokens) - request.num_computed, budget)
-                while pool.missing(request.seq_id, request.num_computed + n) > len(pool.free):
+                while pool.missing(request.seq_id, request.num_computed + n) > pool.num_free:
                     self._preempt(running.pop(), rank, batch)  # the newest: never one already scheduled
                     preempted[rank] += 1
                     if request not in running:
@@ -195,8 +205,9 @@ class Scheduler:
             waiting = self.waiting[rank]
             while waiting and budget > 0 and self.seqs(rank) + waiting[0].seqs <= self.max_num_seqs:
                 request = waiting[0]
+                self._reuse_prefix(pool, request)
                 n = min(len(request.tokens) - request.num_computed, budget)
-                if pool.missing(request.seq_id, n) > len(pool.free):
+                if pool.missing(request.seq_id, request.num_computed + n) > pool.num_free:
                     break  # arrival order: nobody overtakes the first waiting request
                 running.append(waiting.popleft())
                 if request.first_scheduled is None:
@@ -242,8 +253,36 @@ class Scheduler:
     def _cp_ready(self, request: Request) -> bool:
         pool, rank = self.pools[request.dp_rank], request.dp_rank
         return (request.num_computed == 0 and not request.output and len(request.prompt) >= self.cp_min_tokens
-                and pool.missing(request.seq_id, len(request.prompt)) <= len(pool.free)
+                and pool.missing(request.seq_id, len(request.prompt)) <= pool.num_free
                 and self.seqs(rank) + request.seqs <= self.max_num_seqs)
+
+    def _reuse_prefix(self, pool: BlockPool, request: Request) -> None:
+        """A request about to be admitted with nothing computed (and no table yet) starts from its longest published
+        prefix of full blocks, its last token always left to compute."""
+        if not self.prefix_caching or request.num_computed or request.seq_id in pool.tables or request.scoring:
+            return
+        tokens = request.tokens
+        request.hashes = block_hashes(tokens, pool.block_size, request.params.cache_salt, request.hashes)
+        blocks = pool.match(request.hashes[:(len(tokens) - 1) // pool.block_size])
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(blocks) * pool.block_size
+        if blocks:
+            pool.adopt(request.seq_id, blocks)
+            request.num_computed = len(blocks) * pool.block_size
+        if request.first_scheduled is None:
+            request.cached_tokens = request.num_computed
+
+    def _publish(self) -> None:
+        """After a step: every running sequence's full blocks that the step completed, published in its pool."""
+        for rank, running in enumerate(self.running):
+            pool = self.pools[rank]
+            for request in running:
+                full = request.num_computed // pool.block_size
+                if full > request.published and request.seq_id in pool.tables:
+                    request.hashes = block_hashes(request.tokens[:full * pool.block_size], pool.block_size,
+                                                  request.params.cache_salt, request.hashes[:full])
+                    pool.publish(request.seq_id, request.hashes[:full])
+                    request.published = full
 
     def _sample_spec(self, request: Request) -> SampleSpec | None:
         """What to draw once the request's tokens are all fed (None when it generates nothing)."""
@@ -272,7 +311,7 @@ class Scheduler:
         self.preemptions += 1
         self.pools[rank].release(request.seq_id)
         batch.releases.append(request.seq_id)
-        request.num_computed = 0
+        request.num_computed = request.published = 0
         if request.scoring:
             request.prompt_logprobs = []  # a partly scored prompt is scored again from the start
         self.waiting[rank].appendleft(request)
@@ -297,6 +336,8 @@ class Scheduler:
                             key=lambda pair: pair[0])
             owner = next(result for share, result in members if share.member == 0)
             outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
+        if self.prefix_caching:
+            self._publish()
         return outputs
 
     def _take(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
@@ -304,7 +345,8 @@ class Scheduler:
         request = self.by_seq.get(seq_id)
         if request is None:  # aborted while the step ran
             return []
-        out, samples = RequestOutput(request.request_id, len(request.prompt), index=request.index), []
+        out, samples = RequestOutput(request.request_id, len(request.prompt), index=request.index,
+                                     cached_tokens=request.cached_tokens), []
         request.prompt_logprobs.extend(result.prompt_logprobs)
         if request.params.prompt_logprobs is not None and not request.prompt_delivered \
                 and not request.scoring and request.num_computed >= len(request.prompt):

@@ -29,6 +29,7 @@ class Generated:
     prefill_s: float = 0.0  # from the first step to the first token
     decode_s: float = 0.0  # from the first token to the last
     cp_prefills: int = 0  # prompts a context-parallel group prefilled
+    cached_tokens: list[int] = field(default_factory=list)  # per prompt: its tokens found in the prefix cache
     ranks: list[dict] = field(default_factory=list)  # per rank: comm_s (inside collectives), steps
 
 
@@ -46,7 +47,10 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
         result = Generated([[] for _ in prompts], None if logprobs is None else [[] for _ in prompts])
         stamps: list[float] = []
 
+        result.cached_tokens = [0] * len(prompts)
+
         def on_output(index: int, out) -> None:
+            result.cached_tokens[index] = out.cached_tokens
             stamps.extend(time.perf_counter() for _ in out.new_token_ids)
             result.generated[index].extend(out.new_token_ids)
             if result.logprobs is not None:
@@ -113,7 +117,8 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                   "text": [tokenizer.decode(o) for o in result.generated],
                   "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                               "wall_s": seconds},
-                  "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap}
+                  "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap,
+                  "cached_prompt_tokens": result.cached_tokens}
         if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
             report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
                                     "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}
@@ -122,7 +127,8 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
         return
     for i, out in list(enumerate(result.generated))[1:]:  # the first prompt was streamed; show the rest
         console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
-    console.print(f"[dim]{sum(map(len, prompts))} prompt tokens, {sum(map(len, result.generated))} new tokens; "
+    console.print(f"[dim]{sum(map(len, prompts))} prompt tokens ({sum(result.cached_tokens)} cached), "
+                  f"{sum(map(len, result.generated))} new tokens; "
                   f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall; "
                   f"shared experts {'overlapped' if overlap else 'not overlapped'}[/]",
                   highlight=False)

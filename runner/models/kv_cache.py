@@ -46,11 +46,14 @@ class KVCache(Protocol):
     tensors go. Per step, before the forward: `fork` copies a parent's entries for a child, `release` forgets a
     finished sequence, `advance` is told each sequence's new positions. The model's forward writes and reads the
     entries (`write` / `read` here, v4_cache's pools for DeepSeek-V4).
-    LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it."""
+    LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it. `prefix_caching`: whether a block's
+    entries are all a later sequence needs of its tokens (then the scheduler may hand a new sequence published
+    blocks, engine/block_pool.py)."""
     num_blocks: int
     block_size: int
     dummy_block: int | None
     device: torch.device
+    prefix_caching: bool
 
     def advance(self, seq_id: int, start: int, stop: int) -> None: ...
 
@@ -60,6 +63,10 @@ class KVCache(Protocol):
 
 
 class LatentCache(KVCache):
+    # every entry of a token (latent, indexer key, their INT8 scales) sits in its block's slots: a published block
+    # is all a sequence that starts from it needs
+    prefix_caching = True
+
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
                  dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):
         """fields: name -> what a token keeps per layer; dtype: the entries' dtype (and that of dequantized

@@ -195,6 +195,10 @@ class LayerPool:
 
 
 class V4Cache(KVCache):
+    # a sequence also needs its sliding window and unfinished compression windows at the hit point, which live in
+    # its sequence slot, not in blocks: no prefix caching for DeepSeek-V4 yet
+    prefix_caching = False
+
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto"):
         """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries,

@@ -77,8 +77,10 @@ class Choice:
     sent_tokens: int = 0  # streaming bookkeeping: tokens (and their logprobs) already sent
     sent_text: int = 0  # characters of `text` (or of reasoning + content, for chat) already sent
     sent_reasoning: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
     def consume(self, out: RequestOutput) -> None:
+        self.cached_tokens = out.cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.new_token_ids
@@ -170,7 +172,10 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
 
     def usage(self) -> dict:
-        """As OpenAI counts: each prompt once however many samples it has, every sample's tokens."""
+        """As OpenAI counts: each prompt once however many samples it has, every sample's tokens; the prompt tokens
+        taken from the prefix cache (`prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report them)."""
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.sample == 0)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(c.cached_tokens for c in self.choices if c.sample == 0)  # vLLM's prompt_tokens_details
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}

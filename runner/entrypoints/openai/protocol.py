@@ -79,6 +79,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as text) -> a bias in [-100, 100] added to its logit
     user: str | None = None  # accepted and ignored, as by OpenAI's API for abuse tracking
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:<id>"
+    cache_salt: str | None = None  # vLLM's extension: only requests with the same salt share prefix-cache blocks
 
 
 class CompletionRequest(_Sampling):
@@ -230,6 +231,7 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None, voca
         grammar=grammar,
         n=1 if body.n is None else body.n,
         logit_bias=logit_bias(body, vocab_size),
+        cache_salt=body.cache_salt,
     )
 
 

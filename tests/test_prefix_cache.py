@@ -1,0 +1,146 @@
+"""Prefix caching at block granularity (runner/engine/block_pool.py, the scheduler's `_reuse_prefix`): a request
+whose first full blocks another request has computed starts from them, and its tokens are the tokens computed from
+scratch. V3.2 in float32 with the tiny indexer's index_topk of 8, so every context here is past it and the indexer
+selects from cached keys too."""
+
+import pytest
+import torch
+
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.block_pool import BlockPool, block_hashes
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import build_model
+from dsconv.runner.models.weights import load_manifest
+from tests.helpers import launch_ranks, run_config, shard
+from tests.rank_entries import one_after_another
+from tests.test_scheduler import engine
+
+NEW_TOKENS = 6
+
+
+# -- the pool ------------------------------------------------------------------------------------------------------
+
+def test_hashes_chain_and_salt():
+    tokens = list(range(40))
+    plain = block_hashes(tokens, 16)
+    assert len(plain) == 2 and block_hashes(tokens[:32], 16) == plain  # full blocks only; a prefix's are a prefix
+    assert block_hashes(tokens, 16, known=plain[:1]) == plain  # extended from known ones
+    assert block_hashes([99] + tokens[1:], 16)[1] != plain[1]  # block 1 depends on block 0's tokens (the chain)
+    assert block_hashes(tokens, 16, salt="tenant-a") != plain  # a salt isolates
+    assert block_hashes(tokens, 16, salt="tenant-a") == block_hashes(tokens, 16, salt="tenant-a")
+
+
+def test_published_blocks_are_reused_then_evicted_least_recent_first():
+    pool = BlockPool(4, 16)
+    a, b = block_hashes(list(range(32)), 16), block_hashes(list(range(100, 132)), 16)
+    pool.grow(1, 32)
+    pool.publish(1, a)
+    pool.release(1)  # published and unheld: still there, and still counted as free
+    assert pool.num_free == 4 and pool.match(a) == [0, 1]
+    pool.adopt(2, pool.match(a[:1]))
+    assert pool.tables[2] == [0] and pool.num_free == 3
+    pool.grow(3, 48)  # takes the never-used blocks 2, 3, then evicts block 1 (block 0 is held)
+    assert pool.tables[3] == [2, 3, 1] and pool.match(a) == [0]
+    pool.publish(3, b)
+    pool.release(2)
+    pool.release(3)
+    assert pool.num_free == 4 and pool.match(b) == [2, 3]
+
+
+# -- the engine at world 1 -----------------------------------------------------------------------------------------
+
+def sharing(base: list[int], block_size: int, gen) -> list[tuple[list[int], int]]:
+    """Prompts that share a prefix of `base` with the first one, and the prompt tokens each should find cached."""
+    def tail(n):
+        return torch.randint(2, 500, (n,), generator=gen).tolist()
+
+    bs = block_size
+    return [(base + tail(7), 0),  # the first: nothing cached yet
+            (base[:bs + 3] + tail(9), bs),  # one block shared, the next one differs
+            (base[:2 * bs + 1] + tail(2 * bs), 2 * bs),  # two blocks
+            (base + tail(5), 3 * bs),  # many: every full block of the base
+            (base[:3 * bs], 2 * bs),  # a prompt of whole blocks, all cached: its last token is computed again
+            (base + tail(7), 3 * bs)]  # the first prompt again (its blocks past the base hold the first's tokens)
+
+
+@pytest.fixture(scope="module")
+def v32(tiny_source, tmp_path_factory):
+    shards = tmp_path_factory.mktemp("prefix") / "w1"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(1, 1, 1, 1))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    return shards, model, new_cache
+
+
+def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching, budget=4096):
+    """Each prompt after the one before has finished, on one engine -> (tokens, cached prompt tokens) per prompt."""
+    core = engine(model, new_cache(1024, kv_cache_dtype, block_size=block_size), 4, budget, prefix_caching)
+    s, tokens, cached = core.scheduler, [], []
+    for i, prompt in enumerate(prompts):
+        s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
+        out_tokens = []
+        while s.has_work:
+            for _, out in core.step():
+                out_tokens += out.new_token_ids
+                cached_now = out.cached_tokens
+        tokens.append(out_tokens)
+        cached.append(cached_now)
+    return tokens, cached, s
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_hits_give_the_tokens_computed_from_scratch(v32, block_size, kv_cache_dtype):
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(block_size)
+    base = torch.randint(2, 500, (3 * block_size + 5,), generator=gen).tolist()
+    cases = sharing(base, block_size, gen)
+    prompts = [p for p, _ in cases]
+    fresh, none_cached, _ = run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching=False)
+    got, cached, s = run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching=True)
+    assert all(len(t) == NEW_TOKENS for t in fresh) and not any(none_cached)
+    assert got == fresh
+    assert cached == [want for _, want in cases]
+    assert s.prefix_hits == sum(cached) and s.prefix_queries == sum(map(len, prompts))
+
+
+def test_chunked_prefill_publishes_only_computed_blocks_and_salts_isolate(v32):
+    """A prompt of 70 tokens prefilled in chunks of 20 (the step budget): a second request with the same 70 tokens
+    and 3 more arrives while it is still prefilling. It is admitted in the step where the first computes positions
+    60 to 69, so of the 4 full blocks the two share it finds the 3 computed before (48 tokens). A request with
+    another cache_salt finds none."""
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, 500, (70,), generator=gen).tolist()
+    core = engine(model, new_cache(1024, block_size=16), 4, 20)
+    s, outs = core.scheduler, {}
+    s.add("a", prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
+    core.step()  # 20 tokens: block 0 full and computed
+    core.step()  # 40: blocks 0 and 1
+    s.add("b", prompt + [7, 8, 9], SamplingParams(max_tokens=NEW_TOKENS), None)
+    s.add("c", prompt, SamplingParams(max_tokens=NEW_TOKENS, cache_salt="other tenant"), None)
+    while s.has_work:
+        for request, out in core.step():
+            outs.setdefault(request.request_id, [out.cached_tokens, []])[1].extend(out.new_token_ids)
+    assert outs["b"][0] == 48 and outs["c"][0] == 0
+    alone, _, _ = run_engine(model, new_cache, [prompt, prompt + [7, 8, 9]], 16, "auto", prefix_caching=False)
+    assert [outs["a"][1], outs["b"][1], outs["c"][1]] == [alone[0], alone[1], alone[0]]
+
+
+@pytest.mark.slow
+def test_world_16_hits_on_the_rank_that_holds_the_prefix(v32, tiny_source, tmp_path):
+    """DP16 / EP16: the prompts one after another on attention-DP rank 3: the tokens of each prompt computed from
+    scratch at world 1, and the cached tokens the world-1 run finds."""
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(16)
+    base = torch.randint(2, 500, (3 * 16 + 5,), generator=gen).tolist()
+    cases = sharing(base, 16, gen)
+    prompts = [p for p, _ in cases]
+    fresh, _, _ = run_engine(model, new_cache, prompts, 16, "auto", prefix_caching=False)
+    shards = tmp_path / "w16"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(16, 16, 16, 1))
+    run = run_config(shards, "float32", 1024, max_num_seqs=4, max_num_batched_tokens=4096)
+    got = launch_ranks(one_after_another, {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "dp_rank": 3}, run,
+                       tmp_path / "results")
+    assert got["generated"] == fresh
+    assert got["cached"] == [want for _, want in cases]
