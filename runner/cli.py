@@ -283,8 +283,10 @@ def serve(
     prefill_cp_min_tokens: Annotated[int, typer.Option(help=CP_MIN_TOKENS_HELP)] = DEFAULT_CP_MIN_TOKENS,
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help=KV_CACHE_MEMORY_HELP)] = None,
     block_size: Annotated[int, typer.Option(help=BLOCK_SIZE_HELP)] = DEFAULT_BLOCK_SIZE,
-    dp_balancing: Annotated[str, typer.Option(help="Placing requests on attention-DP ranks: least-loaded (queued "
-                                                   "and running tokens) or round-robin.")] = "least-loaded",
+    dp_balancing: Annotated[str, typer.Option(help="Placing requests on attention-DP ranks: cache-aware (the "
+                                                   "least work, queued and running tokens plus the request's prompt "
+                                                   "less what that rank's prefix cache holds), least-loaded (queued "
+                                                   "and running tokens) or round-robin.")] = "cache-aware",
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the "
                                                                   "shards directory's name).")] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,

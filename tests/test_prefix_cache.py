@@ -14,7 +14,8 @@ from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.weights import load_manifest
 from tests.helpers import launch_ranks, run_config, shard
 from tests.rank_entries import one_after_another
-from tests.test_scheduler import engine
+from dsconv.runner.engine.scheduler import Scheduler
+from tests.test_scheduler import engine, fake_results, greedy
 
 NEW_TOKENS = 6
 
@@ -46,6 +47,27 @@ def test_published_blocks_are_reused_then_evicted_least_recent_first():
     pool.release(2)
     pool.release(3)
     assert pool.num_free == 4 and pool.match(b) == [2, 3]
+
+
+def test_cache_aware_placement_weighs_the_hit_against_the_load():
+    """Two DP ranks, blocks of 4: a 41-token prompt's 40 cached tokens on rank 0 draw a request with that prefix
+    there while rank 0's extra load is below the 40 tokens the hit saves, and not once it is above; without prefix
+    caching, or with another salt, the least-loaded rank."""
+    def drained(s):
+        while s.has_work:
+            step = s.schedule()
+            s.update(step, fake_results(step))
+
+    prefix = list(range(100, 141))
+    for balancing, caching, salt, extra, want in [("cache-aware", True, None, 30, 0), ("cache-aware", True, None, 50, 1),
+                                                  ("cache-aware", True, "b", 30, 1), ("cache-aware", False, None, 30, 1),
+                                                  ("least-loaded", True, None, 30, 1)]:
+        s = Scheduler(2, 64, 4, 8, 64, eos_token_id=None, balancing=balancing, prefix_caching=caching)
+        s.add("first", prefix, greedy(1), lambda out: None, dp_rank=0)
+        drained(s)
+        s.add("load", list(range(extra)), greedy(1), lambda out: None, dp_rank=0)  # queued on rank 0
+        placed = s.add("second", prefix + [7], greedy(1, cache_salt=salt), lambda out: None)
+        assert placed.dp_rank == want, (balancing, caching, salt, extra)
 
 
 # -- the engine at world 1 -----------------------------------------------------------------------------------------

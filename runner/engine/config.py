@@ -36,7 +36,7 @@ class SchedulerConfig:
     prefill (cp_size ranks prefill a prompt of at least cp_min_tokens tokens together)."""
     max_num_seqs: int = 16
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    balancing: str = "least-loaded"
+    balancing: str = "cache-aware"  # least-loaded, counting the prefix cache's hits (scheduler.py)
     cp_size: int = 1
     cp_min_tokens: int | None = None
     enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py); V3 / V3.2 caches only

@@ -8,7 +8,9 @@ blocks (block_pool.py, the only allocator: the ranks' caches store what each ste
 running request needs a block and none is free, the newest running request of that rank is preempted (its
 blocks freed) and recomputed later from its prompt and the tokens it had generated. A request
 is placed on one DP rank at admission and stays there: the least-loaded one by queued and running work in
-tokens, ties broken by free blocks (or round-robin, for comparison); a request may also be pinned.
+tokens, ties broken by free blocks (or round-robin, for comparison); a request may also be pinned. Cache-aware
+placement (with prefix caching) counts the request's own uncached prompt in each rank's work, so a rank whose pool
+holds its prefix wins unless its load exceeds the least-loaded rank's by more than the tokens the hit saves.
 
 A request for n > 1 samples is one sequence until its prompt is in the cache: the step that feeds the prompt's
 last token draws all n first tokens from that row (sample i with seed + i), and the n - 1 further samples start
@@ -37,7 +39,7 @@ from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_ST
                                           SeqResult, TokenLogprob)
 from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, SampleSpec
 
-BALANCING = ("least-loaded", "round-robin")
+BALANCING = ("cache-aware", "least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
 
 
@@ -142,10 +144,11 @@ class Scheduler:
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None = None
             ) -> Request:
         self.check(len(prompt), params, dp_rank)
-        rank = dp_rank if dp_rank is not None else self._place(params.max_tokens)
+        hashes = block_hashes(prompt, self.pools[0].block_size, params.cache_salt) if self.prefix_caching else []
+        rank = dp_rank if dp_rank is not None else self._place(params.max_tokens, len(prompt), hashes)
         seed = params.seed if params.seed is not None else random.getrandbits(SEED_BITS)
         request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank,
-                          forked=params.n == 1)
+                          forked=params.n == 1, hashes=hashes)
         self.requests[request.key] = self.by_seq[request.seq_id] = request
         self.waiting[rank].append(request)
         return request
@@ -154,15 +157,25 @@ class Scheduler:
         """The tokens a DP rank has to feed over the next `horizon` steps, for the requests it holds now."""
         return sum(r.work(horizon) for r in itertools.chain(self.waiting[rank], self.running[rank]))
 
-    def _place(self, max_tokens: int) -> int:
+    def _place(self, max_tokens: int, prompt_len: int, hashes: list[bytes]) -> int:
         """The rank whose load over the new request's lifetime (its prefill and max_tokens decode steps) is
         least: the step imbalance that request lives through is what placing it can change. Each step a rank
         feeds one token per decoding request plus prompt chunks, so counting every request's whole remaining
-        output instead would pile short requests onto one rank beside a long one and unbalance every step."""
+        output instead would pile short requests onto one rank beside a long one and unbalance every step.
+        Cache-aware: each rank's load plus what the request would compute there (its prompt less the tokens that
+        rank's prefix cache holds), so a hit of H tokens outweighs a load up to H tokens above the least."""
         if self.balancing == "round-robin":
             return next(self._round_robin)
         horizon = max(1, max_tokens)
-        return min(range(self.dp), key=lambda r: (self.load(r, horizon), -self.pools[r].num_free, r))
+        usable = hashes[:(prompt_len - 1) // self.pools[0].block_size]
+
+        def cost(rank: int) -> int:
+            if self.balancing != "cache-aware" or not usable:
+                return self.load(rank, horizon)
+            pool = self.pools[rank]
+            return self.load(rank, horizon) + prompt_len - len(pool.match(usable)) * pool.block_size
+
+        return min(range(self.dp), key=lambda r: (cost(r), -self.pools[r].num_free, r))
 
     def seqs(self, rank: int) -> int:
         """The sequences a DP rank's running requests run as, each request's n samples counted before they fork:
@@ -322,6 +335,8 @@ class Scheduler:
         """results[rank][i]: the i-th sequence of that rank's batch -> the outputs to deliver (finished requests
         are freed here). A context-parallel prefill's result is its owner's, with the members' scored prompt
         tokens put in position order."""
+        if self.prefix_caching:  # first: a sequence that finishes in this step still publishes what it computed
+            self._publish()
         outputs, now = [], time.perf_counter()
         parts: dict[int, list[tuple[CPShare, SeqResult]]] = {}  # context-parallel: seq_id -> the members' results
         for batch, rank_results in zip(step.batches, results, strict=True):
@@ -336,8 +351,6 @@ class Scheduler:
                             key=lambda pair: pair[0])
             owner = next(result for share, result in members if share.member == 0)
             outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
-        if self.prefix_caching:
-            self._publish()
         return outputs
 
     def _take(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
