@@ -1,0 +1,183 @@
+"""Prefix caching against a live `dsrun serve`, on and off in one run, on two workloads that resend prefixes.
+
+    python scripts/bench_prefix.py [--families deepseek_v32 deepseek_v4] [--worlds 1 16] [--concurrency 8]
+                                   [--work DIR] [--json FILE]
+
+Workloads (token ids, the tiny checkpoints' real vocabulary, random weights, temperature 0):
+- chat: 16 conversations x 4 turns behind one 512-token system prompt. Each turn's prompt is the conversation so far:
+  every earlier question (24 tokens) and the server's answer to it (16 tokens, the ids it streamed), then a new
+  question. The conversations run side by side (--concurrency at a time), each turn after the one before.
+- agent: 32 requests of one 1,024-token tool-definition prefix and a 32-token tail of their own, 16 tokens out.
+
+For each family and world size, a server is started with prefix caching on, then one with
+--no-enable-prefix-caching, on the same shards, and both workloads run against each. Reported per run:
+- prompt tokens sent and computed (sent less the cached ones the final usage chunk reports);
+- hit rate: cached / sent;
+- TTFT p50 / p90, from the request to its first streamed token;
+- request and output-token throughput.
+At world 16, the chat workload also runs with prefix caching on under --dp-balancing least-loaded and round-robin,
+against the default cache-aware placement: the hit rate each placement gets (a hit needs the request on the DP
+rank that holds its conversation's blocks).
+
+DeepSeek-V4's caches take no hit yet (dsrun's start-up line says why): its runs show 0 cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+from dsconv.family.layout import Layout  # noqa: E402
+from dsconv.scripts.bench_serve import TOKEN_IDS, machine, model_id, new_client, print_machine, serving, shards_for  # noqa: E402,E501
+
+SYSTEM_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS = 512, 24, 16
+CONVERSATIONS, TURNS = 16, 4
+TOOLS_TOKENS, TAIL_TOKENS, AGENT_REQUESTS = 1024, 32, 32
+SERVER_FLAGS = ("--dtype", "bfloat16", "--cache-tokens", "32768", "--max-num-seqs", "16")
+
+
+@dataclass
+class Sent:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+
+
+async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Sent:
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+               "return_tokens_as_token_ids": True}
+    sent, started = Sent(), time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"bench_prefix: HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                sent.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                sent.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for choice in chunk["choices"]:
+                if not sent.ttft:
+                    sent.ttft = time.perf_counter() - started
+                for token in (choice.get("logprobs") or {}).get("tokens", []):
+                    sent.output_ids.append(int(token.removeprefix("token_id:")))
+    return sent
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_IDS) for _ in range(n)]
+
+
+async def chat(client, model: str, concurrency: int, seed: int) -> list[Sent]:
+    rng = random.Random(seed)
+    system = ids(rng, SYSTEM_TOKENS)
+    questions = [[ids(rng, QUESTION_TOKENS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+    gate, results = asyncio.Semaphore(concurrency), []
+
+    async def conversation(c: int) -> None:
+        history = list(system)
+        for turn in range(TURNS):
+            history += questions[c][turn]
+            async with gate:
+                sent = await send(client, model, history, ANSWER_TOKENS)
+            results.append(sent)
+            history += sent.output_ids
+
+    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
+    return results
+
+
+async def agent(client, model: str, concurrency: int, seed: int) -> list[Sent]:
+    rng = random.Random(seed + 1)
+    tools = ids(rng, TOOLS_TOKENS)
+    tails = [ids(rng, TAIL_TOKENS) for _ in range(AGENT_REQUESTS)]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(tail: list[int]) -> Sent:
+        async with gate:
+            return await send(client, model, tools + tail, ANSWER_TOKENS)
+
+    return list(await asyncio.gather(*(one(tail) for tail in tails)))
+
+
+def summary(results: list[Sent], seconds: float) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    ttfts = sorted(r.ttft for r in results)
+    return {"requests": len(results), "prompt_tokens": prompt, "computed_tokens": prompt - cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "requests_per_s": len(results) / seconds,
+            "output_tokens_per_s": sum(len(r.output_ids) for r in results) / seconds}
+
+
+async def run_workloads(url: str, concurrency: int, only_chat: bool = False) -> dict:
+    model = model_id(url)
+    out = {}
+    async with new_client(url, concurrency) as client:
+        await send(client, model, ids(random.Random(99), 64), 2)  # warm-up, shares no prefix with the workloads
+        for name, workload in (("chat", chat), ("agent", agent)):
+            if only_chat and name != "chat":
+                continue
+            started = time.perf_counter()
+            results = await workload(client, model, concurrency, seed=7)
+            out[name] = summary(results, time.perf_counter() - started)
+    return out
+
+
+def print_row(label: str, s: dict) -> None:
+    print(f"  {label:<34} sent {s['prompt_tokens']:>6}, computed {s['computed_tokens']:>6}, hit rate "
+          f"{100 * s['hit_rate']:5.1f}%, TTFT p50 {1000 * s['ttft_p50_s']:7.1f} ms p90 {1000 * s['ttft_p90_s']:7.1f} ms, "
+          f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} tok/s", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=["deepseek_v32", "deepseek_v4"])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dsconv-bench-prefix")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    print_machine(machine(max(args.worlds)), max(args.worlds))
+    results = {}
+    for family in args.families:
+        for world in args.worlds:
+            shards = shards_for(args.work, family, Layout(world, world, world, 1), real_vocab=True)
+            runs = [("caching on (cache-aware)", ()), ("caching off", ("--no-enable-prefix-caching",))]
+            if world > 1 and family == "deepseek_v32":
+                runs += [("caching on, least-loaded", ("--dp-balancing", "least-loaded")),
+                         ("caching on, round-robin", ("--dp-balancing", "round-robin"))]
+            print(f"{family}, world {world}:", flush=True)
+            for label, flags in runs:
+                log = args.work / f"server-{family}-w{world}-{len(results)}.log"
+                with serving(shards, log, *SERVER_FLAGS, *flags) as url:
+                    got = asyncio.run(run_workloads(url, args.concurrency, only_chat="balancing" in " ".join(flags)
+                                                    or "--dp-balancing" in flags))
+                for workload, s in got.items():
+                    print_row(f"{workload}, {label}", s)
+                    results[f"{family} w{world} {workload} {label}"] = s
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(max(args.worlds)), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
