@@ -14,10 +14,24 @@ from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.weights import load_manifest
 from tests.helpers import launch_ranks, run_config, shard
 from tests.rank_entries import one_after_another
+from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.scheduler import Scheduler
-from tests.test_scheduler import engine, fake_results, greedy
 
 NEW_TOKENS = 6
+
+
+def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True):
+    """dsrun's engine on one rank, stepped by the test through its scheduler."""
+    return new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
+                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                enable_prefix_caching=prefix_caching))
+
+
+def fake_results(step):
+    """A 'model' for the scheduler alone: every sampling sequence draws token 1."""
+    return [[SeqResult(None if spec is None else 1, None) for spec in batch.samples] for batch in step.batches]
 
 
 # -- the pool ------------------------------------------------------------------------------------------------------
@@ -63,10 +77,10 @@ def test_cache_aware_placement_weighs_the_hit_against_the_load():
                                                   ("cache-aware", True, "b", 30, 1), ("cache-aware", False, None, 30, 1),
                                                   ("least-loaded", True, None, 30, 1)]:
         s = Scheduler(2, 64, 4, 8, 64, eos_token_id=None, balancing=balancing, prefix_caching=caching)
-        s.add("first", prefix, greedy(1), lambda out: None, dp_rank=0)
+        s.add("first", prefix, SamplingParams(max_tokens=1), lambda out: None, dp_rank=0)
         drained(s)
-        s.add("load", list(range(extra)), greedy(1), lambda out: None, dp_rank=0)  # queued on rank 0
-        placed = s.add("second", prefix + [7], greedy(1, cache_salt=salt), lambda out: None)
+        s.add("load", list(range(extra)), SamplingParams(max_tokens=1), lambda out: None, dp_rank=0)  # queued on rank 0
+        placed = s.add("second", prefix + [7], SamplingParams(max_tokens=1, cache_salt=salt), lambda out: None)
         assert placed.dp_rank == want, (balancing, caching, salt, extra)
 
 
@@ -166,3 +180,37 @@ def test_world_16_hits_on_the_rank_that_holds_the_prefix(v32, tiny_source, tmp_p
                        tmp_path / "results")
     assert got["generated"] == fresh
     assert got["cached"] == [want for _, want in cases]
+
+
+def test_shared_blocks_are_never_written_while_held(v32):
+    """Two requests share a published prefix of 2 blocks and run side by side, prefill and decode, next to a third
+    that shares nothing: the shared blocks' latent rows and indexer keys, every layer, are the same bytes after as
+    before, and the pool gets back to all blocks free."""
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 500, (40,), generator=gen).tolist()
+    core = engine(model, new_cache(1024, block_size=16), 4, 4096)
+    s = core.scheduler
+    s.add("first", prefix, SamplingParams(max_tokens=2), None)
+    while s.has_work:
+        core.step()
+    shared = s.pools[0].match(block_hashes(prefix, 16)[:2])
+    assert len(shared) == 2
+    slots = torch.tensor([b * 16 + i for b in shared for i in range(16)])
+    cache = core.worker.cache
+    names = [name for name in ("c_kv_k_pe", "index_k") if name in cache.fields]
+
+    def snapshot():
+        return [cache.read_slots(layer, name, slots).clone() for layer in range(cache.layers) for name in names]
+
+    before = snapshot()
+    for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8])):
+        s.add(f"share{i}", prefix[:36] + tail, SamplingParams(max_tokens=NEW_TOKENS), None)
+    s.add("other", torch.randint(2, 500, (30,), generator=gen).tolist(), SamplingParams(max_tokens=NEW_TOKENS), None)
+    cached = {}
+    while s.has_work:
+        for request, out in core.step():
+            cached[request.request_id] = out.cached_tokens
+    assert cached == {"share0": 32, "share1": 32, "other": 0}
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    assert s.pools[0].num_free == s.pools[0].num_blocks
