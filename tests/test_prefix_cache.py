@@ -214,3 +214,28 @@ def test_shared_blocks_are_never_written_while_held(v32):
     assert cached == {"share0": 32, "share1": 32, "other": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
     assert s.pools[0].num_free == s.pools[0].num_blocks
+
+
+def test_a_pool_smaller_than_the_working_set_evicts_and_recomputes(v32):
+    """A pool of 8 blocks of 16 and five 40-token prompts (3 blocks each with their output): the later prompts
+    evict the earlier ones' published blocks, so the first prompt sent again finds less than it left, and every
+    prompt gives the tokens computed from scratch."""
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 500, (40,), generator=gen).tolist() for _ in range(5)]
+    prompts.append(prompts[0])
+    fresh, _, _ = run_engine(model, new_cache, prompts, 16, "auto", prefix_caching=False)
+    core = engine(model, new_cache(8 * 16, block_size=16), 4, 4096)
+    s, got, cached = core.scheduler, [], []
+    for i, prompt in enumerate(prompts):
+        s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
+        tokens = []
+        while s.has_work:
+            for _, out in core.step():
+                tokens += out.new_token_ids
+                cached_now = out.cached_tokens
+        got.append(tokens)
+        cached.append(cached_now)
+    assert got == fresh
+    assert cached[:5] == [0] * 5 and cached[5] < 32  # prompt 0's 2 full blocks: evicted, at least in part
+    assert s.pools[0].num_free == 8
