@@ -108,9 +108,9 @@ def v32(tiny_source, tmp_path_factory):
     return shards, model, new_cache
 
 
-def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching, budget=4096):
-    """Each prompt after the one before has finished, on one engine -> (tokens, cached prompt tokens) per prompt."""
-    core = engine(model, new_cache(1024, kv_cache_dtype, block_size=block_size), 4, budget, prefix_caching)
+def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching, budget=4096, cache_tokens=1024):
+    """Each prompt after the one before has finished, on one engine -> (tokens, cached prompt tokens, scheduler)."""
+    core = engine(model, new_cache(cache_tokens, kv_cache_dtype, block_size=block_size), 4, budget, prefix_caching)
     s, tokens, cached = core.scheduler, [], []
     for i, prompt in enumerate(prompts):
         s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
@@ -159,6 +159,8 @@ def test_chunked_prefill_publishes_only_computed_blocks_and_salts_isolate(v32):
         for request, out in core.step():
             outs.setdefault(request.request_id, [out.cached_tokens, []])[1].extend(out.new_token_ids)
     assert outs["b"][0] == 48 and outs["c"][0] == 0
+    # each request looked up once, however many steps it waited at the head of the queue
+    assert s.prefix_queries == 3 * len(prompt) + 3 and s.prefix_hits == 48
     alone, _, _ = run_engine(model, new_cache, [prompt, prompt + [7, 8, 9]], 16, "auto", prefix_caching=False)
     assert [outs["a"][1], outs["b"][1], outs["c"][1]] == [alone[0], alone[1], alone[0]]
 
@@ -225,17 +227,7 @@ def test_a_pool_smaller_than_the_working_set_evicts_and_recomputes(v32):
     prompts = [torch.randint(2, 500, (40,), generator=gen).tolist() for _ in range(5)]
     prompts.append(prompts[0])
     fresh, _, _ = run_engine(model, new_cache, prompts, 16, "auto", prefix_caching=False)
-    core = engine(model, new_cache(8 * 16, block_size=16), 4, 4096)
-    s, got, cached = core.scheduler, [], []
-    for i, prompt in enumerate(prompts):
-        s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
-        tokens = []
-        while s.has_work:
-            for _, out in core.step():
-                tokens += out.new_token_ids
-                cached_now = out.cached_tokens
-        got.append(tokens)
-        cached.append(cached_now)
+    got, cached, s = run_engine(model, new_cache, prompts, 16, "auto", prefix_caching=True, cache_tokens=8 * 16)
     assert got == fresh
     assert cached[:5] == [0] * 5 and cached[5] < 32  # prompt 0's 2 full blocks: evicted, at least in part
     assert s.pools[0].num_free == 8

@@ -270,7 +270,7 @@ class Scheduler:
                 and self.seqs(rank) + request.seqs <= self.max_num_seqs)
 
     def _reuse_prefix(self, pool: BlockPool, request: Request) -> None:
-        """A request about to be admitted with nothing computed (and no table yet) starts from its longest published
+        """A request about to be admitted with nothing computed and no table yet starts from its longest published
         prefix of full blocks, its last token always left to compute."""
         if not self.prefix_caching or request.num_computed or request.seq_id in pool.tables or request.scoring:
             return
@@ -279,9 +279,9 @@ class Scheduler:
         blocks = pool.match(request.hashes[:(len(tokens) - 1) // pool.block_size])
         self.prefix_queries += len(tokens)
         self.prefix_hits += len(blocks) * pool.block_size
-        if blocks:
-            pool.adopt(request.seq_id, blocks)
-            request.num_computed = len(blocks) * pool.block_size
+        # its table starts now, empty without a hit: a request that waits on is looked up (and counted) once
+        pool.adopt(request.seq_id, blocks)
+        request.num_computed = len(blocks) * pool.block_size
         if request.first_scheduled is None:
             request.cached_tokens = request.num_computed
 

@@ -55,8 +55,7 @@ class InputBuilder:
             cache.fork(fork)
         for seq_id in batch.releases:
             self.release(seq_id)
-        if batch.num_tokens == 0 and batch.cp is None and cache.dummy_block is not None:
-            # an idle rank on an accelerator: one throwaway token, its logits computed and dropped
+        if self._idle(batch):  # one throwaway token, its logits computed and dropped
             dummy = dummy_batch(cache.dummy_block, cache.block_size)
             return StepInputs(self._ids(dummy), self.meta(dummy), None, dummy=True)
         rows = batch.logit_rows()
@@ -67,9 +66,13 @@ class InputBuilder:
     def step_rows(self, batch: Batch) -> tuple[int, int]:
         """(tokens, logit rows) the rank running `batch` feeds the model this step, as `__call__` builds them: an
         idle rank's throwaway token is one of each."""
-        if batch.num_tokens == 0 and batch.cp is None and self.cache.dummy_block is not None:
+        if self._idle(batch):
             return 1, 1
         return batch.num_tokens, len(batch.logit_rows())
+
+    def _idle(self, batch: Batch) -> bool:
+        """An idle rank on an accelerator, which runs a throwaway token (on CPU it runs zero rows)."""
+        return batch.num_tokens == 0 and batch.cp is None and self.cache.dummy_block is not None
 
     def release(self, seq_id: int) -> None:
         self.cache.release(seq_id)
