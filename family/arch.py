@@ -173,8 +173,6 @@ class Family:
     kv_cache_int8_refusal: str | None = None
     # why a context-parallel prefill (--prefill-context-parallel-size) is refused; None: the family has one
     context_parallel_refusal: str | None = None
-    # why prefix caching takes no hit for this family (the run goes on without it); None: its caches reuse blocks
-    prefix_caching_refusal: str | None = None
     # family.dsml.Dialect of its tool calls; None: the family takes no tools
     tool_dialect: Any = None
 

@@ -290,8 +290,6 @@ def kv_cache_bytes_per_token(cfg: V4Config, itemsize: int, kv_cache_dtype: str =
     }
 
 
-PREFIX_CACHING_REFUSAL = ("a hit needs the sliding window's rows and the unfinished compression windows at the hit "
-                          "point, which live in each sequence's slot, not in shared blocks: not implemented yet")
 CONTEXT_PARALLEL_REFUSAL = ("its compressed entries pool windows of 4 and 128 tokens and its sliding window reaches "
                             "back across any cut of the prompt, so each rank would need its neighbours' partial "
                             "windows and compressor state, which dsrun does not exchange; prefill V4 without it")
@@ -373,7 +371,6 @@ FAMILY = register(
         tiny_config=tiny_config,
         encode_chat=encode_v4,
         context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-        prefix_caching_refusal=PREFIX_CACHING_REFUSAL,
         tool_dialect=dsml.V4,
     )
 )

@@ -52,8 +52,12 @@ def test_v4_cache_bytes_against_the_plan(tiny_source, tmp_path, block_size):
     """V4's cache tensors are all its storage: blocks of compressed entries and indexer keys, and sequence slots
     (windows, compressor state). A block's bytes equal the plan's per-token figures over the block's tokens, but
     for a group whose ratio is past the block size, which keeps one whole entry per block (its entries live in
-    the block of their window's last token); a slot's bytes equal the plan's per-sequence figures."""
+    the block of their window's last token); a slot's bytes equal the plan's per-sequence figures. With prefix
+    caching, the state blocks: per layer a block's window keys, and per compressor whose window spans blocks
+    (HCA's 128 past the block size) every position's projected row and float32 gate, per overlapping one (CSA and
+    its indexer, ratio 4) its last window's first series."""
     _, cfg, new_cache, family = _model(tiny_source, tmp_path, "deepseek_v4")
+    assert new_cache(4 * block_size, block_size=block_size, max_seqs=3, prefix_caching=False).state_blocks == 0
     cache = new_cache(4 * block_size, block_size=block_size, max_seqs=3)
     itemsize = cache.dtype.itemsize
     per_block = 0
@@ -69,7 +73,17 @@ def test_v4_cache_bytes_against_the_plan(tiny_source, tmp_path, block_size):
         assert per_block > planned * block_size
     assert cache.bytes_per_block == per_block
     assert cache.bytes_per_seq == sum(family.kv_cache_bytes_per_sequence(cfg, itemsize).values())
-    assert sum(t.nbytes for t in cache.tensors()) == 4 * per_block + 3 * cache.bytes_per_seq
+    per_state = 0
+    for ratio, attn_type in zip(cfg.compress_ratios, cfg.attn_types):
+        per_state += block_size * cfg.head_dim * itemsize  # the window keys
+        row = itemsize + 4  # a projected value and its float32 gate
+        if attn_type is AttnType.HCA and ratio > block_size:
+            per_state += block_size * cfg.head_dim * row
+        if attn_type is AttnType.CSA:
+            per_state += ratio * (cfg.head_dim + cfg.index_head_dim) * row
+    assert cache.state_blocks and cache.bytes_per_state_block == per_state
+    assert sum(t.nbytes for t in cache.tensors()) == (4 * per_block + 3 * cache.bytes_per_seq
+                                                      + cache.state_blocks * per_state)
 
 
 def test_int8_cache_holds_more_tokens_in_the_same_bytes(tiny_source, tmp_path):

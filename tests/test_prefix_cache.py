@@ -1,13 +1,15 @@
 """Prefix caching at block granularity (runner/engine/block_pool.py, the scheduler's `_reuse_prefix`): a request
 whose first full blocks another request has computed starts from them, and its tokens are the tokens computed from
 scratch. V3.2 in float32 with the tiny indexer's index_topk of 8, so every context here is past it and the indexer
-selects from cached keys too."""
+selects from cached keys too. DeepSeek-V4 (tiny: sliding window 16, CSA ratio 4, HCA ratio 128) also restores its
+slot from state blocks (block_pool.StatePool, v4_cache.V4Cache.restore): hits inside the sliding window, in the
+middle of an HCA window that the request then completes, and (block size 2) in the middle of a CSA window."""
 
 import pytest
 import torch
 
 from dsconv.family.layout import Layout
-from dsconv.runner.engine.block_pool import BlockPool, block_hashes
+from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
@@ -18,6 +20,7 @@ from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.scheduler import Scheduler
+from dsconv.runner.models.v4_cache import V4Cache, entry_slots
 
 NEW_TOKENS = 6
 
@@ -84,6 +87,25 @@ def test_cache_aware_placement_weighs_the_hit_against_the_load():
         assert placed.dp_rank == want, (balancing, caching, salt, extra)
 
 
+def test_state_blocks_are_held_published_found_and_evicted():
+    states = StatePool(4, 16)
+    hashes = block_hashes(list(range(64)), 16)
+    assert states.hold(1, 0, 20) == ((0, 0), (1, 1))  # blocks 0 and 1, each written from its first position
+    assert states.hold(1, 20, 21) == ((1, 1),)  # the same block while it fills
+    assert states.hold(2, 5, 40) == ((1, 2), (2, 3))  # block 0 joined at position 5: no state block for it
+    assert states.hold(3, 0, 16) == ()  # nothing left
+    states.publish(1, hashes[:1])  # block 0 full and computed: published, let go
+    assert states.num_free == 1 and states.find(hashes[:1], 0) == [(0, 0)] and states.find(hashes[:2], 0) is None
+    states.read(9, [0])  # a restore reads it: not given out meanwhile
+    assert states.num_free == 0
+    states.done_reading(9)
+    states.release(1)  # block 1 unpublished: free again
+    states.release(2)
+    assert states.num_free == 4 and states.find(hashes[:1], 0) == [(0, 0)]
+    assert states.hold(4, 0, 64) == ((0, 3), (1, 2), (2, 1), (3, 0))  # the free ones first, the published one last
+    assert states.find(hashes[:1], 0) is None
+
+
 # -- the engine at world 1 -----------------------------------------------------------------------------------------
 
 def sharing(base: list[int], block_size: int, gen) -> list[tuple[list[int], int]]:
@@ -108,9 +130,12 @@ def v32(tiny_source, tmp_path_factory):
     return shards, model, new_cache
 
 
-def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching, budget=4096, cache_tokens=1024):
+def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching, budget=4096, cache_tokens=1024,
+               max_num_seqs=4):
     """Each prompt after the one before has finished, on one engine -> (tokens, cached prompt tokens, scheduler)."""
-    core = engine(model, new_cache(cache_tokens, kv_cache_dtype, block_size=block_size), 4, budget, prefix_caching)
+    cache = new_cache(cache_tokens, kv_cache_dtype, block_size=block_size, max_seqs=max_num_seqs,
+                      prefix_caching=prefix_caching)
+    core = engine(model, cache, max_num_seqs, budget, prefix_caching)
     s, tokens, cached = core.scheduler, [], []
     for i, prompt in enumerate(prompts):
         s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
@@ -231,3 +256,138 @@ def test_a_pool_smaller_than_the_working_set_evicts_and_recomputes(v32):
     assert got == fresh
     assert cached[:5] == [0] * 5 and cached[5] < 32  # prompt 0's 2 full blocks: evicted, at least in part
     assert s.pools[0].num_free == 8
+
+
+# -- DeepSeek-V4 ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v4(tiny_source, tmp_path_factory):
+    shards = tmp_path_factory.mktemp("prefix-v4") / "w1"
+    shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(1, 1, 1, 1))
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    return shards, model, new_cache
+
+
+def v4_sharing(base: list[int], block_size: int, gen) -> list[tuple[list[int], int]]:
+    """Prompts sharing a prefix of a 300-token `base` with the first one, and the prompt tokens each should find
+    cached. The tiny V4's HCA windows end at 128 and 256: the hits at 192 and at 256 - block_size fall inside the
+    window 128 .. 255, which those requests then complete from the restored rows; every hit is past the first
+    sliding window, whose keys before the hit come from the state blocks."""
+    def tail(n):
+        return torch.randint(2, 500, (n,), generator=gen).tolist()
+
+    bs, first = block_size, base[:270] + tail(7)
+    return [(first, 0),  # nothing cached yet
+            (base[:bs + 3] + tail(9), bs),  # one block shared, the next one differs
+            (base[:2 * bs + 1] + tail(2 * bs), 2 * bs),  # two blocks
+            (base[:200] + tail(80), 192),  # many, ending mid-HCA-window: this one completes that window at 256
+            (base[:256], 256 - bs),  # whole blocks, all cached: the last block is computed again, to 256
+            (first, (len(first) - 1) // bs * bs)]  # the first again: every block its output filled too
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_v4_hits_give_the_tokens_computed_from_scratch(v4, block_size, kv_cache_dtype):
+    _, model, new_cache = v4
+    gen = torch.Generator().manual_seed(block_size)
+    cases = v4_sharing(torch.randint(2, 500, (300,), generator=gen).tolist(), block_size, gen)
+    prompts = [p for p, _ in cases]
+    fresh, none_cached, _ = run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching=False)
+    got, cached, s = run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_caching=True)
+    assert all(len(t) == NEW_TOKENS for t in fresh) and not any(none_cached)
+    assert got == fresh
+    assert cached == [want for _, want in cases]
+    states = s.states[0]
+    assert not states.held and not states.reading and states.num_free == states.num_blocks
+
+
+def test_v4_hits_mid_csa_window(v4):
+    """Blocks of 2 tokens: a boundary at 2 mod 4 leaves the CSA compressor's and the indexer's window half full, and
+    their previous window's first series, to restore from state blocks that span blocks."""
+    _, model, new_cache = v4
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randint(2, 500, (40,), generator=gen).tolist()
+    prompts = [base + [3, 4], base[:34] + [5, 6, 7], base[:30] + [8]]
+    fresh, _, _ = run_engine(model, new_cache, prompts, 2, "auto", prefix_caching=False)
+    got, cached, _ = run_engine(model, new_cache, prompts, 2, "auto", prefix_caching=True)
+    assert got == fresh and cached == [0, 34, 30]
+    assert [c % 4 for c in cached[1:]] == [2, 2]
+
+
+def test_v4_hit_is_cut_back_to_the_boundary_whose_state_is_kept(v4):
+    """A cache of 3 state blocks of 64 tokens: a 300-token prompt's one prefill step writes the state of its blocks
+    0 to 2 and finds none left for blocks 3 and 4. Sent again, its 4 published blocks would give a hit at 256,
+    whose restore needs the state from position 129 (blocks 2 and 3): the hit is cut back to 192 (blocks 1 and 2),
+    and gives the same tokens."""
+    _, model, _ = v4
+    prompt = torch.randint(2, 500, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    runs = {}
+    for caching in (False, True):
+        cache = V4Cache(model.cfg, 1024, torch.float32, block_size=64, max_seqs=1, state_blocks=3 * caching)
+        core = engine(model, cache, 1, 4096, caching)
+        runs[caching] = []
+        for i in range(2):
+            core.scheduler.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
+            outs = [out for _ in iter(lambda: core.scheduler.has_work, False) for _, out in core.step()]
+            runs[caching].append(([t for out in outs for t in out.new_token_ids], outs[-1].cached_tokens))
+    assert runs[False] == [(runs[False][0][0], 0)] * 2
+    assert runs[True] == [(runs[False][0][0], 0), (runs[False][0][0], 192)]
+    assert len(core.scheduler.pools[0].match(block_hashes(prompt, 64))) == 4
+
+
+@pytest.mark.slow
+def test_v4_world_16_hits_on_the_rank_that_holds_the_prefix(v4, tiny_source, tmp_path):
+    """DeepSeek-V4 at DP16 / EP16 / lm_head TP16, INT8 cache: the V4 prompts one after another on attention-DP rank
+    5, each restoring its slot from that rank's state blocks: the tokens computed from scratch at world 1, and the
+    cached tokens found there."""
+    _, model, new_cache = v4
+    gen = torch.Generator().manual_seed(16)
+    cases = v4_sharing(torch.randint(2, 500, (300,), generator=gen).tolist(), 16, gen)
+    prompts = [p for p, _ in cases]
+    fresh, _, _ = run_engine(model, new_cache, prompts, 16, "int8", prefix_caching=False)
+    shards = tmp_path / "w16"
+    shard(tiny_source("deepseek_v4", "fp8"), shards, Layout(16, 16, 16, 1))
+    run = run_config(shards, "float32", 1024, kv_cache_dtype="int8", max_num_seqs=4)
+    got = launch_ranks(one_after_another, {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "dp_rank": 5}, run,
+                       tmp_path / "results")
+    assert got["generated"] == fresh
+    assert got["cached"] == [want for _, want in cases]
+
+
+def test_v4_shared_blocks_and_state_are_never_written_while_held(v4):
+    """Two V4 requests share a published prefix of 8 blocks (past an HCA entry, 128) and run side by side, prefill
+    and decode, next to a third that shares nothing: the shared blocks' compressed entries and indexer keys and the
+    published state blocks they restored from, every layer, are the same bytes after as before."""
+    _, model, new_cache = v4
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(2, 500, (140,), generator=gen).tolist()
+    core = engine(model, new_cache(2048, block_size=16), 4, 4096)
+    s = core.scheduler
+    s.add("first", prefix, SamplingParams(max_tokens=2), None)
+    while s.has_work:
+        core.step()
+    hashes = block_hashes(prefix, 16)[:8]
+    shared, published = s.pools[0].match(hashes), [block for _, block in s.states[0].find(hashes, 0)]
+    assert len(shared) == len(published) == 8
+    cache = core.worker.cache
+
+    def rows(tensor, blocks, per):  # a paged tensor's rows of these blocks, `per` rows per block
+        return tensor[torch.tensor([b * per + i for b in blocks for i in range(per)])].clone()
+
+    def snapshot():
+        entries = [rows(t, shared, entry_slots(c.ratio, 16))
+                   for layer in cache.layers for c in layer.compressors() for t in c.entries.tensors()]
+        return entries + [rows(t, published, t.shape[0] // cache.state_blocks)
+                          for layer in cache.layers for t in layer.state.tensors()]
+
+    before = snapshot()
+    for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8])):
+        s.add(f"share{i}", prefix[:136] + tail, SamplingParams(max_tokens=NEW_TOKENS), None)
+    s.add("other", torch.randint(2, 500, (30,), generator=gen).tolist(), SamplingParams(max_tokens=NEW_TOKENS), None)
+    cached = {}
+    while s.has_work:
+        for request, out in core.step():
+            cached[request.request_id] = out.cached_tokens
+    assert cached == {"share0": 128, "share1": 128, "other": 0}
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
+    assert s.pools[0].num_free == s.pools[0].num_blocks

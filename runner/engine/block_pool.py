@@ -137,3 +137,93 @@ class BlockPool:
     @property
     def used_fraction(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
+
+
+class StatePool:
+    """DeepSeek-V4's state blocks (runner/models/v4_cache.py): per block of a sequence's tokens, the rows a
+    sequence slot holds of them (window keys, compressor rows), which a prefix hit copies into a new sequence's slot.
+    A running sequence holds the state blocks its steps write (`hold`), only for blocks it writes from their first
+    position; once a block is full and computed its state block is published under the block's hash and let go
+    (`publish`), to stay until evicted, least recently used first. A hit at a block boundary needs the published
+    state blocks of the positions it restores (`find`), held from the lookup until the step that restores them
+    has run (`read` .. `done_reading`)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.holders = [0] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.held: dict[int, dict[int, int]] = {}  # seq_id -> block index -> the state block it writes
+        self.reading: dict[int, list[int]] = {}  # seq_id -> the published state blocks its restore copies
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of[block]]
+            self.hash_of[block] = None
+        self.holders[block] = 1
+        return block
+
+    def _let_go(self, block: int) -> None:
+        self.holders[block] -= 1
+        if not self.holders[block]:
+            if self.hash_of[block] is None:
+                self.free.append(block)
+            else:
+                self.evictable[block] = None  # the most recently used last
+
+    def hold(self, seq_id: int, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """The state blocks seq_id writes feeding positions start .. stop - 1: those it holds, and new ones for
+        the blocks it writes from their first position while any is left -> (block index, state block) pairs."""
+        held = self.held.setdefault(seq_id, {})
+        for index in range(start // self.block_size, -(-stop // self.block_size)):
+            if index not in held and index * self.block_size >= start and self.num_free:
+                held[index] = self._take()
+        return tuple((index, block) for index, block in sorted(held.items())
+                     if start // self.block_size <= index < -(-stop // self.block_size))
+
+    def publish(self, seq_id: int, hashes: list[bytes]) -> None:
+        """seq_id's blocks 0 .. len(hashes) - 1 are full and computed: the state blocks it holds for them are
+        published under their hashes (unless one stands for a hash already) and let go."""
+        held = self.held.get(seq_id, {})
+        for index in [i for i in held if i < len(hashes)]:
+            block = held.pop(index)
+            if hashes[index] not in self.cached:
+                self.cached[hashes[index]], self.hash_of[block] = block, hashes[index]
+            self._let_go(block)
+
+    def find(self, hashes: list[bytes], first: int) -> list[tuple[int, int]] | None:
+        """The published state blocks of blocks first .. len(hashes) - 1 (hashes: a prefix's blocks), as (block
+        index, state block) pairs; None when one is missing."""
+        pairs = []
+        for index in range(first, len(hashes)):
+            block = self.cached.get(hashes[index])
+            if block is None:
+                return None
+            pairs.append((index, block))
+        return pairs
+
+    def read(self, seq_id: int, blocks: list[int]) -> None:
+        """seq_id's restore copies these published blocks: none is given out until `done_reading`."""
+        for block in blocks:
+            self.holders[block] += 1
+            self.evictable.pop(block, None)
+        self.reading[seq_id] = list(blocks)
+
+    def done_reading(self, seq_id: int) -> None:
+        for block in self.reading.pop(seq_id, []):
+            self._let_go(block)
+
+    def release(self, seq_id: int) -> None:
+        """A finished or preempted sequence: its unpublished state blocks are free again."""
+        for block in self.held.pop(seq_id, {}).values():
+            self._let_go(block)
+        self.done_reading(seq_id)

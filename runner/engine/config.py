@@ -39,7 +39,7 @@ class SchedulerConfig:
     balancing: str = "cache-aware"  # least-loaded, counting the prefix cache's hits (scheduler.py)
     cp_size: int = 1
     cp_min_tokens: int | None = None
-    enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py); V3 / V3.2 caches only
+    enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class RunConfig:
         device = "cpu" if self.device == "cpu" else "meta"
         return model_for(self.family.name).cache_bytes(self.family.parse_config(self.model_config),
                                                        DTYPES[self.dtype], device, self.cache.dtype,
-                                                       self.cache.block_size)
+                                                       self.cache.block_size, self.scheduler.enable_prefix_caching)
 
     @property
     def _idle(self) -> int:
@@ -178,17 +178,24 @@ class RunConfig:
                 f"{blocks * per_block / 2**20:.1f} MiB")
         if per_seq:
             window = self.model_config.get("sliding_window")
+            state = ""
+            if self.scheduler.enable_prefix_caching:  # the slots' bytes include their share of the state blocks
+                state = f", with {self.state_blocks_per_slot} state blocks each for prefix hits"
             line += (f" of compressed entries and indexer keys (every group holds each block's {size} tokens), and "
                      f"{_slots(self.seq_slots)} (a {window}-token sliding window and the unfinished "
-                     f"compression windows each), {self.seq_slots * per_seq / 2**20:.1f} MiB")
+                     f"compression windows each{state}), {self.seq_slots * per_seq / 2**20:.1f} MiB")
         return line + f" ({self.cache.dtype}); {self.prefix_caching_summary}"
+
+    @property
+    def state_blocks_per_slot(self) -> int:
+        """DeepSeek-V4 with prefix caching: the state blocks (runner/models/v4_cache.py) each sequence slot brings."""
+        return model_for(self.family.name).state_blocks(self.family.parse_config(self.model_config),
+                                                        self.cache.block_size)
 
     @property
     def prefix_caching_summary(self) -> str:
         if not self.scheduler.enable_prefix_caching:
             return "prefix caching off (--no-enable-prefix-caching)"
-        if self.family.prefix_caching_refusal is not None:
-            return f"prefix caching off for {self.family.name}: {self.family.prefix_caching_refusal}"
         return f"prefix caching on, at {self.cache.block_size}-token blocks"
 
     @property

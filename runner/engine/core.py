@@ -133,7 +133,8 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
     `run.cache` asks, and the engine around them."""
     dist, model, new_cache = start_rank(run)
     # every rank: the same blocks, and a sequence slot for each sequence its DP rank may run
-    cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size, run.scheduler.max_num_seqs)
+    cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size, run.scheduler.max_num_seqs,
+                      run.scheduler.enable_prefix_caching)
     max_model_len = resolve_max_model_len(run.max_model_len, run.max_position_embeddings,
                                           cache.num_blocks * cache.block_size)
     return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,
@@ -154,7 +155,8 @@ def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int,
     plan = Scheduler(dist.world_size // dist.attn_tp, cache.num_blocks, cache.block_size, s.max_num_seqs,
                      s.max_num_batched_tokens, eos_token_id, s.balancing,
                      cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens,
-                     prefix_caching=s.enable_prefix_caching and cache.prefix_caching)
+                     prefix_caching=s.enable_prefix_caching and cache.prefix_caching,
+                     state_blocks=cache.state_blocks, state_start=cache.state_start)
     return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
                       metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
 

@@ -20,7 +20,10 @@ are shared), so the prompt is prefilled once. Admission keeps room in max_num_se
 Prefix caching (`prefix_caching`): a request admitted with nothing computed starts from the longest run of its
 first full blocks that its DP rank's pool has published (block_pool.py), leaving at least its last token to compute
 so that its logits exist; after each step every running sequence's full, computed blocks are published. A request
-that scores its prompt (prompt_logprobs) needs every row and takes no cached block.
+that scores its prompt (prompt_logprobs) needs every row and takes no cached block. DeepSeek-V4's caches also need
+the state a sequence slot holds at the hit's boundary: each step writes its tokens' state into state blocks
+(block_pool.StatePool, one per DP rank, published with the blocks), and a hit is cut back to the longest boundary
+whose state blocks are still cached, which the ranks restore into the new sequence's slot (batch.Restore).
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.block_pool import BlockPool, block_hashes
+from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
-from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, SampleSpec
+from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, Restore, SampleSpec
 
 BALANCING = ("cache-aware", "least-loaded", "round-robin")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
@@ -65,6 +68,7 @@ class Request:
     hashes: list[bytes] = field(default_factory=list)  # its tokens' full blocks' hashes, computed so far
     published: int = 0  # of its blocks, those published in its pool
     cached_tokens: int = 0  # tokens taken from the prefix cache when it was first scheduled
+    restore: Restore | None = None  # DeepSeek-V4: the state its first step restores at its prefix hit
 
     @property
     def key(self) -> tuple[str, int]:
@@ -99,9 +103,12 @@ class Step:
 class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
-                 cp_min_tokens: int | None = None, prefix_caching: bool = False):
+                 cp_min_tokens: int | None = None, prefix_caching: bool = False, state_blocks: int = 0,
+                 state_start: Callable[[int], int] | None = None):
         """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
-        group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks."""
+        group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks;
+        state_blocks: the state blocks per DP rank of a cache that needs them for a hit (DeepSeek-V4), and
+        state_start(boundary) the first position whose state a hit at that boundary restores."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -125,6 +132,9 @@ class Scheduler:
         self.preemptions = 0  # in all, over every rank
         self.prefix_caching = prefix_caching
         self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found, in all
+        self.states = [StatePool(state_blocks, block_size) for _ in range(dp)] if state_blocks else None
+        self.state_start = state_start
+        self._restored: list[tuple[int, int]] = []  # (DP rank, seq_id) restored in the step being run
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -277,6 +287,8 @@ class Scheduler:
         tokens = request.tokens
         request.hashes = block_hashes(tokens, pool.block_size, request.params.cache_salt, request.hashes)
         blocks = pool.match(request.hashes[:(len(tokens) - 1) // pool.block_size])
+        if self.states is not None:
+            blocks = self._with_state(request, blocks)
         self.prefix_queries += len(tokens)
         self.prefix_hits += len(blocks) * pool.block_size
         # its table starts now, empty without a hit: a request that waits on is looked up (and counted) once
@@ -284,6 +296,18 @@ class Scheduler:
         request.num_computed = len(blocks) * pool.block_size
         if request.first_scheduled is None:
             request.cached_tokens = request.num_computed
+
+    def _with_state(self, request: Request, blocks: list[int]) -> list[int]:
+        """A hit on a cache that needs the state at its boundary: cut back to the longest boundary whose state
+        blocks are published, which the request holds until its first step restores them."""
+        states, block_size = self.states[request.dp_rank], self.pools[request.dp_rank].block_size
+        for count in range(len(blocks), 0, -1):
+            pairs = states.find(request.hashes[:count], self.state_start(count * block_size) // block_size)
+            if pairs is not None:
+                states.read(request.seq_id, [block for _, block in pairs])
+                request.restore = Restore(request.seq_id, count * block_size, tuple(pairs))
+                return blocks[:count]
+        return []
 
     def _publish(self) -> None:
         """After a step: every running sequence's full blocks that the step completed, published in its pool."""
@@ -295,6 +319,8 @@ class Scheduler:
                     request.hashes = block_hashes(request.tokens[:full * pool.block_size], pool.block_size,
                                                   request.params.cache_salt, request.hashes[:full])
                     pool.publish(request.seq_id, request.hashes[:full])
+                    if self.states is not None:
+                        self.states[rank].publish(request.seq_id, request.hashes[:full])
                     request.published = full
 
     def _sample_spec(self, request: Request) -> SampleSpec | None:
@@ -316,13 +342,22 @@ class Scheduler:
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
             targets = request.prompt[start + 1:min(stop, len(request.prompt) - 1) + 1]
             scores = PromptScores(targets, params.prompt_logprobs) if targets else None
-        batch.add(request.seq_id, request.tokens[start:stop], stop, table, pool.block_size, sample, scores)
+        state = ()
+        if self.states is not None:
+            state = self.states[request.dp_rank].hold(request.seq_id, start, stop)
+            if request.restore is not None:
+                batch.restores.append(request.restore)
+                self._restored.append((request.dp_rank, request.seq_id))
+                request.restore = None
+        batch.add(request.seq_id, request.tokens[start:stop], stop, table, pool.block_size, sample, scores, state)
         request.num_computed = stop
         return n
 
     def _preempt(self, request: Request, rank: int, batch: Batch) -> None:
         self.preemptions += 1
         self.pools[rank].release(request.seq_id)
+        if self.states is not None:
+            self.states[rank].release(request.seq_id)
         batch.releases.append(request.seq_id)
         request.num_computed = request.published = 0
         if request.scoring:
@@ -337,6 +372,9 @@ class Scheduler:
         tokens put in position order."""
         if self.prefix_caching:  # first: a sequence that finishes in this step still publishes what it computed
             self._publish()
+        for rank, seq_id in self._restored:  # their state is in their slots now
+            self.states[rank].done_reading(seq_id)
+        self._restored = []
         outputs, now = [], time.perf_counter()
         parts: dict[int, list[tuple[CPShare, SeqResult]]] = {}  # context-parallel: seq_id -> the members' results
         for batch, rank_results in zip(step.batches, results, strict=True):
@@ -437,6 +475,8 @@ class Scheduler:
             self.running[rank].remove(request)
         elif request in self.waiting[rank]:
             self.waiting[rank].remove(request)
+        if self.states is not None:
+            self.states[rank].release(request.seq_id)
         if request.seq_id in self.pools[rank].tables:
             self.pools[rank].release(request.seq_id)
             self.releases[rank].append(request.seq_id)

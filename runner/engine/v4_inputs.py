@@ -6,7 +6,9 @@ the contract the V4-Flash design asks of a serving layer, as tensors.
 - write slots: the entries that decode rows complete (their rows, slots and numbers), and each row's sequence slot
   (window and unfinished-window rows at position mod window / ratio);
 - sliding-window indices: each decode row's window rows, with the positions before 0 marked invalid;
-- query_start_loc and context lengths: each sequence's SeqStep.
+- query_start_loc and context lengths: each sequence's SeqStep;
+- with prefix caching, the state rows each row's window key and compressor rows are also written to
+  (V4StateWrites, from the batch's state blocks).
 The compressed top-k indices (and their invalid marker) are the indexer's choice inside the step
 (deepseek_v4.Indexer.select_decode), over these entry slots.
 
@@ -20,7 +22,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dsconv.runner.models.batch import Batch
-from dsconv.runner.models.step import SeqStep, V4Decode, V4Entries, V4Prefill, V4Step, gather_groups, lengths_mask
+from dsconv.runner.models.step import (SeqStep, V4Decode, V4Entries, V4Prefill, V4StateWrites, V4Step, gather_groups,
+                                       lengths_mask)
 from dsconv.runner.models.v4_cache import V4Cache, entry_slot
 
 
@@ -44,7 +47,38 @@ class V4Inputs:
                 prefills.append(V4Prefill(seq, self.cache.slots[seq.seq_id], entries))
         smallest = self.ratios[0] if self.ratios else None  # the group with the most entries bounds the gather
         groups = gather_groups([0 if smallest is None else seq.context_len // smallest for seq, _ in decodes])
-        return V4Step(tuple(prefills), tuple(self._decode([decodes[i] for i in group]) for group in groups))
+        return V4Step(tuple(prefills), tuple(self._decode([decodes[i] for i in group]) for group in groups),
+                      self._state_writes(batch, seqs))
+
+    def _state_writes(self, batch: Batch, seqs: list[SeqStep]) -> V4StateWrites | None:
+        """Where the step's rows' state goes: each position of a block with a state block, in every group that
+        keeps that position of its block (the last `kept` of block_size)."""
+        cache, block_size = self.cache, self.cache.block_size
+        kept_counts = cache.state_kept()
+        found: dict[int, tuple[list[int], list[int]]] = {kept: ([], []) for kept in kept_counts}
+        for seq, pairs in zip(seqs, batch.state_blocks, strict=True):
+            if not pairs:
+                continue
+            state = dict(pairs)
+            if not all(0 <= block < cache.state_blocks for block in state.values()):
+                raise ValueError(f"invalid step batch: sequence {seq.seq_id} writes a state block outside "
+                                 f"0..{cache.state_blocks - 1}")
+            first = seq.context_len - seq.query_len
+            for position in range(first, seq.context_len):
+                block = state.get(position // block_size)
+                if block is None:
+                    continue
+                for kept in kept_counts:
+                    offset = position % block_size - (block_size - kept)
+                    if offset >= 0:
+                        found[kept][0].append(seq.start + position - first)
+                        found[kept][1].append(block * kept + offset)
+        if not any(rows for rows, _ in found.values()):
+            return None
+        device = self.device
+        return V4StateWrites({kept: (torch.tensor(rows, dtype=torch.long, device=device),
+                                     torch.tensor(slots, dtype=torch.long, device=device))
+                              for kept, (rows, slots) in found.items() if rows})
 
     def _entries(self, seq: SeqStep, table: list[int], ratio: int) -> torch.Tensor | None:
         """The slots of the sequence's entries 0 .. context // ratio - 1 of a ratio's groups: what it had, extended

@@ -47,14 +47,16 @@ class InputBuilder:
 
     def __call__(self, batch: Batch) -> StepInputs:
         """The batch checked as received (before anything is written), the samples forked since the last step
-        copied from their parents, the sequences finished, aborted or preempted since then released, then the
-        step's metadata and token ids."""
+        copied from their parents, the sequences finished, aborted or preempted since then released, those starting
+        from published state restored, then the step's metadata and token ids."""
         cache = self.cache
         batch.validate(cache.block_size, cache.num_blocks)
         for fork in batch.forks:
             cache.fork(fork)
         for seq_id in batch.releases:
             self.release(seq_id)
+        for restore in batch.restores:
+            cache.restore(restore)
         if self._idle(batch):  # one throwaway token, its logits computed and dropped
             dummy = dummy_batch(cache.dummy_block, cache.block_size)
             return StepInputs(self._ids(dummy), self.meta(dummy), None, dummy=True)

@@ -10,7 +10,11 @@ the tables, not the slot mapping: its entries are one per `ratio` tokens, runner
 A sample forked from another (n > 1) starts from a copy of that sequence's cache: `forks` names the pairs and the
 blocks whose contents to copy (the full blocks of their common prompt are shared, in both block tables; nobody
 writes them again). The ranks apply the forks before the releases, so a parent that finished in the step that
-forked it can still be copied from."""
+forked it can still be copied from.
+
+Prefix caching on DeepSeek-V4 (runner/models/v4_cache.py): `state_blocks` names, per sequence, the state blocks its
+step writes its tokens' rows into (block index in its sequence -> state block), and `restores` the sequences that
+start from published blocks with their slot filled from published state blocks, applied after the releases."""
 
 from __future__ import annotations
 
@@ -46,6 +50,15 @@ class Fork:
     parent: int
     child: int
     copies: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Sequence `seq_id` starts at block boundary `length` from published blocks (its block table's first
+    length / block_size): its slot is filled from these state blocks, (block index, state block) pairs."""
+    seq_id: int
+    length: int
+    blocks: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -101,14 +114,19 @@ class Batch:
     releases: list[int] = field(default_factory=list)  # sequences whose cache is freed before this step
     forks: list[Fork] = field(default_factory=list)  # sequences started from a copy of another's, before releases
     cp: CPShare | None = None  # this step is this rank's part of a context-parallel prefill (and nothing else)
+    # [S]: (block index, state block) pairs whose state this step writes; empty without them (v4_cache.py)
+    state_blocks: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)  # sequences started from published state, after releases
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
     def add(self, seq_id: int, tokens: list[int], context_len: int, block_table: list[int], block_size: int,
-            sample: SampleSpec | None, scores: PromptScores | None) -> None:
+            sample: SampleSpec | None, scores: PromptScores | None,
+            state_blocks: tuple[tuple[int, int], ...] = ()) -> None:
         self.seq_ids.append(seq_id)
+        self.state_blocks.append(state_blocks)
         self.input_ids.extend(tokens)
         self.query_start_loc.append(self.query_start_loc[-1] + len(tokens))
         self.context_lens.append(context_len)
@@ -151,7 +169,7 @@ class Batch:
             return
         n = len(self.seq_ids)
         lengths = {"context_lens": self.context_lens, "block_tables": self.block_tables, "samples": self.samples,
-                   "scores": self.scores}
+                   "scores": self.scores, "state_blocks": self.state_blocks}
         for name, values in lengths.items():
             _check(len(values) == n, f"{name} has {len(values)} entries for {n} sequences")
         _check(len(set(self.seq_ids)) == n, f"a sequence appears twice: {self.seq_ids}")
@@ -180,11 +198,20 @@ class Batch:
                    f"sequence {seq_id} writes a block another sequence holds")
             _check(self.slot_mapping[start:stop] == slots(table, block_size, context - query, context),
                    f"sequence {seq_id}: slot_mapping disagrees with its block table")
+            first, last = (context - query) // block_size, (context - 1) // block_size
+            _check(all(first <= index <= last for index, _ in self.state_blocks[i]),
+                   f"sequence {seq_id} writes the state of a block outside its step's {first}..{last}")
             scored = self.scores[i]
             if scored is not None:
                 room = query - (1 if self.samples[i] is not None else 0)
                 _check(len(scored.targets) <= room, f"sequence {seq_id}: {len(scored.targets)} scored rows of {query}")
 
+
+        starts = {seq_id: context - (stop - start) for seq_id, (start, stop, context)
+                  in zip(self.seq_ids, (self.span(i) for i in range(n)))}
+        for restore in self.restores:
+            _check(starts.get(restore.seq_id) == restore.length,
+                   f"sequence {restore.seq_id} restored at {restore.length} does not continue there in this step")
 
     def _validate_cp(self, block_size: int, num_blocks: int) -> None:
         cp = self.cp

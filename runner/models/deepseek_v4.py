@@ -33,7 +33,7 @@ from dsconv.kernels.cache_int8 import hadamard, int8_scores, quantize_tokens
 from dsconv.kernels.norm import WEIGHT_IN_FLOAT32
 from dsconv.kernels.rope import rope_tail
 from dsconv.kernels.topk import topk_lowest_index
-from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4Step, query_chunks
+from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4StateWrites, V4Step, query_chunks
 from dsconv.runner.models.v4_cache import CompressorPool, LayerPool, V4Cache
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
@@ -266,6 +266,8 @@ class Attention:
         # the compressors' and the indexer's projections of every row, each sequence's rows pooled in its slot
         compress = () if self.compressor is None else self.compressor.project(x, positions)
         index = () if self.indexer is None else self.indexer.project(x, q_resid, cos, sin, positions)
+        if step.state is not None:
+            self.keep_state(step.state, pool, kv, [p for p in (compress, index[2:]) if p])
         out = q.new_empty(T, heads, head_dim)
         for prefill in step.prefills:
             # [S, heads, head_dim]: every head attends over the one key = value row per position, its sink too
@@ -284,6 +286,21 @@ class Attention:
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.wo_a(out.reshape(T, cfg.o_groups, heads * head_dim // cfg.o_groups))  # [T, groups, o_lora_rank]
         return self.wo_b(grouped.flatten(1))
+
+    @staticmethod
+    def keep_state(writes: V4StateWrites, pool: LayerPool, kv: torch.Tensor, projected: list[tuple]) -> None:
+        """Prefix caching: the step's window keys and compressor rows (projected, one (kv, gate) per compressor of
+        the layer) also written to the state blocks, as the slot keeps them (v4_cache.py)."""
+        state = pool.state
+        if state.block_size in writes.by_kept:
+            rows, slots = writes.by_kept[state.block_size]
+            state.window.write(slots, kv[rows])
+        for kept, (new_kv, new_gate) in zip(state.compressors, projected, strict=True):
+            if kept is None or kept.kept not in writes.by_kept:
+                continue
+            rows, slots = writes.by_kept[kept.kept]
+            kept.kv.index_copy_(0, slots, new_kv[rows, :kept.width])
+            kept.gate.index_copy_(0, slots, new_gate[rows, :kept.width])
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, compress: list[torch.Tensor], index: list[torch.Tensor],
                group: V4Decode, pool: LayerPool) -> torch.Tensor:

@@ -46,14 +46,18 @@ class KVCache(Protocol):
     tensors go. Per step, before the forward: `fork` copies a parent's entries for a child, `release` forgets a
     finished sequence, `advance` is told each sequence's new positions. The model's forward writes and reads the
     entries (`write` / `read` here, v4_cache's pools for DeepSeek-V4).
-    LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it. `prefix_caching`: whether a block's
-    entries are all a later sequence needs of its tokens (then the scheduler may hand a new sequence published
-    blocks, engine/block_pool.py)."""
+    LatentCache (V3 / V3.2, below) and V4Cache (v4_cache.py) implement it. `prefix_caching`: whether the scheduler
+    may hand a new sequence published blocks (engine/block_pool.py); `state_blocks`: how many state blocks such a
+    sequence's slot is restored from (DeepSeek-V4: its window and compressor state; 0: a block's entries are all
+    it needs), `state_start(boundary)` the first position a hit there restores."""
     num_blocks: int
     block_size: int
     dummy_block: int | None
     device: torch.device
     prefix_caching: bool
+    state_blocks: int
+
+    def state_start(self, length: int) -> int: ...
 
     def advance(self, seq_id: int, start: int, stop: int) -> None: ...
 
@@ -66,6 +70,10 @@ class LatentCache(KVCache):
     # every entry of a token (latent, indexer key, their INT8 scales) sits in its block's slots: a published block
     # is all a sequence that starts from it needs
     prefix_caching = True
+    state_blocks = 0
+
+    def state_start(self, length: int) -> int:
+        return length  # nothing before the boundary is restored
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, fields: dict[str, CacheField],
                  dtype: torch.dtype, device: torch.device | str = "cpu", rest_dtype: torch.dtype | None = None):

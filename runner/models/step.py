@@ -136,9 +136,18 @@ class V4Prefill:
 
 
 @dataclass(frozen=True)
+class V4StateWrites:
+    """Prefix caching: the step's rows whose state goes into state blocks (v4_cache.py), by the positions of a block
+    a group keeps (its last `kept`; block_size for the window and the compressors whose windows span blocks) ->
+    (the rows [k] in the step, their rows [k] in that group's state storage)."""
+    by_kept: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class V4Step:
     prefills: tuple[V4Prefill, ...]
     decodes: tuple[V4Decode, ...]
+    state: V4StateWrites | None = None  # None: no row's state is kept this step
 
 
 def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -31,6 +31,20 @@ stay in the compute dtype: they are pooled again, not read by attention.
 Forked samples share the prompt's full blocks (the scheduler's pool shares them) and get copies of the parent's
 partial last block and of its slot. The cache keeps, per sequence, only its slot number and its length (to check
 that each step continues where the last stopped).
+
+**Prefix caching** (engine/block_pool.py): a published block's entries are all a later sequence needs of the
+compressed groups, but a sequence starting at a block boundary T also needs what its slot would hold there: the
+window's last sliding_window - 1 keys, each compressor's unfinished window (positions T // r * r .. T - 1) and,
+for an overlapping one, the last complete window's first series. So, with `state_blocks`, each step also writes
+its tokens' rows of those into **state blocks** of block_size tokens, a pool of its own that the scheduler manages
+beside the blocks (block_pool.StatePool: published under the same hashes, evicted least recently used), and a hit
+copies the state blocks before T into the new sequence's slot (`restore`). A state block keeps, per layer, the
+block's window keys; per compressor of ratio r > block_size every position's projected rows and gates (the
+unfinished window at any boundary spans several blocks); per overlapping compressor of ratio r <= block_size only
+its last r positions' first series (a boundary closes its window: nothing is unfinished, and the next entry pools
+that window); nothing for the others. A hit is usable at every block boundary whose state blocks are still
+cached (`state_start`: the first position a hit restores); the state is stored as the slot keeps it (the window
+INT8 under C8), so a restored slot is the one the sequence would have had.
 """
 
 from __future__ import annotations
@@ -44,10 +58,15 @@ from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of, cache_fields
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast, takes_npu_path
-from dsconv.runner.models.batch import Fork
+from dsconv.runner.models.batch import Fork, Restore
 from dsconv.runner.models.kv_cache import KVCache, cache_blocks
 
 DEFAULT_MAX_SEQS = 16  # sequence slots when none is asked for (the scheduler's default --max-num-seqs)
+# State blocks per sequence slot, for prefix caching, in hit points: one hit at a block boundary restores at most
+# `reach` tokens of state (the window, or an unfinished HCA window); four per slot keep, for each sequence a DP
+# rank runs, the end of its last turn and a shared prefix's boundary with room to spare for the blocks a step
+# writes before they are published.
+STATE_HITS_PER_SLOT = 4
 
 
 def check_geometry(ratios: list[int], block_size: int) -> None:
@@ -70,6 +89,32 @@ def entry_slot(block_table: list[int], entry: int, ratio: int, block_size: int) 
     per_block = entry_slots(ratio, block_size)
     block = block_table[((entry + 1) * ratio - 1) // block_size]
     return block * per_block + (entry % per_block if ratio <= block_size else 0)
+
+
+def state_rows(ratio: int, overlap: bool, block_size: int) -> int:
+    """The positions of each block whose rows a compressor's state block keeps: every one when its windows span
+    blocks, the last window's when it overlaps (the next entry pools that window's first series), else none."""
+    if ratio > block_size:
+        return block_size
+    return ratio if overlap else 0
+
+
+def state_reach(cfg: V4Config, block_size: int) -> int:
+    """The most tokens of state a hit at a block boundary restores: the window's keys before it, and a compressor
+    window spanning blocks (the overlapping one's previous window too)."""
+    reach = cfg.sliding_window - 1
+    for ratio in cfg.compress_ratios[:cfg.num_hidden_layers]:
+        if ratio > block_size:
+            reach = max(reach, (2 if attn_type_of(ratio) is AttnType.CSA else 1) * ratio - 1)
+        elif ratio and attn_type_of(ratio) is AttnType.CSA:
+            reach = max(reach, ratio)
+    return reach
+
+
+def default_state_blocks(cfg: V4Config, block_size: int, max_seqs: int) -> int:
+    """The state blocks a cache with prefix caching keeps: STATE_HITS_PER_SLOT hits' reach per sequence slot."""
+    per_hit = -(-state_reach(cfg, block_size) // block_size) + 1  # a boundary's reach may straddle one more block
+    return max_seqs * STATE_HITS_PER_SLOT * per_hit
 
 
 class Rows:
@@ -133,9 +178,10 @@ class Rows:
         """rows [...] -> (int8 [..., int8_dims], float32 scales [..., 1]) as stored (an all-INT8 field's rows)."""
         return _gather(self.q, rows), _gather(self.scale, rows)
 
-    def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        for t in self.tensors():
-            t.index_copy_(0, target, t.index_select(0, source))
+    def copy(self, source: torch.Tensor, target: torch.Tensor, into: Rows | None = None) -> None:
+        """Rows `source` to rows `target`, as stored, of this field or of `into` (one of the same field)."""
+        for t, u in zip(self.tensors(), (into or self).tensors(), strict=True):
+            u.index_copy_(0, target, t.index_select(0, source))
 
 
 def _gather(stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -182,28 +228,53 @@ class CompressorPool:
 
 
 @dataclass
+class CompressorState:
+    """One compressor's rows in the state blocks: the last `kept` positions of each block (`state_rows`), position
+    p of state block b at row b * kept + p % block_size - (block_size - kept); `width` of the projected rows: both
+    series, or the first one (an overlapping compressor whose windows fit in a block)."""
+    kept: int
+    width: int
+    kv: torch.Tensor  # [state_blocks * kept, width]
+    gate: torch.Tensor  # [state_blocks * kept, width] float32
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv, self.gate]
+
+
+@dataclass
+class LayerState:
+    """One layer's part of the state blocks (prefix caching): its window keys, position p of state block b at row
+    b * block_size + p % block_size, and each compressor's rows (None: it keeps none)."""
+    block_size: int
+    window: Rows
+    compressors: list[CompressorState | None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.window.tensors(), *(t for c in self.compressors if c is not None for t in c.tensors())]
+
+
+@dataclass
 class LayerPool:
     window: Rows  # slots * sliding_window rows: slot s, position p at row s * window + p % window
     compressor: CompressorPool | None  # CSA and HCA layers
     indexer: CompressorPool | None  # CSA layers: the indexer's own compressed keys
+    state: LayerState | None = None  # with prefix caching: the state blocks' rows of this layer
 
     def compressors(self) -> list[CompressorPool]:
         return [c for c in (self.compressor, self.indexer) if c is not None]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.window.tensors(), *(t for c in self.compressors() for t in c.tensors())]
+        return [*self.window.tensors(), *(t for c in self.compressors() for t in c.tensors()),
+                *(self.state.tensors() if self.state is not None else ())]
 
 
 class V4Cache(KVCache):
-    # a sequence also needs its sliding window and unfinished compression windows at the hit point, which live in
-    # its sequence slot, not in blocks: no prefix caching for DeepSeek-V4 yet
-    prefix_caching = False
-
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto"):
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto",
+                 state_blocks: int = 0):
         """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries,
         windows and state in `dtype` (the model's compute dtype; INT8 with kv_cache_dtype int8, but the unfinished
-        windows), gates in float32."""
+        windows), gates in float32; state_blocks: the state blocks prefix caching keeps (0: no prefix caching)."""
         check_geometry(cfg.compress_ratios[:cfg.num_hidden_layers], block_size)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         fields = cache_fields(cfg, kv_cache_dtype)
@@ -225,10 +296,39 @@ class V4Cache(KVCache):
                 indexer = CompressorPool.allocate(cfg.csa_compress_rate, fields["index_k"], True, blocks, block_size,
                                                   slots, dtype, self.device)
             window = Rows(slots * self.window, fields["kv"], dtype, self.device)
-            self.layers.append(LayerPool(window, compressor, indexer))
+            layer = LayerPool(window, compressor, indexer)
+            if state_blocks:
+                layer.state = LayerState(block_size, Rows(state_blocks * block_size, fields["kv"], dtype, self.device),
+                                         [self._compressor_state(c, state_blocks) for c in layer.compressors()])
+            self.layers.append(layer)
+        self.state_blocks = state_blocks
         self.free_slots = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.slots: dict[int, int] = {}  # seq_id -> its sequence slot
         self.lengths: dict[int, int] = {}  # seq_id -> tokens it has taken in
+
+    def _compressor_state(self, c: CompressorPool, blocks: int) -> CompressorState | None:
+        kept = state_rows(c.ratio, c.overlap, self.block_size)
+        if not kept:
+            return None
+        width = c.kv.shape[1] if c.ratio > self.block_size else c.kv.shape[1] // 2
+        return CompressorState(kept, width, torch.zeros(blocks * kept, width, dtype=c.kv.dtype, device=self.device),
+                               torch.zeros(blocks * kept, width, dtype=torch.float32, device=self.device))
+
+    def state_kept(self) -> list[int]:
+        """The counts of each block's last positions the state groups keep (block_size for the windows)."""
+        if not self.state_blocks:
+            return []
+        return sorted({self.block_size} | {c.kept for layer in self.layers for c in layer.state.compressors
+                                            if c is not None})
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether a sequence may start from published blocks: it needs the state blocks to restore its slot."""
+        return self.state_blocks > 0
+
+    def state_start(self, length: int) -> int:
+        """The first position whose state a sequence starting at block boundary `length` restores."""
+        return max(0, length - state_reach(self.cfg, self.block_size))
 
     # -- sizes ---------------------------------------------------------------------------------------------------
 
@@ -252,6 +352,12 @@ class V4Cache(KVCache):
                 per_slot += c.kv[:c.ratio].nbytes + c.gate[:c.ratio].nbytes
                 per_slot += c.prev_kv[0].nbytes + c.prev_gate[0].nbytes if c.overlap else 0
         return per_slot
+
+    @property
+    def bytes_per_state_block(self) -> int:
+        """Bytes one state block takes over every layer (0 without prefix caching)."""
+        return sum(t.nbytes for layer in self.layers if layer.state is not None
+                   for t in layer.state.tensors()) // max(1, self.state_blocks)
 
     def ratios(self) -> list[int]:
         """The paged groups' ratios, each once (the indexer's keys share the CSA entries' geometry)."""
@@ -298,6 +404,44 @@ class V4Cache(KVCache):
                     c.entries.copy((parent_blocks[:, None] * per_block + offsets).flatten(),
                                    (child_blocks[:, None] * per_block + offsets).flatten())
         self.slots[fork.child], self.lengths[fork.child] = slot, self.lengths[fork.parent]
+
+    def restore(self, restore: Restore) -> None:
+        """A new sequence starting at block boundary `restore.length` from published blocks: a slot of its own,
+        filled from the state blocks of the positions before it (`state_start` ..), as a sequence that had
+        computed those positions would have it."""
+        seq_id, length, block_size = restore.seq_id, restore.length, self.block_size
+        if seq_id in self.slots or length % block_size:
+            raise ValueError(f"invalid step batch: sequence {seq_id} restored at {length} (a running sequence, or "
+                             f"not a block boundary)")
+        state = dict(restore.blocks)
+        missing = sorted({p // block_size for p in range(self.state_start(length), length)} - state.keys())
+        if missing:
+            raise ValueError(f"invalid step batch: sequence {seq_id} restored at {length} lacks the state blocks "
+                             f"of blocks {missing}")
+        slot = self._take_slot(seq_id)
+
+        def rows(positions: range, kept: int = block_size) -> torch.Tensor:
+            """The state rows of these positions, in a group keeping each block's last `kept`."""
+            return torch.tensor([state[p // block_size] * kept + p % block_size - (block_size - kept)
+                                 for p in positions], dtype=torch.long, device=self.device)
+
+        window = range(max(0, length - self.window + 1), length)
+        for layer in self.layers:
+            if window:
+                layer.state.window.copy(rows(window), torch.tensor([slot * self.window + p % self.window
+                                                                    for p in window], device=self.device),
+                                        into=layer.window)
+            for c, kept in zip(layer.compressors(), layer.state.compressors, strict=True):
+                base = length // c.ratio * c.ratio  # the unfinished window's first position
+                if base < length:  # only a ratio above the block size leaves one at a block boundary
+                    ring = slot * c.ratio + torch.arange(length - base, device=self.device)
+                    c.kv.index_copy_(0, ring, kept.kv.index_select(0, rows(range(base, length))))
+                    c.gate.index_copy_(0, ring, kept.gate.index_select(0, rows(range(base, length))))
+                if c.overlap and base:  # the last complete window's first series
+                    source = rows(range(base - c.ratio, base), kept.kept)
+                    c.prev_kv[slot] = kept.kv.index_select(0, source)[:, :c.prev_kv.shape[2]]
+                    c.prev_gate[slot] = kept.gate.index_select(0, source)[:, :c.prev_gate.shape[2]]
+        self.slots[seq_id], self.lengths[seq_id] = slot, length
 
     def release(self, seq_id: int) -> None:
         """A finished (or preempted) sequence's slot is free again; its blocks are the pool's to reuse."""
