@@ -37,6 +37,14 @@ def all_gather_cat(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def broadcast(x: torch.Tensor, group: Group, source: int) -> torch.Tensor:
+    """Member `source`'s (global rank) `x` on every member, in place: the others pass a tensor of the same shape
+    and dtype to receive it in."""
+    if group.size > 1:
+        dist.broadcast(x, src=source, group=group.handle)
+    return x
+
+
 def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
     """send_counts [group.size] (rows this rank sends each member) -> [group.size], the rows each member sends
     this rank, as a tensor where the counts live: no host sync here (the caller reads both at once)."""

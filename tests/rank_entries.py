@@ -31,7 +31,8 @@ def profiled(inner, trace_dir: str, **kwargs):
 def one_after_another(run, prompts: list[list[int]], max_new_tokens: int, dp_rank: int = 0) -> dict | None:
     """Every rank: the prompts through one engine, each submitted on rank 0 when the one before has finished, all on
     attention-DP rank `dp_rank` (so a later one can find an earlier one's blocks in that rank's prefix cache) ->
-    rank 0: {"generated": tokens per prompt, "cached": cached prompt tokens per prompt}."""
+    rank 0: {"generated": tokens per prompt, "cached": cached prompt tokens per prompt, "cp_prefills": how many
+    prompts a context-parallel group prefilled}."""
     from dsconv.runner.engine.core import EngineClient, start_engine
     from dsconv.runner.engine.request import SamplingParams
 
@@ -54,4 +55,4 @@ def one_after_another(run, prompts: list[list[int]], max_new_tokens: int, dp_ran
 
     submit(0)
     engine.run(door, until_idle=True)
-    return {"generated": generated, "cached": cached}
+    return {"generated": generated, "cached": cached, "cp_prefills": engine.scheduler.cp_prefills}

@@ -391,3 +391,23 @@ def test_v4_shared_blocks_and_state_are_never_written_while_held(v4):
     assert cached == {"share0": 128, "share1": 128, "other": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
     assert s.pools[0].num_free == s.pools[0].num_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_context_parallel_prefill_computes_only_the_uncached_tail(v32, tiny_source, tmp_path, kv_cache_dtype):
+    """DP2 with a context-parallel group of both ranks: each prompt is prefilled by the group, a later one only past
+    its prefix hit, with the owner's cached entries (INT8 as stored) sent to the other member in each layer: the
+    tokens computed from scratch at world 1, without context parallelism."""
+    _, model, new_cache = v32
+    gen = torch.Generator().manual_seed(2)
+    first = torch.randint(2, 500, (53,), generator=gen).tolist()
+    prompts = [first, first[:40] + torch.randint(2, 500, (25,), generator=gen).tolist(), first + [1, 2]]
+    fresh, _, _ = run_engine(model, new_cache, prompts, 16, kv_cache_dtype, prefix_caching=False)
+    shards = tmp_path / "w2"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(2, 2, 2, 1))
+    run = run_config(shards, "float32", 1024, kv_cache_dtype=kv_cache_dtype, cp_size=2, cp_min_tokens=4)
+    got = launch_ranks(one_after_another, {"prompts": prompts, "max_new_tokens": NEW_TOKENS}, run,
+                       tmp_path / "results")
+    assert got["generated"] == fresh
+    assert got["cached"] == [0, 32, 48] and got["cp_prefills"] == 3

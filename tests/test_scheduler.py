@@ -364,7 +364,7 @@ def test_model_samples_equal_requests_with_their_seeds(family, kv_cache_dtype, t
     ample, preemptions = generate(512, together)
     assert ample == alone and preemptions == 0
     # 5 blocks of 16 for 21 + 10 and 37 + 10 tokens, 3 samples each; without prefix caching a sample whose fork
-    # fails recomputes its prompt, and samples are preempted; with it (V3.2) the prompt's published blocks serve it
+    # fails recomputes its prompt, and samples are preempted; with it the prompt's published blocks serve it
     tight, preemptions = generate(80, together, prefix_caching=False)
     assert tight == alone and preemptions > 0
     assert generate(80, together)[0] == alone

@@ -309,7 +309,7 @@ class EngineCore:
         for batch in step.batches:
             if batch.cp is not None and batch.cp.member == 0:  # once per prefill, by its owner
                 m.model(m.cp_prefills).inc()
-                m.model(m.cp_prefill_tokens).inc(batch.cp.length)
+                m.model(m.cp_prefill_tokens).inc(batch.cp.length - batch.cp.start)
         queries, hits = self.scheduler.prefix_queries, self.scheduler.prefix_hits
         m.model(m.prefix_queries).inc(queries - self._prefix_seen[0])
         m.model(m.prefix_hits).inc(hits - self._prefix_seen[1])

@@ -243,17 +243,22 @@ class Scheduler:
 
     def _context_parallel(self, started: list[Request]) -> dict[int, tuple[CPShare, Request]]:
         """This step's context-parallel prefills: in each group of cp_size DP ranks, the earliest of the waiting
-        requests at the head of a member's queue whose whole prompt (at least cp_min_tokens, none computed) fits
-        its rank's cache and sequence limit -> DP rank -> (its share, the request). The request is admitted on its
-        own rank (the owner) with the whole prompt computed in this step."""
+        requests at the head of a member's queue whose prompt fits its rank's cache and sequence limit and leaves at
+        least cp_min_tokens uncached (prefix caching: looked up first) -> DP rank -> (its share, the request). The
+        request is admitted on its own rank (the owner) with the rest of its prompt computed in this step; the
+        owner's cached prefix is handed to the other members in each layer (deepseek_v3.Attention)."""
         shares: dict[int, tuple[CPShare, Request]] = {}
         for first in range(0, self.dp if self.cp_size > 1 else 0, self.cp_size):
             members = range(first, first + self.cp_size)
-            ready = [self.waiting[r][0] for r in members if self.waiting[r] and self._cp_ready(self.waiting[r][0])]
+            heads = [self.waiting[r][0] for r in members if self.waiting[r]]
+            for request in heads:
+                if self.states is None:  # no context-parallel prefill restores a slot (V4 has none)
+                    self._reuse_prefix(self.pools[request.dp_rank], request)
+            ready = [request for request in heads if self._cp_ready(request)]
             if not ready:
                 continue
             request = min(ready, key=lambda r: r.arrival)
-            owner, length = request.dp_rank, len(request.prompt)
+            owner, length, start = request.dp_rank, len(request.prompt), request.num_computed
             self.waiting[owner].popleft()
             self.running[owner].append(request)
             if request.first_scheduled is None:
@@ -264,7 +269,7 @@ class Scheduler:
             self.cp_prefills += 1
             group = (owner, *[r for r in members if r != owner])
             for member, rank in enumerate(group):
-                share = CPShare(request.seq_id, length, group, member)
+                share = CPShare(request.seq_id, length, group, member, start=start)
                 scores = None
                 if request.scoring:  # each member scores its own rows (every position but the last)
                     targets = [request.prompt[p + 1] for p in share.scored_positions]
@@ -275,7 +280,8 @@ class Scheduler:
 
     def _cp_ready(self, request: Request) -> bool:
         pool, rank = self.pools[request.dp_rank], request.dp_rank
-        return (request.num_computed == 0 and not request.output and len(request.prompt) >= self.cp_min_tokens
+        # a waiting request without output has computed only what its prefix hit gave it
+        return (not request.output and len(request.prompt) - request.num_computed >= self.cp_min_tokens
                 and pool.missing(request.seq_id, len(request.prompt)) <= pool.num_free
                 and self.seqs(rank) + request.seqs <= self.max_num_seqs)
 

@@ -97,7 +97,7 @@ def _rows(batch: Batch) -> list[tuple[int, int, str]]:
     """(first position, end, "prefill" or "decode") of each sequence the batch writes. A decode row is one token
     drawn after the first; a context-parallel share counts once, on its owner, for the whole prompt."""
     if batch.cp is not None:
-        return [(0, batch.cp.length, "prefill")] if batch.cp.member == 0 else []
+        return [(batch.cp.start, batch.cp.length, "prefill")] if batch.cp.member == 0 else []
     rows = []
     for i, end in enumerate(batch.context_lens):
         length = batch.query_start_loc[i + 1] - batch.query_start_loc[i]

@@ -17,7 +17,7 @@ from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import step_results
 from dsconv.runner.engine.v4_inputs import V4Inputs
-from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, cp_positions, dummy_batch, slots
+from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.kv_cache import KVCache
 from dsconv.runner.models.step import (CPStep, DecodeRows, SeqStep, StepMeta, concat, gather_groups, lengths_mask,
@@ -125,24 +125,31 @@ class InputBuilder:
                        None if first_block is None else first_block * self.cache.block_size)
 
     def _cp_meta(self, cp: CPShare) -> StepMeta:
-        device, length, size, block_size = self.device, cp.length, len(cp.group), self.cache.block_size
-        shares = [cp_positions(length, size, member) for member in range(size)]
+        """A context-parallel share: the new positions (from cp.start, past a cached prefix) split over the group,
+        gathered in position order into a scratch of the whole prompt, the prefix first."""
+        device, length, start, size = self.device, cp.length, cp.start, len(cp.group)
+        shares = [cp.positions_of(member) for member in range(size)]
         most = max(map(len, shares))
-        order = torch.empty(length, dtype=torch.long, device=device)
+        order = torch.empty(length - start, dtype=torch.long, device=device)
         ranks = sorted(cp.group)  # the gather is in rank order; members are in group order, the owner first
         for member, share in enumerate(shares):
-            order[share] = torch.arange(len(share), device=device) + ranks.index(cp.group[member]) * most
+            order[[p - start for p in share]] = torch.arange(len(share), device=device) + \
+                ranks.index(cp.group[member]) * most
         positions = torch.tensor(shares[cp.member], dtype=torch.long, device=device)
         everything = torch.arange(length, device=device)
+        new = everything[start:]
         causal = positions[:, None] >= everything[None]  # [T, length]
         seq = SeqStep(cp.seq_id, 0, len(shares[cp.member]), length, everything, causal, 0)
-        owner_meta = None
+        owner_meta = prefix_slots = None
         if cp.member == 0:
-            owner_slots = slots(list(cp.block_table), block_size, 0, length)
-            owner_meta = StepMeta([], everything, torch.tensor(owner_slots, dtype=torch.long, device=device),
+            table, block_size = list(cp.block_table), self.cache.block_size
+            owner_slots = slots(table, block_size, start, length)
+            owner_meta = StepMeta([], new, torch.tensor(owner_slots, dtype=torch.long, device=device),
                                   range_start(owner_slots))
+            if start:
+                prefix_slots = torch.tensor(slots(table, block_size, 0, start), dtype=torch.long, device=device)
         step = CPStep(positions, length, most, order, self.cache.scratch(length),
-                      StepMeta([], everything, everything, 0), seq, owner_meta)
+                      StepMeta([], new, new, start), seq, owner_meta, start, cp.group[0], prefix_slots)
         return StepMeta([], positions, positions, None, (), step)
 
     def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:

@@ -68,16 +68,21 @@ class CPShare:
     The owner, group[0], keeps the whole prompt in its cache and draws the first token (the prompt's last
     position is always the owner's)."""
     seq_id: int  # the prompt's sequence, as its owner's cache knows it
-    length: int  # the prompt's tokens, positions 0 .. length - 1, none computed before
+    length: int  # the prompt's tokens, positions 0 .. length - 1, those from `start` on computed here
     group: tuple[int, ...]  # the DP indices that share it, the owner first
     member: int  # this rank's place in `group`
     block_table: tuple[int, ...] = ()  # the owner's: where the prompt's entries go (empty elsewhere)
     sample: SampleSpec | None = None  # the owner's: draw the first token from its last row
     scores: PromptScores | None = None  # score this member's rows (each position but the prompt's last)
+    start: int = 0  # positions before it are in the owner's cache (a prefix-cache hit): only the rest is split
 
     @property
     def positions(self) -> list[int]:
-        return cp_positions(self.length, len(self.group), self.member)
+        return self.positions_of(self.member)
+
+    def positions_of(self, member: int) -> list[int]:
+        """The positions a member feeds: the ones past the cached prefix, split as `cp_positions` says."""
+        return [self.start + p for p in cp_positions(self.length - self.start, len(self.group), member)]
 
     @property
     def scored_positions(self) -> list[int]:
@@ -226,6 +231,9 @@ class Batch:
                f"context-parallel block table of {len(cp.block_table)} blocks on member {cp.member}")
         _check(all(0 <= b < num_blocks for b in cp.block_table), "a context-parallel block outside the cache")
         _check(owner or cp.sample is None, f"context-parallel member {cp.member} samples")
+        _check(0 <= cp.start < cp.length and cp.start % block_size == 0 and (cp.scores is None or not cp.start),
+               f"context-parallel prefill from position {cp.start} of {cp.length} (a cached prefix is whole blocks, "
+               f"none for a scored prompt)")
         scored = cp.scores
         _check(scored is None or len(scored.targets) == len(cp.scored_positions),
                f"context-parallel member {cp.member} scores {len(scored.targets) if scored else 0} rows")

@@ -29,7 +29,7 @@ from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExp
 from dsconv.runner.models.moe import expert_parallel
 from dsconv.runner.models.parallel import (OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding,
                                           attention_tp_share, attention_tp_sum, attention_tp_unshare, check_rows,
-                                          cp_gather)
+                                          cp_broadcast, cp_gather)
 from dsconv.runner.models.weights import RankWeights
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's LayerNorm epsilon in DeepSeek's and transformers' code
@@ -128,6 +128,9 @@ class Attention:
         its cache; then this rank's queries attend over the whole prompt, causally by position, as one prefill
         chunk does."""
         whole = {name: cp_gather(self.dist, value, cp.most, cp.order) for name, value in entries.items()}
+        if cp.start:  # the owner's cached prefix, as its cache stores it
+            for name, rows in cache.stored_rows(layer, cp.prefix_slots, cp.start).items():
+                cp.scratch.data[name][0, :cp.start] = cp_broadcast(self.dist, rows, cp.owner)
         cp.scratch.write(0, cp.scratch_meta, **whole)
         if cp.owner_meta is not None:
             cache.write(layer, cp.owner_meta, **whole)

@@ -148,6 +148,14 @@ class LatentCache(KVCache):
             return self._entries(layer, name, decode.first_slot, decode.max_context, None)[None]
         return self.read_slots(layer, name, decode.slots)
 
+    def stored_rows(self, layer: int, slots: torch.Tensor | None, count: int) -> dict[str, torch.Tensor]:
+        """Every stored tensor's rows at these slots of one layer ({name: [count, dim]}, INT8 parts as stored), or,
+        with slots None, empty tensors of that shape to receive them in."""
+        if slots is None:
+            return {name: torch.empty(count, t.shape[2], dtype=t.dtype, device=t.device)
+                    for name, t in self.data.items()}
+        return {name: t[layer].index_select(0, slots) for name, t in self.data.items()}
+
     def read_slots(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
         """[*slots.shape, dim]: the entries at these slots."""
         return self._entries(layer, name, None, 0, slots)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable
+from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable, broadcast
 from dsconv.errors import InputError
 from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.linear import quantize_activations
@@ -165,6 +165,14 @@ def attention_tp_unshare(dist: Dist, share: torch.Tensor, rows: int) -> torch.Te
     with dist.timed():
         padded = F.pad(share, (0, 0, 0, per - share.shape[0])).contiguous()
         return all_gather_cat(padded, dist.groups.attn_tp, dim=0)[:rows]
+
+
+def cp_broadcast(dist: Dist, x: torch.Tensor, owner: int) -> torch.Tensor:
+    """A context-parallel prefill's cached prefix rows: the owner's x (global rank `owner`) on every member."""
+    if dist.cp == 1:
+        return x
+    with dist.timed():
+        return broadcast(x.contiguous(), dist.groups.cp, owner)
 
 
 def cp_gather(dist: Dist, x: torch.Tensor, most: int, order: torch.Tensor) -> torch.Tensor:

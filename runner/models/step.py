@@ -89,7 +89,8 @@ class CPStep:
     positions `positions` of a `length`-token prompt. Each layer gathers the group's new cache entries (every
     member's rows, padded to `most`, member after member) and puts them in position order (`order`) into
     `scratch`, a one-layer cache of the whole prompt that this rank's queries attend over as `seq`; the owner
-    also writes them into its own cache (`owner_meta`)."""
+    also writes them into its own cache (`owner_meta`). A prompt whose first `start` positions were a prefix-cache
+    hit has their entries on the owner only: it broadcasts them, as stored, to the scratch of every member."""
     positions: torch.Tensor  # [T] this rank's positions, ascending
     length: int
     most: int  # the most positions any member feeds
@@ -97,7 +98,10 @@ class CPStep:
     scratch: LatentCache
     scratch_meta: StepMeta  # writes positions 0 .. length - 1 to the scratch
     seq: SeqStep  # this rank's queries over the scratch (causal by position)
-    owner_meta: StepMeta | None  # the owner's: writes the prompt's entries to its cache
+    owner_meta: StepMeta | None  # the owner's: writes the new entries to its cache
+    start: int = 0  # positions before it are cached on the owner (a prefix hit), sent to the others in each layer
+    owner: int = 0  # the owner's rank (context parallelism runs at attention TP 1: its DP index)
+    prefix_slots: torch.Tensor | None = None  # the owner's: the cache slots of positions 0 .. start - 1
 
 
 @dataclass(frozen=True)
