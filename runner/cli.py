@@ -91,7 +91,12 @@ OVERLAP_HELP = ("Compute each MoE layer's shared expert while its expert exchang
 PREFIX_CACHING_HELP = ("Reuse the KV cache of prompt blocks an earlier request on the same attention-DP rank has "
                        "computed (vLLM's flag and default): a request computes only what follows its longest cached "
                        "run of full --block-size blocks, and usage.prompt_tokens_details.cached_tokens says how many "
-                       "it reused. DeepSeek-V3 / V3.2 caches; DeepSeek-V4's take no hit yet.")
+                       "it reused.")
+SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: '{\"method\": \"mtp\", \"num_speculative_tokens\": k}', k 1 "
+                    "to 3. The checkpoint's MTP layer drafts k tokens a step for each request and one target step "
+                    "verifies them: greedy output is the same as without, sampled output has the same distribution. "
+                    "DeepSeek-V3 / V3.2 shards with their MTP layer; requests with a grammar or a logit_bias decode "
+                    "one token a step.")
 
 
 @app.command()
@@ -130,12 +135,14 @@ def generate(
                                                          help=OVERLAP_HELP)] = True,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                                         help=PREFIX_CACHING_HELP)] = True,
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_HELP)] = None,
 ) -> None:
     """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
     _import_torch()
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, check_prompt, resolve_max_model_len
+    from dsconv.runner.engine.speculative import SpeculativeConfig
     from dsconv.runner.entrypoints.generate import rank_main
     from dsconv.runner.models.kv_cache import cache_blocks
 
@@ -164,7 +171,8 @@ def generate(
                                                        cp_min_tokens=prefill_cp_min_tokens,
                                                        enable_prefix_caching=enable_prefix_caching),
                              record_shapes=_record_path(record_shapes),
-                             overlap_shared_experts=overlap_shared_experts)
+                             overlap_shared_experts=overlap_shared_experts,
+                             speculative=SpeculativeConfig.parse(speculative_config))
         # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for
         # each of a rank's prompts
         run = run.with_max_num_seqs(-(-len(prompt) // run.layout.dp))
@@ -296,6 +304,7 @@ def serve(
                                                          help=OVERLAP_HELP)] = True,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                                         help=PREFIX_CACHING_HELP)] = True,
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_HELP)] = None,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
     api_key: Annotated[Optional[str], typer.Option(
@@ -314,6 +323,7 @@ def serve(
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import resolve_max_model_len
     from dsconv.runner.engine.scheduler import BALANCING
+    from dsconv.runner.engine.speculative import SpeculativeConfig
     from dsconv.runner.entrypoints.serve import rank_main
 
     try:
@@ -339,7 +349,8 @@ def serve(
                                                        enable_prefix_caching),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout,
                              record_shapes=_record_path(record_shapes),
-                             overlap_shared_experts=overlap_shared_experts)
+                             overlap_shared_experts=overlap_shared_experts,
+                             speculative=SpeculativeConfig.parse(speculative_config))
         run.check_holds(max_model_len)
         resolve_max_model_len(max_model_len, run.max_position_embeddings, run.cache_tokens)
         _launch(rank_main, {"run": run, "host": host, "port": port,

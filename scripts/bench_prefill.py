@@ -75,7 +75,7 @@ def main() -> None:
             for path in times:
                 times[path].append(prefill_seconds(model, new_cache, prompt, path == "absorbed"))
         expanded, absorbed = min(times["expanded"]), min(times["absorbed"])
-        attention = model.layers[0][1]
+        attention = model.layers[0].attn
         picks = "absorbed" if attention.absorbed_is_cheaper(args.tokens, args.tokens) else "expanded"
         faster = "absorbed" if absorbed < expanded else "expanded"
         print(f"index_topk {topk:4d}, {args.tokens} tokens: expanded {expanded:6.2f} s, absorbed {absorbed:6.2f} s "

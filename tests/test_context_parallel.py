@@ -180,8 +180,10 @@ def test_perplexity_equals_the_run_without_cp(tiny_source, tmp_path, kv_cache_dt
 def test_server_prefills_a_long_prompt_by_cp_beside_short_ones(tiny_source, tmp_path):
     shards = tmp_path / "serve"
     shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(2, 2, 2, 1))
+    # without prefix caching: the long prompt's second run would otherwise find its blocks and prefill only the
+    # 16 tokens past them, by chunks (tests/test_prefix_cache.py has CP with cached prefixes)
     server = Server(shards, tmp_path / "serve.log", "--dtype", "float32", "--prefill-context-parallel-size", "2",
-                    "--prefill-cp-min-tokens", "32", "--max-num-batched-tokens", "16")
+                    "--prefill-cp-min-tokens", "32", "--max-num-batched-tokens", "16", "--no-enable-prefix-caching")
     try:
         client = server.openai()
         model = client.models.list().data[0].id

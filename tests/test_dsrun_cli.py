@@ -261,6 +261,12 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len 0 must be at least 1"),
     (["--prompt", "hi", "--logprobs", "2"], "--logprobs goes with --json"),
     (["--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs 21 must be between 0 and 20"),
+    (["--prompt", "hi", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1}'],
+     "method 'eagle' is not one of mtp"),
+    (["--prompt", "hi", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'],
+     "num_speculative_tokens 4 must be an integer from 1 to 3"),
+    (["--prompt", "hi", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+     "MTP drafting is implemented for deepseek_v3, deepseek_v32 shards so far, not deepseek_v4"),
 ])
 def test_bad_input(demo, args, needle):
     proc = dsrun(demo, "--shards", demo, *args)

@@ -57,8 +57,7 @@ def record_layer_outputs(model) -> list:
     norm gets, and the final norm after the last layer."""
     hidden = []
     for layer in range(1, len(model.layers)):
-        attn_norm, *rest = model.layers[layer]
-        model.layers[layer] = (Recorder(attn_norm, hidden, inputs=True), *rest)
+        model.layers[layer].attn_norm = Recorder(model.layers[layer].attn_norm, hidden, inputs=True)
     model.norm = Recorder(model.norm, hidden, inputs=True)
     return hidden
 

@@ -490,7 +490,8 @@ def test_chat_encodes_the_conversation_and_splits_reasoning(chat_server, tiny_so
 
 def test_v4_int8_kv_cache_server(tiny_source, tmp_path):
     """DeepSeek-V4 served with --kv-cache-dtype int8 (C8) in a byte budget, blocks of 64: the ready line gives the
-    INT8 cache's blocks and sequence slots, and a greedy completion's tokens equal the INT8 cache's in process."""
+    INT8 cache's blocks and sequence slots (with their prefix-caching state blocks, 2 MB a slot here), and a greedy
+    completion's tokens equal the INT8 cache's in process."""
     from dsconv.runner.models.registry import build_model
     from dsconv.runner.models.dist import Dist
     from dsconv.runner.models.weights import load_manifest
@@ -503,10 +504,10 @@ def test_v4_int8_kv_cache_server(tiny_source, tmp_path):
     with torch.no_grad():
         want = greedy(model, new_cache(256, "int8", 64), [prompt], 6, eos_id=None)[0]
     server = Server(shards, tmp_path / "server.log", "--dtype", "float32", "--kv-cache-dtype", "int8",
-                    "--kv-cache-memory-bytes", 8 << 20, "--block-size", "64")
+                    "--kv-cache-memory-bytes", 40 << 20, "--block-size", "64")
     try:
         assert re.search(r"KV cache per attention-DP rank: \d+ blocks x 64 tokens = \d+ tokens, .* 16 sequence "
-                         r"slots .* MiB \(int8\)", server.log()), server.log()
+                         r"slots .* state blocks each for prefix hits.* MiB \(int8\)", server.log()), server.log()
         out = server.openai().completions.create(model="v4-int8", prompt=prompt, max_tokens=6, temperature=0,
                                                  logprobs=0, extra_body={"return_tokens_as_token_ids": True})
         assert out.usage.completion_tokens == 6

@@ -19,6 +19,7 @@ and V4 train their indexers, which the LM loss cannot reach (tests/indexer_train
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import subprocess
@@ -36,12 +37,14 @@ from dsconv.kernels.device import cpu_model_and_flags
 from dsconv.convert.demo import build_once, cache_dir
 from dsconv.runner.entrypoints.reference import transformers_config
 from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
+from tests.mtp_training import mtp_layer, train_mtp
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 3, "deepseek_v4": 3}
+TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 3}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
+MTP_FAMILIES = ("deepseek_v32",)  # whose trained checkpoint has a trained MTP layer (V4's drafting is not built yet)
 ENCODINGS = ("fp8", "bf16")
 
 # Single-file modules in every CPython from 3.10 on (pathlib and zipfile became packages in 3.12 / 3.13)
@@ -87,20 +90,21 @@ TRAINED_INDEX_TOPK = 32
 PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
 
-# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's measured on an AMD
-# EPYC with AVX2 only and on one with AVX-512, which agree; V4's, its indexer trained, on the AVX-512 one;
+# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's before its MTP
+# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's,
+# its indexer trained, on the AVX-512 one;
 # docs/benchmarks.md, "Trained tiny models"). A CPU that
 # writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
 TRAINED_SHA256 = {
-    "deepseek_v32": {
-        "bf16/model-00001-of-00004.safetensors": "825236e6dbfbb170ede0e71a336964d9c94a1d01b9d63be34bc51747eb5bbd74",
-        "bf16/model-00002-of-00004.safetensors": "db4b2ad575b71636c33f6cdccc2e14dad11a2303c07b696c2a826fae6e86798b",
-        "bf16/model-00003-of-00004.safetensors": "51a2718e95c70080d33de9098dc582d38b8aa3beff996ebcb3dc2ae4beb00767",
+    "deepseek_v32": {  # with its trained MTP layer (version 4)
+        "bf16/model-00001-of-00004.safetensors": "72beec7d17ef729bbbf2758174582423d5c09dbbf0454a5304db4f5b2d173647",
+        "bf16/model-00002-of-00004.safetensors": "c45ac2cd8e8d7b2cb56fc1d8ad602573698cf868c08dfe5465e9cd4119f7e867",
+        "bf16/model-00003-of-00004.safetensors": "f461998621985d59bbf8059922cf7d3f2f0abc4f8ff25b0f844e073a5435f4b0",
         "bf16/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
-        "fp8/model-00001-of-00004.safetensors": "b0b68fc68849249ecbea23adb1f7a5b62f5311fcf8c20fcd91c7f61611a10a5d",
-        "fp8/model-00002-of-00004.safetensors": "29477d4bd1ea5938c598e2d9101b68ac9c01c6419714a950e8159014692983b6",
-        "fp8/model-00003-of-00004.safetensors": "3c2158cd43b756851e8439eb49dc4bf8d12777acf7fd684b0e57f6b6cd44bd54",
+        "fp8/model-00001-of-00004.safetensors": "0684c118e7cbec5a5ffc011b181a5cb32a11b326943337c07838bfde88bd9c21",
+        "fp8/model-00002-of-00004.safetensors": "f03a6722eb2e9112e79562635b95edc71b3a43b1e53c34d944815c83ae4385ff",
+        "fp8/model-00003-of-00004.safetensors": "810d585e3a8d0082623f712ec21e2b3a5ae3b307b0459cb5d0e42a1d9dc89562",
         "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
     },
     "deepseek_v4": {
@@ -241,6 +245,30 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
     return model.eval()
 
 
+def train_mtp_layer(family: str, model, config: dict, tokens: torch.Tensor, work: Path,
+                    log: Callable[[str], None]) -> dict[str, torch.Tensor]:
+    """The trained main model's MTP layer (tests/mtp_training.py), from the random fixture's, trained on random windows
+    of `tokens` in an order of its own -> its tensors under the hub's names."""
+    from safetensors.torch import load_file
+
+    init = make_tiny_checkpoint(work / "init-mtp", family, encoding="bf16", seed=SEED,
+                                config_overrides={"num_nextn_predict_layers": 1})
+    start = {}
+    for path in sorted(init.glob("*.safetensors")):
+        start.update(load_file(path))
+    layer = config["num_hidden_layers"]
+    mtp = mtp_layer(model, json.loads((init / "config.json").read_text()), start, layer, work / "mtp-init")
+    order = torch.Generator().manual_seed(SEED + 1)
+
+    def batches(steps: int):
+        for step in range(steps):
+            starts = torch.randint(0, len(tokens) - SEQ_LEN, (BATCH,), generator=order)
+            yield step, torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])
+
+    train_mtp(model, mtp, batches, SEQ_LEN, log)
+    return mtp.hub_weights(layer, work / "mtp-saved")
+
+
 def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (float8_e4m3fn codes, float32 power-of-two scale per 128x128 block) with
     w ~= codes * scale, as DeepSeek's UE8M0 checkpoints store it (each block's amax fits 448)."""
@@ -336,6 +364,9 @@ def _train_and_write(family: str, out: Path) -> None:
         model.save_pretrained(work / "saved")
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
+        if family in MTP_FAMILIES:  # after the main model, which it leaves as it was
+            config = dict(config, num_nextn_predict_layers=1)
+            weights.update(train_mtp_layer(family, model, config, ids, work, print))
     maker = TrainedMaker(family_for(config), config, weights)
     for encoding in ENCODINGS:
         (out / encoding).mkdir(parents=True)

@@ -14,9 +14,11 @@ from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
 from dsconv.kernels.device import NPU_DEVICE_TYPE
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
+from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.models.weights import load_manifest
 
 DEFAULT_CACHE_TOKENS = 4096
+SPECULATIVE_FAMILIES = ("deepseek_v3", "deepseek_v32")  # whose MTP layer the runner drafts with
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class RunConfig:
     record_shapes: Path | None = None  # append a row of what the run's steps covered (engine/shapes.py)
     # the MoE's shared expert computes while the expert exchange travels (runner/models/moe.py)
     overlap_shared_experts: bool = True
+    speculative: SpeculativeConfig | None = None  # --speculative-config (engine/speculative.py)
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
@@ -76,9 +79,30 @@ class RunConfig:
         if world_size is not None and world_size != run.layout.world_size:
             raise InputError(f"--world-size {world_size} does not match the shards' world size "
                              f"{run.layout.world_size}")
+        run._check_speculative()
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
+
+    def _check_speculative(self) -> None:
+        """MTP speculative decoding needs the MTP layer in the shards, a family the runner drafts for, no
+        context-parallel prefill (whose shares the MTP layer does not take yet) and no NPU: each refusal one
+        line."""
+        if self.speculative is None:
+            return
+        if self.family.name not in SPECULATIVE_FAMILIES:
+            raise InputError(f"--speculative-config: MTP drafting is implemented for "
+                             f"{', '.join(SPECULATIVE_FAMILIES)} shards so far, not {self.family.name}")
+        if not any(t.get("mtp") for t in self.manifest["tensors"]):
+            raise InputError(f"--speculative-config: {self.shards} holds no MTP layer (the checkpoint has none, or it "
+                             f"was converted without it)")
+        if self.scheduler.cp_size > 1:
+            raise InputError("--speculative-config does not combine with --prefill-context-parallel-size above 1 "
+                             "yet: the MTP layer does not take a context-parallel share")
+        if self.device == NPU_DEVICE_TYPE:
+            raise InputError("--speculative-config is not built for --device npu yet: a rank with no request to "
+                             "draft for would hand the MTP layer's chained passes zero rows, which Ascend kernels "
+                             "refuse")
 
     def _check_cache(self) -> None:
         cache = self.cache
@@ -107,7 +131,8 @@ class RunConfig:
         device = "cpu" if self.device == "cpu" else "meta"
         return model_for(self.family.name).cache_bytes(self.family.parse_config(self.model_config),
                                                        DTYPES[self.dtype], device, self.cache.dtype,
-                                                       self.cache.block_size, self.scheduler.enable_prefix_caching)
+                                                       self.cache.block_size, self.scheduler.enable_prefix_caching,
+                                                       self.speculative is not None)
 
     @property
     def _idle(self) -> int:

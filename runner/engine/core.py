@@ -34,6 +34,7 @@ from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt, \
     resolve_max_model_len
 from dsconv.runner.engine.scheduler import Scheduler, Step
+from dsconv.runner.engine.speculative import SpecCounts, SpeculativeConfig
 from dsconv.runner.engine.shapes import ShapeRecorder
 from dsconv.runner.engine.worker import Worker
 from dsconv.runner.models.batch import Batch
@@ -123,7 +124,8 @@ def start_rank(run: RunConfig):
     overlap = run.overlap_shared_experts
     dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size, overlap) \
         if torch.distributed.is_initialized() else Dist(device=rank_device(run.device), overlap_shared_experts=overlap)
-    model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype])
+    model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype],
+                                      mtp=run.speculative is not None)
     return dist, model, new_cache
 
 
@@ -139,16 +141,18 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
                                           cache.num_blocks * cache.block_size)
     return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,
                       eos_token_id=run.eos_token_id, scheduler=run.scheduler, grammars=grammars,
-                      metrics=metrics, keepalive_s=run.keepalive_s, drain_timeout_s=run.drain_timeout_s)
+                      metrics=metrics, keepalive_s=run.keepalive_s, drain_timeout_s=run.drain_timeout_s,
+                      speculative=run.speculative)
 
 
 def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int, eos_token_id: int | None,
                scheduler: SchedulerConfig = SchedulerConfig(), grammars: Grammars | None = None,
                metrics: ServeMetrics | None = None, keepalive_s: float | None = None,
-               drain_timeout_s: float = 30.0) -> EngineCore:
+               drain_timeout_s: float = 30.0, speculative: SpeculativeConfig | None = None) -> EngineCore:
     """The one place an engine is assembled: this rank's worker around its model and cache, and on rank 0 the
     scheduler, whose block pools mirror every DP rank's cache."""
-    worker = Worker(model, cache, dist, dp_index=dist.rank // dist.attn_tp, grammars=grammars)
+    worker = Worker(model, cache, dist, dp_index=dist.rank // dist.attn_tp, grammars=grammars,
+                    speculative=speculative)
     if dist.rank != 0:
         return EngineCore(worker, None, dist.world_size, dist.attn_tp)
     s = scheduler
@@ -156,7 +160,8 @@ def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int,
                      s.max_num_batched_tokens, eos_token_id, s.balancing,
                      cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens,
                      prefix_caching=s.enable_prefix_caching and cache.prefix_caching,
-                     state_blocks=cache.state_blocks, state_start=cache.state_start)
+                     state_blocks=cache.state_blocks, state_start=cache.state_start,
+                     speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0)
     return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
                       metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
 
@@ -174,6 +179,7 @@ class EngineCore:
         self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
         self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already given to the metrics
+        self._spec_seen = SpecCounts()  # and its speculative-decoding counts
 
     @property
     def _host(self):
@@ -314,6 +320,16 @@ class EngineCore:
         m.model(m.prefix_queries).inc(queries - self._prefix_seen[0])
         m.model(m.prefix_hits).inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+        spec, seen = self.scheduler.spec, self._spec_seen
+        if spec.drafts > seen.drafts:
+            for metric, now, before in ((m.spec_drafts, spec.drafts, seen.drafts),
+                                        (m.spec_draft_tokens, spec.draft_tokens, seen.draft_tokens),
+                                        (m.spec_accepted, spec.accepted_tokens, seen.accepted_tokens)):
+                m.model(metric).inc(now - before)
+            before = seen.accepted_per_pos or [0] * len(spec.accepted_per_pos)
+            for position, (count, was) in enumerate(zip(spec.accepted_per_pos, before, strict=True)):
+                m.model(m.spec_accepted_per_pos, str(position)).inc(count - was)
+            self._spec_seen = spec.copy()
         for request in step.started:
             m.model(m.prompt_tokens).inc(len(request.prompt))
             m.model(m.queue).observe(request.first_scheduled - request.arrival)

@@ -41,6 +41,17 @@ class ServeMetrics:
                                    "reused, not computed)", per_model, registry=registry)
         self.cp_prefill_tokens = Counter("dsrun:context_parallel_prefill_tokens", "Prompt tokens prefilled by "
                                          "context-parallel groups", per_model, registry=registry)
+        # speculative decoding, vLLM's meanings: verification steps with drafts, their draft tokens, the accepted
+        # ones, and the accepted ones per draft position (label `position`, from 0)
+        self.spec_drafts = Counter("dsrun:spec_decode_num_drafts", "Verification steps with drafts", per_model,
+                                   registry=registry)
+        self.spec_draft_tokens = Counter("dsrun:spec_decode_num_draft_tokens", "Draft tokens verified", per_model,
+                                         registry=registry)
+        self.spec_accepted = Counter("dsrun:spec_decode_num_accepted_tokens", "Draft tokens accepted", per_model,
+                                     registry=registry)
+        self.spec_accepted_per_pos = Counter("dsrun:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position", per_model + ["position"],
+                                             registry=registry)
 
         def histogram(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(name, doc, per_model, buckets=buckets, registry=registry)

@@ -67,6 +67,10 @@ class SeqResult:
     logprob: TokenLogprob | None  # the sampled token's, when the request asks for logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the step's scored prompt tokens, in order
     siblings: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # SampleSpec.siblings' draws
+    # speculative decoding: the tokens after `token` the step emits (accepted drafts are `token` and these but the
+    # last, which is the target's own), and the drafts the MTP layer proposes for the next step
+    extra: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"

@@ -19,6 +19,7 @@ import torch
 
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult, TokenLogprob
+from dsconv.runner.engine.speculative import accept_greedy
 from dsconv.runner.models.batch import Batch, SampleSpec
 
 
@@ -27,8 +28,10 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     row) -> per sequence its sampled token and logprobs, and its siblings' (n > 1: further draws from the same
     row with their own seeds). A row's logit_bias is added first, then rows of sequences with a grammar are masked
     to the tokens it allows (both in place, so the siblings' draws and the logprobs follow them), and their
-    matchers take the sequence's own token."""
+    matchers take the sequence's own token. A sequence verifying drafts (speculative decoding) emits what `verify`
+    gives for its rows, each token with the target's logprob at its row."""
     draw_rows, score_rows, score_targets, score_tops = [], [], [], []
+    verify_rows: list[range] = []  # per sampling sequence: the rows before its draw row that verify its drafts
     at = 0
     for spec, scores in zip(batch.samples, batch.scores):
         if scores is not None:
@@ -37,6 +40,8 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
             score_tops += [scores.top] * len(scores.targets)
             at += len(scores.targets)
         if spec is not None:
+            verify_rows.append(range(at, at + len(spec.drafts)))
+            at += len(spec.drafts)
             draw_rows.append(at)
             at += 1
     specs = [spec for spec in batch.samples if spec is not None]
@@ -59,25 +64,96 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     for seq_id, token, spec in zip(drawing, tokens, specs):
         if spec.grammar is not None:
             grammars.accept(seq_id, token)
+    emitted = [[token] for token in tokens[:len(specs)]]  # per sampling sequence, in order; rows per token
+    emitted_rows = [[row] for row in draw_rows]
+    for i, spec in enumerate(specs):
+        if spec.drafts:
+            rows_i = [*verify_rows[i], draw_rows[i]]
+            emitted[i] = verify(logits[rows_i], spec)
+            emitted_rows[i] = rows_i[:len(emitted[i])]
 
-    # the scored prompt tokens' logprobs, then the drawn tokens' where the request asks for them
-    asked = [(row, token, spec.logprobs) for row, token, spec in zip(rows, tokens, all_specs)
-             if spec.logprobs is not None]
+    # the scored prompt tokens' logprobs, then the drawn tokens' where the request asks for them (every token a
+    # verifying sequence emits, then the siblings')
+    asked = [(row, token, spec.logprobs) for rows_i, tokens_i, spec in zip(emitted_rows, emitted, specs)
+             if spec.logprobs is not None for row, token in zip(rows_i, tokens_i)]
+    asked += [(row, token, spec.logprobs) for row, token, spec in zip(rows[len(specs):], tokens[len(specs):],
+                                                                      all_specs[len(specs):])
+              if spec.logprobs is not None]
     logprob_rows = score_rows + [row for row, _, _ in asked]
     entries = token_logprobs(logits[logprob_rows], score_targets + [token for _, token, _ in asked],
                              score_tops + [top for _, _, top in asked]) if logprob_rows else []
     scored, drawn = iter(entries[:len(score_rows)]), iter(entries[len(score_rows):])
 
-    results, sampled = [], iter(tokens)
+    results, sampled = [], iter(emitted)
     for spec, scores in zip(batch.samples, batch.scores):
         prompt = [next(scored) for _ in scores.targets] if scores is not None else []
-        token = next(sampled) if spec is not None else None
-        logprob = next(drawn) if spec is not None and spec.logprobs is not None else None
-        results.append(SeqResult(token, logprob, prompt))
+        if spec is None:
+            results.append(SeqResult(None, None, prompt))
+            continue
+        mine = next(sampled)
+        logprobs = [next(drawn) if spec.logprobs is not None else None for _ in mine]
+        results.append(SeqResult(mine[0], logprobs[0], prompt, extra=list(zip(mine[1:], logprobs[1:]))))
+    sampled = iter(tokens[len(specs):])
     for result, spec in zip([r for r, spec in zip(results, batch.samples) if spec is not None], specs):
         result.siblings.extend((next(sampled), next(drawn) if spec.logprobs is not None else None)
                                for _ in spec.siblings)
     return results
+
+
+def verify(logits: torch.Tensor, spec: SampleSpec) -> list[int]:
+    """A sequence's k + 1 verification rows [k + 1, vocab] and its SampleSpec with k drafts -> the tokens the step
+    emits. Greedy: speculative.accept_greedy. Sampled (speculative sampling, Leviathan et al. and Chen et al., with a
+    one-hot draft distribution: the MTP layer's drafts are its argmax): draft j is accepted with probability p_j(d_j),
+    p_j the target's distribution at its row after temperature, top-k and top-p, by the uniform number
+    `accept_uniform(seed, index)`; at the first rejection the token is drawn from p_j without d_j (renormalized) by
+    the row's usual uniform(seed, index); after k acceptances the bonus token is drawn from p_k as any draw. Each
+    emitted token is then distributed as p at its position, whatever the drafts: P(x) = p(d) [x = d] + (1 - p(d))
+    p(x) / (1 - p(d)) [x != d] = p(x). `index` is the token's position in the request's output, so the numbers
+    depend only on (seed, index), as without speculation."""
+    k = len(spec.drafts)
+    if not spec.temperature:
+        return accept_greedy(logits.argmax(dim=-1).tolist(), spec.drafts)
+    specs = [dataclasses.replace(spec, index=spec.index + j, drafts=()) for j in range(k + 1)]
+    probs = filtered_probs(logits, specs)  # [k + 1, vocab] float64
+    emitted = []
+    for j, draft in enumerate(spec.drafts):
+        if accept_uniform(spec.seed, spec.index + j) < probs[j, draft].item():
+            emitted.append(draft)
+            continue
+        emitted.append(invert(without(probs[j], draft)[None], [uniform(spec.seed, spec.index + j)])[0])
+        return emitted
+    return emitted + [invert(probs[k:], [uniform(spec.seed, spec.index + k)])[0]]
+
+
+def without(probs: torch.Tensor, token: int) -> torch.Tensor:
+    """A rejected draft's residual distribution: probs [vocab] with the draft's share taken out (its one-hot draft
+    distribution subtracted, clipped at 0), to be renormalized by the draw."""
+    residual = probs.clone()
+    residual[token] = 0.0
+    return residual
+
+
+def filtered_probs(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """logits [rows, vocab] -> float64 [rows, vocab]: each row's distribution at its temperature, restricted to its
+    top_k and top_p nucleus and renormalized, in vocabulary order (what `draw` samples from)."""
+    device = logits.device
+    temperature = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32, device=device)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    sorted_probs, ids = probs.sort(dim=-1, descending=True, stable=True)
+    in_keep = torch.arange(probs.shape[-1], device=device) < kept(sorted_probs, specs)[:, None]
+    mass = torch.where(in_keep, sorted_probs, 0.0).double()
+    mass = mass / mass.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(mass).scatter_(-1, ids, mass)
+
+
+def invert(probs: torch.Tensor, u: list[float]) -> list[int]:
+    """probs [rows, vocab] (any non-negative weights, float64) -> per row the token whose cumulative share, in
+    descending order of probability (ties by id), first passes u."""
+    ordered, ids = probs.sort(dim=-1, descending=True, stable=True)
+    cdf = ordered.cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    pick = torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64, device=probs.device)[:, None], right=True)
+    return ids.gather(-1, pick.clamp(max=probs.shape[-1] - 1)).squeeze(-1).tolist()
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
@@ -125,6 +201,15 @@ def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 def uniform(seed: int, index: int) -> float:
     """A number in [0, 1) fixed by (seed, index): numpy's SeedSequence mixes the pair into the generator state."""
     return float(np.random.default_rng([seed % 2**64, index]).random())
+
+
+ACCEPT_STREAM = 1  # a third word in the seed sequence: speculative acceptance's numbers, apart from the draws'
+
+
+def accept_uniform(seed: int, index: int) -> float:
+    """The number speculative sampling accepts the draft at output position `index` by: fixed by (seed, index) and
+    independent of `uniform(seed, index)`, which draws the token when the draft is rejected."""
+    return float(np.random.default_rng([seed % 2**64, index, ACCEPT_STREAM]).random())
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], tops: list[int]) -> list[TokenLogprob]:

@@ -40,6 +40,7 @@ from dsconv.errors import InputError
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
+from dsconv.runner.engine.speculative import SpecCounts
 from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, Restore, SampleSpec
 
 BALANCING = ("cache-aware", "least-loaded", "round-robin")
@@ -69,6 +70,8 @@ class Request:
     published: int = 0  # of its blocks, those published in its pool
     cached_tokens: int = 0  # tokens taken from the prefix cache when it was first scheduled
     restore: Restore | None = None  # DeepSeek-V4: the state its first step restores at its prefix hit
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: proposed for its next step
+    verifying: int = 0  # the drafts its step being run verifies
 
     @property
     def key(self) -> tuple[str, int]:
@@ -104,11 +107,12 @@ class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
                  cp_min_tokens: int | None = None, prefix_caching: bool = False, state_blocks: int = 0,
-                 state_start: Callable[[int], int] | None = None):
+                 state_start: Callable[[int], int] | None = None, speculative_tokens: int = 0):
         """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
         group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks;
         state_blocks: the state blocks per DP rank of a cache that needs them for a hit (DeepSeek-V4), and
-        state_start(boundary) the first position whose state a hit at that boundary restores."""
+        state_start(boundary) the first position whose state a hit at that boundary restores. speculative_tokens:
+        the drafts the MTP layer proposes per step for a greedy request (engine/speculative.py; 0: none)."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -135,6 +139,8 @@ class Scheduler:
         self.states = [StatePool(state_blocks, block_size) for _ in range(dp)] if state_blocks else None
         self.state_start = state_start
         self._restored: list[tuple[int, int]] = []  # (DP rank, seq_id) restored in the step being run
+        self.speculative_tokens = speculative_tokens
+        self.spec = SpecCounts()
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -216,8 +222,8 @@ class Scheduler:
                 continue
             while scheduled < len(running) and budget > 0:
                 request = running[scheduled]
-                n = min(len(request.tokens) - request.num_computed, budget)
-                while pool.missing(request.seq_id, request.num_computed + n) > pool.num_free:
+                n = min(len(request.tokens) + len(request.drafts) - request.num_computed, budget)
+                while pool.missing(request.seq_id, self._room(request, n)) > pool.num_free:
                     self._preempt(running.pop(), rank, batch)  # the newest: never one already scheduled
                     preempted[rank] += 1
                     if request not in running:
@@ -230,7 +236,7 @@ class Scheduler:
                 request = waiting[0]
                 self._reuse_prefix(pool, request)
                 n = min(len(request.tokens) - request.num_computed, budget)
-                if pool.missing(request.seq_id, request.num_computed + n) > pool.num_free:
+                if pool.missing(request.seq_id, self._room(request, n)) > pool.num_free:
                     break  # arrival order: nobody overtakes the first waiting request
                 running.append(waiting.popleft())
                 if request.first_scheduled is None:
@@ -329,20 +335,35 @@ class Scheduler:
                         self.states[rank].publish(request.seq_id, request.hashes[:full])
                     request.published = full
 
-    def _sample_spec(self, request: Request) -> SampleSpec | None:
-        """What to draw once the request's tokens are all fed (None when it generates nothing)."""
+    def _sample_spec(self, request: Request, drafts: list[int] = ()) -> SampleSpec | None:
+        """What to draw once the request's tokens are all fed (None when it generates nothing): with speculative
+        decoding, the drafts the step verifies, and how many the MTP layer proposes for the next."""
         params = request.params
         if params.max_tokens == 0:
             return None
         siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
         return SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
                           params.logprobs, params.grammar, tuple(request.output) if params.grammar else (), siblings,
-                          params.logit_bias)
+                          params.logit_bias, tuple(drafts), self._proposes(request))
+
+    def _proposes(self, request: Request) -> int:
+        """The drafts the MTP layer proposes for a request after its step (none for a request with a grammar or a
+        logit_bias, or whose n samples are not forked yet)."""
+        params = request.params
+        plain = params.grammar is None and not params.logit_bias and request.forked
+        return self.speculative_tokens if plain else 0
+
+    def _room(self, request: Request, n: int) -> int:
+        """The tokens a request's table must hold to feed n more: with speculative decoding, also the positions the
+        MTP layer's chained drafts write past them (its own cache layer)."""
+        return request.num_computed + n + max(0, self._proposes(request) - 1)
 
     def _feed(self, batch: Batch, pool: BlockPool, request: Request, n: int) -> int:
-        start, stop = request.num_computed, request.num_computed + n
-        table = pool.grow(request.seq_id, stop)
-        sample = self._sample_spec(request) if stop == len(request.tokens) else None
+        start, stop, known = request.num_computed, request.num_computed + n, len(request.tokens)
+        drafts = request.drafts[:max(0, stop - known)]  # fed after its last token, a decoding request's
+        table = pool.grow(request.seq_id, self._room(request, n))
+        sample = self._sample_spec(request, drafts) if stop >= known else None
+        follow = request.tokens[stop] if self.speculative_tokens and stop < known else None
         params = request.params
         scores = None
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..
@@ -355,12 +376,14 @@ class Scheduler:
                 batch.restores.append(request.restore)
                 self._restored.append((request.dp_rank, request.seq_id))
                 request.restore = None
-        batch.add(request.seq_id, request.tokens[start:stop], stop, table, pool.block_size, sample, scores, state)
-        request.num_computed = stop
+        batch.add(request.seq_id, (request.tokens + drafts)[start:stop], stop, table, pool.block_size, sample, scores,
+                  state, follow)
+        request.num_computed, request.verifying, request.drafts = stop, len(drafts), []
         return n
 
     def _preempt(self, request: Request, rank: int, batch: Batch) -> None:
         self.preemptions += 1
+        request.drafts = []
         self.pools[rank].release(request.seq_id)
         if self.states is not None:
             self.states[rank].release(request.seq_id)
@@ -376,6 +399,7 @@ class Scheduler:
         """results[rank][i]: the i-th sequence of that rank's batch -> the outputs to deliver (finished requests
         are freed here). A context-parallel prefill's result is its owner's, with the members' scored prompt
         tokens put in position order."""
+        self._settle(step, results)
         if self.prefix_caching:  # first: a sequence that finishes in this step still publishes what it computed
             self._publish()
         for rank, seq_id in self._restored:  # their state is in their slots now
@@ -397,6 +421,18 @@ class Scheduler:
             outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
         return outputs
 
+    def _settle(self, step: Step, results: list[list[SeqResult]]) -> None:
+        """Speculative decoding: each verifying sequence's computed tokens cut back to its last accepted draft (the
+        rejected positions' entries are written over by its next steps), before anything is published."""
+        for batch, rank_results in zip(step.batches, results, strict=True):
+            for seq_id, result in zip(batch.seq_ids if batch.cp is None else (), rank_results):
+                request = self.by_seq.get(seq_id)
+                if request is not None and request.verifying:
+                    accepted = len(result.extra)
+                    request.num_computed -= request.verifying - accepted
+                    self.spec.add(request.verifying, accepted, self.speculative_tokens)
+                    request.verifying = 0
+
     def _take(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
         """One sequence's result -> the outputs it gives (its own, then any samples it starts)."""
         request = self.by_seq.get(seq_id)
@@ -410,11 +446,17 @@ class Scheduler:
             out.prompt_logprobs = [None, *request.prompt_logprobs]
             request.prompt_delivered = True
         if result.token is not None:
-            request.output.append(result.token)
             request.previous_token, request.last_token = request.last_token, now
-            out.new_token_ids = [result.token]
-            out.new_logprobs = [result.logprob] if result.logprob is not None else None
-            out.finish_reason = self._finish_reason(request, result.token)
+            out.new_token_ids, logprobs = [], []
+            for token, logprob in [(result.token, result.logprob), *result.extra]:  # until one finishes it
+                request.output.append(token)
+                out.new_token_ids.append(token)
+                logprobs.append(logprob)
+                out.finish_reason = self._finish_reason(request, token)
+                if out.finish_reason is not None:
+                    break
+            out.new_logprobs = logprobs if result.logprob is not None else None
+            request.drafts = list(result.drafts)
             if result.siblings:  # before the parent may go: the samples fork its cache
                 samples = self._start_samples(request, result.siblings, out.prompt_logprobs, now)
         elif request.params.max_tokens == 0 and not request.scoring and \

@@ -15,7 +15,8 @@ import torch
 from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
-from dsconv.runner.engine.sampler import step_results
+from dsconv.runner.engine.sampler import step_results, verify
+from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
@@ -169,10 +170,13 @@ class InputBuilder:
 
 
 class Worker:
-    """One rank's side of a step: its DP index's batch through the model and the sampler."""
+    """One rank's side of a step: its DP index's batch through the model and the sampler, and with speculative
+    decoding the MTP layer's drafts for the next step."""
 
-    def __init__(self, model, cache: KVCache, dist: Dist, dp_index: int, grammars: Grammars | None = None):
+    def __init__(self, model, cache: KVCache, dist: Dist, dp_index: int, grammars: Grammars | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
+        self.speculative = speculative
         self.inputs = InputBuilder(cache)
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
@@ -192,6 +196,7 @@ class Worker:
             self.dist.plan_step([self.inputs.step_rows(b) for b in plan])
         try:
             logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
+            drafts = self._draft(batch, inputs, logits, plan) if self.speculative is not None else None
         finally:
             self.dist.plan_step(None)
         if inputs.dummy:
@@ -199,4 +204,69 @@ class Worker:
             return [] if self.reports else None
         if not self.reports:
             return None
-        return step_results(batch.for_sampler(), logits, self.grammars)
+        results = step_results(batch.for_sampler(), logits, self.grammars)
+        for result, proposed in zip(results, drafts or ()):
+            result.drafts.extend(proposed)
+        return results
+
+    def _draft(self, batch: Batch, inputs: StepInputs, logits: torch.Tensor, plan: list[Batch] | None
+               ) -> list[list[int]]:
+        """Speculative decoding, on every rank (each runs the MTP layer's collectives the same number of times):
+        per sequence of the batch the drafts its SampleSpec.propose asks for (speculative.py). The verified tokens
+        are recomputed here from the logits, as the sampler computes them (sampler.verify: the same logits and the
+        same seeded numbers give the same tokens on every rank)."""
+        k, model, device = self.speculative.num_speculative_tokens, self.model, self.cache.device
+        proposing = [] if inputs.dummy or batch.cp is not None else \
+            [i for i, spec in enumerate(batch.samples) if spec is not None and spec.propose]
+        next_tokens = torch.zeros(inputs.tokens.shape[0], dtype=torch.long, device=device)
+        rows, positions, logit_at = [], [], 0  # the proposing sequences' last accepted row, and its position
+        for i in range(len(batch.seq_ids) if not inputs.dummy and batch.cp is None else 0):
+            start, stop, context = batch.span(i)
+            spec, scores = batch.samples[i], batch.scores[i]
+            next_tokens[start:stop - 1] = inputs.tokens[start + 1:stop]
+            if batch.follow[i] is not None:
+                next_tokens[stop - 1] = batch.follow[i]
+            logit_at += len(scores.targets) if scores is not None else 0
+            if spec is None:
+                continue
+            k_i = len(spec.drafts)
+            if spec.propose:
+                accepted = verify(logits[logit_at:logit_at + k_i + 1], spec)
+                rows.append(stop - 1 - k_i + len(accepted) - 1)
+                positions.append(context - (stop - rows[-1]))
+                next_tokens[rows[-1]] = accepted[-1]
+            logit_at += k_i + 1
+        self.dist.plan_step(self._mtp_plan(plan, 1))
+        hidden = model.mtp(model, model.hidden, next_tokens, inputs.meta, self.cache)
+        drafts: list[list[int]] = [[] for _ in batch.seq_ids]
+        chain = list(zip(proposing, rows))  # (sequence, its row in `hidden`) still drafting
+        position_of = dict(zip(proposing, positions))
+        for j in range(1, k + 1):
+            picked = torch.tensor([row for _, row in chain], dtype=torch.long, device=device)
+            tokens = model.logits(model.mtp.norm(hidden[picked])).argmax(dim=-1)
+            for (i, _), token in zip(chain, tokens.tolist()):
+                drafts[i].append(token)
+            if j == k:
+                break
+            chain_batch, kept = Batch(), []
+            for n, (i, row) in enumerate(chain):
+                if batch.samples[i].propose > j:
+                    position = position_of[i] + j
+                    chain_batch.add(batch.seq_ids[i], [drafts[i][-1]], position + 1, batch.block_tables[i],
+                                    self.cache.block_size, None, None)
+                    kept.append(n)
+            self.dist.plan_step(self._mtp_plan(plan, j + 1))
+            hidden = model.mtp(model, hidden[picked[kept]], tokens[kept], self.inputs.meta(chain_batch), self.cache)
+            chain = [(chain[n][0], m) for m, n in enumerate(kept)]
+        return drafts
+
+    def _mtp_plan(self, plan: list[Batch] | None, j: int) -> list[tuple[int, int]] | None:
+        """The (tokens, logit rows) of every DP index's j-th MTP pass, from the step plan: the step's tokens and its
+        drafting sequences for the first, the sequences still drafting for the chained ones."""
+        if plan is None:
+            return None
+        counts = []
+        for b in plan:
+            drafting = sum(1 for spec in b.samples if spec is not None and spec.propose >= j)  # none when idle
+            counts.append((self.inputs.step_rows(b)[0] if j == 1 else drafting, drafting))
+        return counts

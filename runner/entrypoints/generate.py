@@ -31,6 +31,7 @@ class Generated:
     cp_prefills: int = 0  # prompts a context-parallel group prefilled
     cached_tokens: list[int] = field(default_factory=list)  # per prompt: its tokens found in the prefix cache
     ranks: list[dict] = field(default_factory=list)  # per rank: comm_s (inside collectives), steps
+    speculative: dict | None = None  # --speculative-config: the drafts, accepted ones, mean acceptance length
 
 
 def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None,
@@ -67,6 +68,13 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
         first = stamps[0] if stamps else started
         result.prefill_s, result.decode_s = first - started, (stamps[-1] - first) if stamps else 0.0
         result.cp_prefills = engine.scheduler.cp_prefills
+        if run.speculative is not None:
+            spec = engine.scheduler.spec
+            result.speculative = {"num_speculative_tokens": run.speculative.num_speculative_tokens,
+                                  "num_drafts": spec.drafts, "num_draft_tokens": spec.draft_tokens,
+                                  "num_accepted_tokens": spec.accepted_tokens,
+                                  "accepted_per_pos": spec.accepted_per_pos or [],
+                                  "mean_acceptance_length": spec.mean_acceptance_length}
     else:
         engine.run()
     ranks = gather_to_rank0({"comm_s": engine.worker.dist.comm_seconds, "steps": engine.worker.steps})
@@ -91,6 +99,8 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
     tokenizer = printer = None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"dsrun: {run.cache_summary()}", file=sys.stderr, flush=True)
+        if run.speculative is not None:
+            print(f"dsrun: {run.speculative.summary}", file=sys.stderr, flush=True)
         tokenizer = TextTokenizer.load(run.shards, run.model_config)
         printer = None if json_output else _Streamer(tokenizer)
 
@@ -118,7 +128,7 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                   "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                               "wall_s": seconds},
                   "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap,
-                  "cached_prompt_tokens": result.cached_tokens}
+                  "cached_prompt_tokens": result.cached_tokens, "speculative": result.speculative}
         if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
             report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
                                     "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}
@@ -130,8 +140,16 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
     console.print(f"[dim]{sum(map(len, prompts))} prompt tokens ({sum(result.cached_tokens)} cached), "
                   f"{sum(map(len, result.generated))} new tokens; "
                   f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall; "
-                  f"shared experts {'overlapped' if overlap else 'not overlapped'}[/]",
-                  highlight=False)
+                  f"shared experts {'overlapped' if overlap else 'not overlapped'}"
+                  f"{_speculative_line(result.speculative)}[/]", highlight=False)
+
+
+def _speculative_line(spec: dict | None) -> str:
+    if spec is None:
+        return ""
+    return (f"; MTP {spec['num_speculative_tokens']} drafts a step: mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f} ({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} "
+            f"drafts accepted)")
 
 
 class _Streamer:

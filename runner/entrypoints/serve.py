@@ -66,7 +66,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
             torch.distributed.barrier()  # every rank has loaded
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({layout.world_size} ranks, "
               f"DP {layout.dp} x attention TP {layout.attn_tp}, EP {layout.ep}); {run.cache_summary()}; "
-              f"max_model_len {engine.max_model_len}; {run.overlap_summary}", flush=True)
+              f"max_model_len {engine.max_model_len}; {run.overlap_summary}"
+              f"{'; ' + run.speculative.summary if run.speculative is not None else ''}", flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)
     finally:

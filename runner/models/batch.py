@@ -41,6 +41,10 @@ class SampleSpec:
     output: tuple[int, ...] = ()  # with a grammar: the request's output so far (a matcher rebuilt replays it)
     siblings: tuple[int, ...] = ()  # seeds of further samples drawn from the same row at the same index (n > 1)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the row's logits before anything
+    # speculative decoding (engine/speculative.py): the drafts the chunk's last len(drafts) tokens are, verified by
+    # its last len(drafts) + 1 rows (sampler.verify); and how many drafts the MTP layer proposes for the next step
+    drafts: tuple[int, ...] = ()
+    propose: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,9 @@ class Batch:
     # [S]: (block index, state block) pairs whose state this step writes; empty without them (v4_cache.py)
     state_blocks: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
     restores: list[Restore] = field(default_factory=list)  # sequences started from published state, after releases
+    # [S] speculative decoding: the token after a sequence's chunk when it is known (a prompt fed in chunks), the
+    # MTP layer's input at the chunk's last row; None where the step draws it
+    follow: list[int | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,8 +136,9 @@ class Batch:
 
     def add(self, seq_id: int, tokens: list[int], context_len: int, block_table: list[int], block_size: int,
             sample: SampleSpec | None, scores: PromptScores | None,
-            state_blocks: tuple[tuple[int, int], ...] = ()) -> None:
+            state_blocks: tuple[tuple[int, int], ...] = (), follow: int | None = None) -> None:
         self.seq_ids.append(seq_id)
+        self.follow.append(follow)
         self.state_blocks.append(state_blocks)
         self.input_ids.extend(tokens)
         self.query_start_loc.append(self.query_start_loc[-1] + len(tokens))
@@ -164,7 +172,7 @@ class Batch:
             if self.scores[i] is not None:
                 rows.extend(range(start, start + len(self.scores[i].targets)))
             if self.samples[i] is not None:
-                rows.append(stop - 1)
+                rows.extend(range(stop - 1 - len(self.samples[i].drafts), stop))
         return rows
 
     def validate(self, block_size: int, num_blocks: int) -> None:
@@ -174,7 +182,7 @@ class Batch:
             return
         n = len(self.seq_ids)
         lengths = {"context_lens": self.context_lens, "block_tables": self.block_tables, "samples": self.samples,
-                   "scores": self.scores, "state_blocks": self.state_blocks}
+                   "scores": self.scores, "state_blocks": self.state_blocks, "follow": self.follow}
         for name, values in lengths.items():
             _check(len(values) == n, f"{name} has {len(values)} entries for {n} sequences")
         _check(len(set(self.seq_ids)) == n, f"a sequence appears twice: {self.seq_ids}")
@@ -206,6 +214,11 @@ class Batch:
             first, last = (context - query) // block_size, (context - 1) // block_size
             _check(all(first <= index <= last for index, _ in self.state_blocks[i]),
                    f"sequence {seq_id} writes the state of a block outside its step's {first}..{last}")
+            sample = self.samples[i]
+            if sample is not None:
+                _check(len(sample.drafts) < query and (not sample.drafts or self.scores[i] is None)
+                       and self.follow[i] is None, f"sequence {seq_id} verifies {len(sample.drafts)} drafts in a "
+                       f"chunk of {query} tokens (scored: {self.scores[i] is not None}, follow: {self.follow[i]})")
             scored = self.scores[i]
             if scored is not None:
                 room = query - (1 if self.samples[i] is not None else 0)

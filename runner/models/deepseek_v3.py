@@ -344,23 +344,67 @@ class MoE:
         return attention_tp_unshare(self.dist, out, x.shape[0])
 
 
-class DeepseekV3:
+class DecoderLayer:
+    """One decoder layer: attention and its MLP (dense or MoE), each after its norm, each added to the residual."""
+
+    def __init__(self, cfg: V3Config, w: RankWeights, layer: int, dist: Dist, dtype: torch.dtype):
+        p = f"model.layers.{layer}"
+        self.attn_norm = RMSNorm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, w, f"{p}.self_attn", dist, dtype)
+        self.mlp_norm = RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype)
+        self.mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(layer) else mlp(w, f"{p}.mlp", dtype)
+
+    def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
+        x = x + self.attn(self.attn_norm(x), step_rope, cache, layer, meta, scale)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MultiTokenPredictor:
+    """DeepSeek's MTP layer (the checkpoint's layer num_hidden_layers): at position t it takes the main model's
+    final hidden state h_t (after its norm) and the embedding of the token at t + 1, and predicts the token at
+    t + 2 through the main model's lm_head. eh_proj mixes [enorm(embedding), hnorm(h)] (that order); the
+    embedding is zero at position 0; then one decoder layer with attention over its own cache layer (the cache's
+    last), and shared_head.norm before the head. vLLM and SGLang read the hub's weights the same way. The
+    layer's copies of the embedding and head (`embed_tokens`, `shared_head.head`) are the main model's: dropped."""
+
     def __init__(self, cfg: V3Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+        layer = cfg.num_hidden_layers
+        p, eps = f"model.layers.{layer}", cfg.rms_norm_eps
+        self.enorm = RMSNorm(w, f"{p}.enorm.weight", eps, dtype)
+        self.hnorm = RMSNorm(w, f"{p}.hnorm.weight", eps, dtype)
+        self.eh_proj = Proj(w, f"{p}.eh_proj", dtype)
+        self.block = DecoderLayer(cfg, w, layer, dist, dtype)
+        self.norm = RMSNorm(w, f"{p}.shared_head.norm.weight", eps, dtype)
+        for name in (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight"):
+            w.discard(name)
+        self.cache_layer = layer
+
+    def __call__(self, model: DeepseekV3, hidden: torch.Tensor, next_tokens: torch.Tensor, meta: StepMeta,
+                 cache: LatentCache) -> torch.Tensor:
+        """hidden [T, H] the main model's (or the previous draft step's) states at meta's positions, next_tokens
+        [T] the tokens one position later -> the MTP layer's states [T, H] (its cache entries written on the way);
+        `model.logits(self.norm(...))` gives its predictions."""
+        model.dist.start_step(next_tokens.shape[0])
+        e = cast(model.embed(next_tokens), model.dtype)  # embedding TP: an exchange
+        e = e.masked_fill((meta.positions == 0)[:, None], 0)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+        return self.block(x, model.step_rope(meta.positions), cache, self.cache_layer, meta, model.scale)
+
+
+class DeepseekV3:
+    def __init__(self, cfg: V3Config, w: RankWeights, dist: Dist, dtype: torch.dtype, mtp: bool = False):
+        """mtp: load the checkpoint's MTP layer (speculative decoding); without it its tensors are dropped."""
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
         self.embed = VocabParallelEmbedding(w.take("model.embed_tokens.weight"), cfg.vocab_size, dist)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            ffn = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(i) else mlp(w, f"{p}.mlp", dtype)
-            self.layers.append((RMSNorm(w, f"{p}.input_layernorm.weight", cfg.rms_norm_eps, dtype),
-                                Attention(cfg, w, f"{p}.self_attn", dist, dtype),
-                                RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype), ffn))
+        self.layers = [DecoderLayer(cfg, w, i, dist, dtype) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(w, "model.norm.weight", cfg.rms_norm_eps, dtype)
         # [vocab / tp, hidden]: this rank's vocabulary rows
         self.head = ParallelLMHead(Proj.of(w.take("lm_head.weight").to(dtype), None), cfg.vocab_size, dist)
+        self.mtp = MultiTokenPredictor(cfg, w, dist, dtype) if mtp else None
         for name in [n for n in w.tensors if _is_mtp(n, cfg)]:
-            w.discard(name)  # the MTP layer serves speculative decoding, which this runner does not do
+            w.discard(name)  # the MTP layer's, when it is not asked for (or a second one, which it chains instead)
         w.finish()
+        self.hidden: torch.Tensor | None = None  # with mtp: the last forward's final states [T, H], after the norm
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, dist.device)
         self.scale = softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling)
         # observe(layer index, its output [T, hidden]) after each layer and observe("logits", logits): set by
@@ -373,12 +417,13 @@ class DeepseekV3:
         self.dist.start_step(tokens.shape[0])
         x = cast(self.embed(tokens), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
-        for layer, (attn_norm, attn, mlp_norm, mlp) in enumerate(self.layers):
-            x = x + attn(attn_norm(x), step_rope, cache, layer, meta, self.scale)
-            x = x + mlp(mlp_norm(x))
+        for layer, block in enumerate(self.layers):
+            x = block(x, step_rope, cache, layer, meta, self.scale)
             if self.observe is not None:
                 self.observe(layer, x)
         h = self.norm(x)
+        if self.mtp is not None:
+            self.hidden = h
         logits = self.logits(h if rows is None else h[rows])
         if self.observe is not None:
             self.observe("logits", logits)

@@ -1,0 +1,324 @@
+"""MTP speculative decoding (runner/engine/speculative.py, deepseek_v3.MultiTokenPredictor), on the tiny V3.2 in
+float32 (index_topk 8: the MTP layer's indexer selects too):
+- the MTP layer's drafts equal a reference built from transformers' own V3.2 decoder layer, loaded with the
+  checkpoint's MTP block, and its norms and projection;
+- verification and rollback with an oracle drafter (the tokens decoding without speculation gives, wrong at a chosen
+  draft position): exact tokens and the acceptance counts that follow, through chunked prefill, decodes beside
+  prefills, preemption, prefix-cache hits and the INT8 cache;
+- the real MTP layer's drafts do not depend on how the steps are cut, and the tokens never change;
+- at world 16 (DP16 / EP16 / lm_head TP16) the tokens equal world 1's without speculation."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from dsconv.errors import InputError
+from dsconv.family.layout import Layout
+from dsconv.runner.engine import sampler, worker as worker_module
+from dsconv.runner.engine.config import RunConfig, SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.engine.speculative import SpeculativeConfig, accept_greedy
+from dsconv.runner.models.batch import SampleSpec
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import build_model
+from dsconv.runner.models.weights import load_manifest
+from tests.helpers import generate_ranks, shard
+from tests.mtp_training import mtp_layer
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def v32(tiny_source, tmp_path_factory):
+    shards = tmp_path_factory.mktemp("speculative") / "w1"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(1, 1, 1, 1))
+    model, cfg, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, mtp=True)
+    return shards, model, new_cache
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run(model, new_cache, prompts, k, budget=4096, cache_tokens=1024, kv_cache_dtype="auto", repeat=1,
+        max_num_seqs=4, new_tokens=NEW_TOKENS):
+    """The prompts (each `repeat` times, one round after another) through one engine, greedy -> (tokens per prompt
+    and round, the drafts proposed {(request id, position they start at): drafts}, the scheduler)."""
+    cache = new_cache(cache_tokens, kv_cache_dtype, block_size=16, max_seqs=max_num_seqs)
+    core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
+                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+                      speculative=SpeculativeConfig("mtp", k) if k else None)
+    s, tokens, drafts = core.scheduler, {}, {}
+    for round_ in range(repeat):
+        for i, prompt in enumerate(prompts):
+            s.add(f"{round_}-{i}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0), None)
+        while s.has_work:
+            for request, out in core.step():
+                tokens.setdefault(request.request_id, []).extend(out.new_token_ids)
+            for request in s.running[0]:
+                if request.drafts:
+                    drafts[request.request_id, len(request.tokens)] = tuple(request.drafts)
+    return [tokens[f"{r}-{i}"] for r in range(repeat) for i in range(len(prompts))], drafts, s
+
+
+def test_config_refusals():
+    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)
+    for text, message in [("{", "is not JSON"), ("[1]", "must be a JSON object"),
+                          ('{"method": "eagle", "num_speculative_tokens": 1}', "method 'eagle' is not one of mtp"),
+                          ('{"method": "mtp", "num_speculative_tokens": 4}', "4 must be an integer from 1 to 3"),
+                          ('{"method": "mtp", "num_speculative_tokens": 0}', "0 must be an integer from 1 to 3"),
+                          ('{"method": "mtp", "num_speculative_tokens": true}', "True must be an integer"),
+                          ('{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}', "keys dsrun does not take")]:
+        with pytest.raises(InputError, match=message):
+            SpeculativeConfig.parse(text)
+    assert accept_greedy([5, 6, 7], (5, 6)) == [5, 6, 7]  # both accepted, then the bonus token
+    assert accept_greedy([5, 9, 7], (5, 6)) == [5, 9]  # the second rejected: the target's token instead
+    assert accept_greedy([4, 6, 7], (5, 6)) == [4]
+
+
+def mtp_reference(source, ids: list[int], scratch) -> list[int]:
+    """transformers' V3.2 on the bf16 source, then its MTP layer as the hub's weights describe it, the block being
+    transformers' own decoder layer (tests/mtp_training.py) -> at each position t < len(ids) - 1 the argmax the layer
+    predicts for position t + 2."""
+    main = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    weights = {}
+    for path in sorted(source.glob("*.safetensors")):
+        weights.update(load_file(path))
+    config = json.loads((source / "config.json").read_text())
+    mtp = mtp_layer(main, config, weights, config["num_hidden_layers"], scratch)
+    with torch.no_grad():
+        return mtp.logits(main, torch.tensor([ids]))[0].argmax(dim=-1).tolist()
+
+
+def test_mtp_drafts_equal_a_transformers_reference(v32, tiny_source, tmp_path):
+    _, model, new_cache = v32
+    prompts = prompts_of((37, 9))
+    tokens, drafts, _ = run(model, new_cache, prompts, k=1)
+    assert drafts
+    for i, prompt in enumerate(prompts):
+        predicted = mtp_reference(tiny_source("deepseek_v32", "bf16"), prompt + tokens[i], tmp_path / f"mtp-{i}")
+        mine = {position: d for (request, position), d in drafts.items() if request == f"0-{i}"}
+        assert len(mine) >= NEW_TOKENS - 1
+        assert {position: d[0] for position, d in mine.items()} == {p: predicted[p - 2] for p in mine}
+
+
+def oracle_drafter(core_of, full, wrong_at):
+    """A Worker._draft that proposes what decoding without speculation gives next (`full`: request id -> prompt +
+    its tokens), each draft at position `wrong_at` replaced by another token; the verified tokens recomputed from
+    the logits as the worker does."""
+    def draft(worker, batch, inputs, logits, plan):
+        scheduler, out, at = core_of(), [], 0
+        for i, seq_id in enumerate(batch.seq_ids):
+            spec, scores = batch.samples[i], batch.scores[i]
+            at += len(scores.targets) if scores is not None else 0
+            if spec is None:
+                out.append([])
+                continue
+            k_i = len(spec.drafts)
+            emitted = accept_greedy(logits[at:at + k_i + 1].argmax(dim=-1).tolist(), spec.drafts)
+            at += k_i + 1
+            _, _, context = batch.span(i)
+            known = context - k_i + len(emitted)
+            right = full[scheduler.by_seq[seq_id].request_id][known:known + spec.propose]
+            out.append([(t + 1) % 500 if j == wrong_at else t for j, t in enumerate(right)])
+        return out
+    return draft
+
+
+@pytest.mark.parametrize("budget,cache_tokens,kv_cache_dtype", [(4096, 1024, "auto"), (7, 1024, "int8"),
+                                                                 (9, 96, "auto")])
+def test_oracle_drafts_verify_and_roll_back(v32, monkeypatch, budget, cache_tokens, kv_cache_dtype):
+    """Budget 7: every prompt in chunks, decodes beside them; a 96-token cache: preemption; each prompt twice, the
+    second round from the prefix cache. With drafts right up to position `wrong_at` (k = 3), each verification
+    accepts exactly those before it: the per-position counts show it, the tokens never change."""
+    _, model, new_cache = v32
+    prompts = prompts_of((37, 5, 21), seed=1)
+    base, _, _ = run(model, new_cache, prompts, 0, budget, cache_tokens, kv_cache_dtype, repeat=2)
+    full = {f"{r}-{i}": prompts[i] + base[r * len(prompts) + i] for r in range(2) for i in range(len(prompts))}
+    holder = {}
+    original = new_engine
+
+    def engine_kept(*args, **kwargs):
+        holder["core"] = original(*args, **kwargs)
+        return holder["core"]
+
+    monkeypatch.setattr(f"{__name__}.new_engine", engine_kept)
+    for wrong_at in (None, 0, 1, 2):
+        monkeypatch.setattr(worker_module.Worker, "_draft", oracle_drafter(lambda: holder["core"].scheduler, full,
+                                                                          wrong_at))
+        got, _, s = run(model, new_cache, prompts, 3, budget, cache_tokens, kv_cache_dtype, repeat=2)
+        assert got == base, wrong_at
+        spec = s.spec  # near max_tokens, and where the budget cuts them, fewer than 3 drafts are verified
+        assert spec.drafts and not any(spec.accepted_per_pos[3 if wrong_at is None else wrong_at:]), (wrong_at, spec)
+        if wrong_at is None:
+            assert spec.accepted_tokens == spec.draft_tokens, spec
+        if wrong_at != 0:  # the first draft of every verification is right
+            assert spec.accepted_per_pos[0] == spec.drafts, spec
+        if budget == 4096:
+            assert s.prefix_hits > 0
+        if cache_tokens == 96:
+            assert s.preemptions > 0
+
+
+def test_mtp_drafts_do_not_depend_on_the_steps(v32):
+    """The real MTP layer, k = 3 (chained on its own states): the drafts proposed at each position of each request
+    are the same whether the prompts run whole or in chunks of 7 tokens beside each other's decodes, and the
+    tokens equal those without speculation."""
+    _, model, new_cache = v32
+    prompts = prompts_of((37, 5, 21), seed=2)
+    base, _, _ = run(model, new_cache, prompts, 0)
+    whole, drafts_whole, s = run(model, new_cache, prompts, 3)
+    chunked, drafts_chunked, _ = run(model, new_cache, prompts, 3, budget=7)
+    assert whole == chunked == base
+    assert drafts_whole == drafts_chunked and s.spec.drafts >= len(prompts) * 3
+
+
+@pytest.mark.slow
+def test_world_16_tokens_equal_world_1_without_speculation(v32, tiny_source, tmp_path):
+    """DP16 / EP16 / lm_head TP16, k = 2: each rank drafts for its own requests through the MTP layer's EP
+    exchange and lm_head gather; the tokens equal world 1's without speculation, and drafts were verified."""
+    _, model, new_cache = v32
+    prompts = prompts_of((37, 5, 21, 9), seed=3)
+    base, _, _ = run(model, new_cache, prompts, 0)
+    shards = tmp_path / "w16"
+    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(16, 16, 16, 1))
+    got = generate_ranks(shards, tmp_path / "results", prompts, "float32", NEW_TOKENS,
+                         speculative=SpeculativeConfig("mtp", 2))
+    assert got["generated"] == base
+    assert got["speculative"]["num_drafts"] > 0 and got["speculative"]["num_speculative_tokens"] == 2
+
+
+def test_speculation_needs_mtp_v3_shards_and_no_cp(v32, tiny_source, tmp_path):
+    """Each refusal is one line: shards without an MTP layer, a family without drafting, context parallelism."""
+    shards, _, _ = v32
+    config = SpeculativeConfig("mtp", 1)
+    run = RunConfig.open(shards, speculative=config)
+    assert run.speculative == config and "MTP, 1 draft token a step (greedy" in run.speculative.summary
+    no_mtp = dict(run.manifest, tensors=[dict(t, mtp=False) for t in run.manifest["tensors"] if not t["mtp"]])
+    with pytest.raises(InputError, match="holds no MTP layer"):
+        dataclasses.replace(run, manifest=no_mtp)._check_speculative()
+    with pytest.raises(InputError, match="does not combine with --prefill-context-parallel-size"):
+        dataclasses.replace(run, scheduler=SchedulerConfig(cp_size=2, cp_min_tokens=1))._check_speculative()
+    v4 = tmp_path / "v4"
+    shard(tiny_source("deepseek_v4", "fp8"), v4, Layout(1, 1, 1, 1))
+    with pytest.raises(InputError, match="implemented for deepseek_v3, deepseek_v32 shards so far, not deepseek_v4"):
+        RunConfig.open(v4, speculative=config)
+
+
+def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """NumPy's reading of the documented sampling rule: softmax at the temperature, the top_k most likely tokens, of
+    them the smallest prefix whose mass reaches top_p, renormalized."""
+    z = logits.double().numpy() / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = order[:min(top_k, max(1, int((before < top_p).sum())))]
+    out = np.zeros_like(p)
+    out[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+DRAWS = 6000
+TOP_TOKENS = 8
+
+
+def test_speculative_sampling_keeps_the_target_distribution(v32, monkeypatch):
+    """The tiny V3.2's next-token logits after a prompt, at temperature 0.5, top_k 50, top_p 0.95: over 6,000 seeds
+    the first token speculative sampling emits, the draft being the second most likely token, follows the target
+    distribution (NumPy's reading of the rule): a chi-square test over the 8 most likely tokens and the rest passes.
+    It fails for a biased rule that on a rejection draws from the whole distribution, the draft included."""
+    _, model, new_cache = v32
+    cache = new_cache(256, "auto", block_size=16, max_seqs=1)
+    from dsconv.runner.engine.worker import InputBuilder
+    from dsconv.runner.models.batch import Batch
+
+    batch = Batch()
+    batch.add(0, prompts_of((20,), seed=5)[0], 20, list(range(2)), 16, None, None)
+    inputs = InputBuilder(cache)(batch)
+    with torch.no_grad():
+        logits = model.forward(inputs.tokens, inputs.meta, cache)[-1]
+    temperature, top_k, top_p = 0.5, 50, 0.95
+    p = expected_distribution(logits, temperature, top_k, top_p)
+    top = np.argsort(-p, kind="stable")[:TOP_TOKENS]
+    draft = int(top[1])
+
+    def pvalue() -> float:
+        counts = np.zeros(TOP_TOKENS + 1)
+        for seed in range(DRAWS):
+            spec = SampleSpec(temperature, top_p, top_k, seed, 0, None, drafts=(draft,), propose=1)
+            token = sampler.verify(torch.stack([logits, logits]), spec)[0]
+            hit = np.nonzero(top == token)[0]
+            counts[hit[0] if len(hit) else TOP_TOKENS] += 1
+        expected = DRAWS * np.append(p[top], 1 - p[top].sum())
+        return chisquare(counts, expected).pvalue
+
+    fair = pvalue()
+    monkeypatch.setattr(sampler, "without", lambda probs, token: probs)
+    biased = pvalue()
+    print(f"p(draft) {p[draft]:.3f}; chi-square p-values: the rule {fair:.3g}, the biased rule {biased:.3g}")
+    assert fair > 1e-3 and biased < 1e-9
+
+
+def test_sampled_requests_draft_and_repeat(v32):
+    """Seeded requests at temperature 1 with k = 2: drafts are verified by speculative sampling, every request
+    gets its tokens, and the same seeds give the same tokens again."""
+    _, model, new_cache = v32
+    prompts = prompts_of((17, 30), seed=6)
+
+    def sampled():
+        cache = new_cache(1024, "auto", block_size=16, max_seqs=4)
+        core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096,
+                          eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=4),
+                          speculative=SpeculativeConfig("mtp", 2))
+        out = {}
+        for i, prompt in enumerate(prompts):
+            core.scheduler.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=7 + i),
+                               None)
+        while core.scheduler.has_work:
+            for request, o in core.step():
+                out.setdefault(request.request_id, []).extend(o.new_token_ids)
+        return [out[str(i)] for i in range(len(prompts))], core.scheduler.spec
+
+    first, spec = sampled()
+    assert [len(t) for t in first] == [NEW_TOKENS] * 2 and spec.drafts > 0
+    assert sampled()[0] == first
+
+
+# The trained V3.2's MTP layer (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: 1.58 measured
+# (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost nothing (1.00
+# on the random fixture), so this bound tells a working layer from a broken one whatever the CPU rounds.
+TRAINED_ACCEPTANCE_MIN = 1.4
+TRAINED_NEW_TOKENS = 48
+
+
+def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards):
+    """The trained V3.2 (BF16 shards of its hub-format checkpoint, float32 compute): held-out text, 48 tokens each,
+    with k = 1 and 3: the tokens of decoding without speculation, and a mean acceptance length at k = 1 of at least
+    TRAINED_ACCEPTANCE_MIN."""
+    from tokenizers import Tokenizer
+
+    from tests.trained import heldout_texts, trained_source
+
+    shards, _ = trained_shards("deepseek_v32")
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, mtp=True)
+    tokenizer = Tokenizer.from_file(str(trained_source("deepseek_v32") / "tokenizer.json"))
+    text = "\n".join(heldout_texts())
+    prompts = [tokenizer.encode(text[i * 5000:i * 5000 + 600]).ids for i in range(4)]
+    base, _, _ = run(model, new_cache, prompts, 0, cache_tokens=4096, new_tokens=TRAINED_NEW_TOKENS)
+    for k in (1, 3):
+        got, _, s = run(model, new_cache, prompts, k, cache_tokens=4096, new_tokens=TRAINED_NEW_TOKENS)
+        assert got == base, k
+        print(f"k={k}: mean acceptance length {s.spec.mean_acceptance_length:.2f}, per position "
+              f"{[round(c / s.spec.drafts, 2) for c in s.spec.accepted_per_pos]}")
+        if k == 1:
+            assert s.spec.mean_acceptance_length >= TRAINED_ACCEPTANCE_MIN
