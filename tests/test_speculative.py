@@ -182,6 +182,29 @@ def test_mtp_drafts_do_not_depend_on_the_steps(v32):
     assert drafts_whole == drafts_chunked and s.spec.drafts >= len(prompts) * 3
 
 
+def test_a_cache_that_just_holds_the_request(v32, monkeypatch):
+    """A 20-token prompt and 12 new tokens in a cache of exactly 32 tokens, k = 3, with the MTP layer's drafts and
+    with drafts that are all right: near the end the drafts and the MTP layer's chained passes stop where the
+    request's table does; the request finishes with its tokens, no preemption."""
+    _, model, new_cache = v32
+    prompts = prompts_of((20,), seed=4)
+    base, _, _ = run(model, new_cache, prompts, 0, cache_tokens=32, max_num_seqs=1)
+    real, _, s = run(model, new_cache, prompts, 3, cache_tokens=32, max_num_seqs=1)  # the MTP layer's own drafts
+    assert real == base and s.preemptions == 0
+    full = {"0-0": prompts[0] + base[0]}
+    holder = {}
+    original = new_engine
+
+    def engine_kept(*args, **kwargs):
+        holder["core"] = original(*args, **kwargs)
+        return holder["core"]
+
+    monkeypatch.setattr(f"{__name__}.new_engine", engine_kept)
+    monkeypatch.setattr(worker_module.Worker, "_draft", oracle_drafter(lambda: holder["core"].scheduler, full, None))
+    got, _, s = run(model, new_cache, prompts, 3, cache_tokens=32, max_num_seqs=1)
+    assert got == base and s.preemptions == 0 and s.spec.accepted_tokens > 0
+
+
 @pytest.mark.slow
 def test_world_16_tokens_equal_world_1_without_speculation(v32, tiny_source, tmp_path):
     """DP16 / EP16 / lm_head TP16, k = 2: each rank drafts for its own requests through the MTP layer's EP
@@ -322,3 +345,44 @@ def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards):
               f"{[round(c / s.spec.drafts, 2) for c in s.spec.accepted_per_pos]}")
         if k == 1:
             assert s.spec.mean_acceptance_length >= TRAINED_ACCEPTANCE_MIN
+
+
+def test_server_streams_accepted_drafts_with_the_target_logprobs(trained_shards, tmp_path):
+    """`dsrun serve --speculative-config` (k = 2) on the trained V3.2 through the openai client: a greedy streamed
+    completion gives the tokens and logprobs of the same completion without speculation in process (the target's),
+    some chunks carry several tokens (accepted drafts), and /metrics counts the drafts and acceptances."""
+    import httpx
+    from tokenizers import Tokenizer
+
+    from tests.helpers import Server
+    from tests.trained import heldout_texts, trained_source
+
+    shards, _ = trained_shards("deepseek_v32")
+    text = "\n".join(heldout_texts())[:400]
+    prompt = Tokenizer.from_file(str(trained_source("deepseek_v32") / "tokenizer.json")).encode(text).ids
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+    core = new_engine(model, new_cache(1024, block_size=16, max_seqs=1), Dist(), vocab_size=model.cfg.vocab_size,
+                      max_model_len=4096, eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=1))
+    core.scheduler.add("x", prompt, SamplingParams(max_tokens=32, temperature=0.0, logprobs=1), None)
+    want, want_logprobs = [], []
+    while core.scheduler.has_work:
+        for _, out in core.step():
+            want += out.new_token_ids
+            want_logprobs += [lp.logprob for lp in out.new_logprobs]
+    server = Server(shards, tmp_path / "serve.log", "--dtype", "float32", "--speculative-config",
+                    '{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        chunks = list(server.openai().completions.create(
+            model=server.openai().models.list().data[0].id, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+            logprobs=1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    finally:
+        assert server.stop() == 0, server.log()
+    parts = [[int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens] for c in chunks if c.choices]
+    assert [t for part in parts for t in part] == want and max(map(len, parts)) >= 2
+    logprobs = [lp for c in chunks if c.choices for lp in c.choices[0].logprobs.token_logprobs]
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    for name in ("num_drafts", "num_accepted_tokens"):
+        line = next(line for line in metrics.splitlines() if line.startswith(f"dsrun:spec_decode_{name}_total"))
+        assert float(line.split()[-1]) > 0, line
+    assert 'dsrun:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in metrics

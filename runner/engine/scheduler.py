@@ -222,7 +222,7 @@ class Scheduler:
                 continue
             while scheduled < len(running) and budget > 0:
                 request = running[scheduled]
-                n = min(len(request.tokens) + len(request.drafts) - request.num_computed, budget)
+                n = min(len(request.tokens) + len(self._usable_drafts(request)) - request.num_computed, budget)
                 while pool.missing(request.seq_id, self._room(request, n)) > pool.num_free:
                     self._preempt(running.pop(), rank, batch)  # the newest: never one already scheduled
                     preempted[rank] += 1
@@ -353,15 +353,23 @@ class Scheduler:
         plain = params.grammar is None and not params.logit_bias and request.forked
         return self.speculative_tokens if plain else 0
 
+    @staticmethod
+    def _usable_drafts(request: Request) -> list[int]:
+        """A decoding request's drafts it can still use: no more than the tokens it may emit after the first."""
+        return request.drafts[:max(0, request.params.max_tokens - len(request.output) - 1)]
+
     def _room(self, request: Request, n: int) -> int:
         """The tokens a request's table must hold to feed n more: with speculative decoding, also the positions the
-        MTP layer's chained drafts write past them (its own cache layer)."""
-        return request.num_computed + n + max(0, self._proposes(request) - 1)
+        MTP layer's chained drafts write past them (its own cache layer), never past the request's longest length
+        (the worker stops drafting where the table ends)."""
+        longest = len(request.prompt) + request.params.max_tokens
+        return min(request.num_computed + n + max(0, self._proposes(request) - 1),
+                   max(longest, request.num_computed + n))
 
     def _feed(self, batch: Batch, pool: BlockPool, request: Request, n: int) -> int:
         start, stop, known = request.num_computed, request.num_computed + n, len(request.tokens)
-        drafts = request.drafts[:max(0, stop - known)]  # fed after its last token, a decoding request's
-        table = pool.grow(request.seq_id, self._room(request, n))
+        drafts = self._usable_drafts(request)[:max(0, stop - known)]  # fed after its last token, when decoding
+        table = pool.grow(request.seq_id, self._room(request, stop - start))
         sample = self._sample_spec(request, drafts) if stop >= known else None
         follow = request.tokens[stop] if self.speculative_tokens and stop < known else None
         params = request.params
@@ -379,7 +387,7 @@ class Scheduler:
         batch.add(request.seq_id, (request.tokens + drafts)[start:stop], stop, table, pool.block_size, sample, scores,
                   state, follow)
         request.num_computed, request.verifying, request.drafts = stop, len(drafts), []
-        return n
+        return stop - start
 
     def _preempt(self, request: Request, rank: int, batch: Batch) -> None:
         self.preemptions += 1

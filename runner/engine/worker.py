@@ -217,7 +217,7 @@ class Worker:
         same seeded numbers give the same tokens on every rank)."""
         k, model, device = self.speculative.num_speculative_tokens, self.model, self.cache.device
         proposing = [] if inputs.dummy or batch.cp is not None else \
-            [i for i, spec in enumerate(batch.samples) if spec is not None and spec.propose]
+            [i for i in range(len(batch.seq_ids)) if self._drafts(batch, i, 1)]
         next_tokens = torch.zeros(inputs.tokens.shape[0], dtype=torch.long, device=device)
         rows, positions, logit_at = [], [], 0  # the proposing sequences' last accepted row, and its position
         for i in range(len(batch.seq_ids) if not inputs.dummy and batch.cp is None else 0):
@@ -250,9 +250,8 @@ class Worker:
                 break
             chain_batch, kept = Batch(), []
             for n, (i, row) in enumerate(chain):
-                if batch.samples[i].propose > j:
-                    position = position_of[i] + j
-                    chain_batch.add(batch.seq_ids[i], [drafts[i][-1]], position + 1, batch.block_tables[i],
+                if self._drafts(batch, i, j + 1):  # the next chained pass writes position_of[i] + j
+                    chain_batch.add(batch.seq_ids[i], [drafts[i][-1]], position_of[i] + j + 1, batch.block_tables[i],
                                     self.cache.block_size, None, None)
                     kept.append(n)
             self.dist.plan_step(self._mtp_plan(plan, j + 1))
@@ -267,6 +266,15 @@ class Worker:
             return None
         counts = []
         for b in plan:
-            drafting = sum(1 for spec in b.samples if spec is not None and spec.propose >= j)  # none when idle
+            drafting = sum(self._drafts(b, i, j) for i in range(len(b.seq_ids)))  # none when idle
             counts.append((self.inputs.step_rows(b)[0] if j == 1 else drafting, drafting))
         return counts
+
+    def _drafts(self, batch: Batch, i: int, j: int) -> bool:
+        """Whether sequence i of `batch` drafts a j-th token this step, known from the batch alone (every rank
+        counts every DP index's): its SampleSpec asks for j, and the (j - 1)-th chained pass, which writes at most
+        position context - 1 + j - 1 (all drafts accepted), stays within its block table."""
+        spec = batch.samples[i] if batch.cp is None else None
+        if spec is None or spec.propose < j:
+            return False
+        return batch.context_lens[i] - 1 + j - 1 < len(batch.block_tables[i]) * self.cache.block_size
