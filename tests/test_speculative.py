@@ -134,16 +134,9 @@ def oracle_drafter(core_of, full, wrong_at):
     return draft
 
 
-@pytest.mark.parametrize("budget,cache_tokens,kv_cache_dtype", [(4096, 1024, "auto"), (7, 1024, "int8"),
-                                                                 (9, 96, "auto")])
-def test_oracle_drafts_verify_and_roll_back(v32, monkeypatch, budget, cache_tokens, kv_cache_dtype):
-    """Budget 7: every prompt in chunks, decodes beside them; a 96-token cache: preemption; each prompt twice, the
-    second round from the prefix cache. With drafts right up to position `wrong_at` (k = 3), each verification
-    accepts exactly those before it: the per-position counts show it, the tokens never change."""
-    _, model, new_cache = v32
-    prompts = prompts_of((37, 5, 21), seed=1)
-    base, _, _ = run(model, new_cache, prompts, 0, budget, cache_tokens, kv_cache_dtype, repeat=2)
-    full = {f"{r}-{i}": prompts[i] + base[r * len(prompts) + i] for r in range(2) for i in range(len(prompts))}
+@pytest.fixture
+def oracle(monkeypatch):
+    """oracle(full, wrong_at): the engines `run` builds from now on draft with `oracle_drafter`."""
     holder = {}
     original = new_engine
 
@@ -152,9 +145,25 @@ def test_oracle_drafts_verify_and_roll_back(v32, monkeypatch, budget, cache_toke
         return holder["core"]
 
     monkeypatch.setattr(f"{__name__}.new_engine", engine_kept)
+
+    def install(full, wrong_at):
+        monkeypatch.setattr(worker_module.Worker, "_draft",
+                            oracle_drafter(lambda: holder["core"].scheduler, full, wrong_at))
+    return install
+
+
+@pytest.mark.parametrize("budget,cache_tokens,kv_cache_dtype", [(4096, 1024, "auto"), (7, 1024, "int8"),
+                                                                 (9, 96, "auto")])
+def test_oracle_drafts_verify_and_roll_back(v32, oracle, budget, cache_tokens, kv_cache_dtype):
+    """Budget 7: every prompt in chunks, decodes beside them; a 96-token cache: preemption; each prompt twice, the
+    second round from the prefix cache. With drafts right up to position `wrong_at` (k = 3), each verification
+    accepts exactly those before it: the per-position counts show it, the tokens never change."""
+    _, model, new_cache = v32
+    prompts = prompts_of((37, 5, 21), seed=1)
+    base, _, _ = run(model, new_cache, prompts, 0, budget, cache_tokens, kv_cache_dtype, repeat=2)
+    full = {f"{r}-{i}": prompts[i] + base[r * len(prompts) + i] for r in range(2) for i in range(len(prompts))}
     for wrong_at in (None, 0, 1, 2):
-        monkeypatch.setattr(worker_module.Worker, "_draft", oracle_drafter(lambda: holder["core"].scheduler, full,
-                                                                          wrong_at))
+        oracle(full, wrong_at)
         got, _, s = run(model, new_cache, prompts, 3, budget, cache_tokens, kv_cache_dtype, repeat=2)
         assert got == base, wrong_at
         spec = s.spec  # near max_tokens, and where the budget cuts them, fewer than 3 drafts are verified
@@ -182,7 +191,7 @@ def test_mtp_drafts_do_not_depend_on_the_steps(v32):
     assert drafts_whole == drafts_chunked and s.spec.drafts >= len(prompts) * 3
 
 
-def test_a_cache_that_just_holds_the_request(v32, monkeypatch):
+def test_a_cache_that_just_holds_the_request(v32, oracle):
     """A 20-token prompt and 12 new tokens in a cache of exactly 32 tokens, k = 3, with the MTP layer's drafts and
     with drafts that are all right: near the end the drafts and the MTP layer's chained passes stop where the
     request's table does; the request finishes with its tokens, no preemption."""
@@ -192,15 +201,7 @@ def test_a_cache_that_just_holds_the_request(v32, monkeypatch):
     real, _, s = run(model, new_cache, prompts, 3, cache_tokens=32, max_num_seqs=1)  # the MTP layer's own drafts
     assert real == base and s.preemptions == 0
     full = {"0-0": prompts[0] + base[0]}
-    holder = {}
-    original = new_engine
-
-    def engine_kept(*args, **kwargs):
-        holder["core"] = original(*args, **kwargs)
-        return holder["core"]
-
-    monkeypatch.setattr(f"{__name__}.new_engine", engine_kept)
-    monkeypatch.setattr(worker_module.Worker, "_draft", oracle_drafter(lambda: holder["core"].scheduler, full, None))
+    oracle(full, None)
     got, _, s = run(model, new_cache, prompts, 3, cache_tokens=32, max_num_seqs=1)
     assert got == base and s.preemptions == 0 and s.spec.accepted_tokens > 0
 
