@@ -178,3 +178,86 @@ def train_mtp(main: nn.Module, mtp: MtpLayer, batches, dense_topk: int, log) -> 
                 log(f"MTP indexer warm-up {step}: KL {loss.item():.4f}")
     mtp.block.eval()
     return mtp
+
+
+V4_MTP_ONLY = ("e_proj", "h_proj", "enorm", "hnorm")  # mtp.0's own linears and norms (its hc_head and norm aside)
+
+
+@dataclass
+class V4MtpLayer:
+    """DeepSeek-V4's MTP layer (`mtp.0.*`) in transformers' terms, as DeepSeek's model.py computes it: at position t,
+    e_proj(enorm(embedding of token t + 1)) added to every stream of h_proj(hnorm(the main model's final streams at
+    t, before hc_head)); then one decoder layer like the main model's over those streams, its own hc_head and norm,
+    and the main model's head predict token t + 2. The decoder layer, hc_head and norm are those of a one-layer
+    transformers DeepseekV4ForCausalLM loaded from the layer's hub tensors (`block`), run on the streams as
+    DeepseekV4Model.forward runs its layers (transformers' model only takes embeddings it copies into every
+    stream)."""
+    enorm: nn.Module
+    hnorm: nn.Module
+    e_proj: nn.Linear
+    h_proj: nn.Linear
+    block: nn.Module
+
+    def inputs(self, main: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] -> the block's input streams [B, S - 1, hc_mult, hidden] at positions 0 .. S - 2."""
+        captured = {}
+        hook = main.model.hc_head.register_forward_pre_hook(lambda module, args: captured.setdefault("s", args[0]))
+        try:
+            with torch.no_grad():
+                main.model(input_ids=ids)
+                e = main.model.embed_tokens(ids[:, 1:])
+        finally:
+            hook.remove()
+        streams = captured["s"][:, :-1]
+        return self.e_proj(self.enorm(e))[:, :, None] + self.h_proj(self.hnorm(streams))
+
+    def logits(self, main: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] -> [B, S - 1, vocab]: at position t the prediction for token t + 2."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        x = self.inputs(main, ids)
+        model = self.block.model
+        positions = torch.arange(x.shape[1])[None]
+        first = x[:, :, 0]
+        mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=first, attention_mask=None,
+                                                 past_key_values=None, position_ids=positions)
+        rope = {kind: model.rotary_emb(first, position_ids=positions, layer_type=kind) for kind in ("main", "compress")}
+        for layer in model.layers:
+            x = layer(x, position_embeddings=rope, position_ids=positions, attention_mask=mask, input_ids=ids[:, 1:],
+                      past_key_values=None)
+        return self.block.lm_head(model.norm(model.hc_head(x)))
+
+
+def v4_mtp_layer(source_config: dict, weights: dict[str, torch.Tensor], scratch: Path) -> V4MtpLayer:
+    """The MTP layer of hub-named V4 `weights` (mtp.0.*, with the main model's embed.weight and head.weight): its
+    block, hc_head and norm written to `scratch` as a one-layer hub checkpoint and loaded back by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    prefix, state = "mtp.0.", {}
+    for name, t in weights.items():
+        rest = name.removeprefix(prefix)
+        if rest == name or rest.split(".")[0] in V4_MTP_ONLY:
+            continue
+        top = rest.startswith("hc_head_") or rest == "norm.weight"  # the layer's head part: the model's top level
+        state[rest if top else f"layers.0.{rest}"] = t
+    state.update({"embed.weight": weights["embed.weight"], "head.weight": weights["head.weight"]})
+    config = dict(source_config)
+    layers = config["num_hidden_layers"]
+    config.update(num_hidden_layers=1, num_hash_layers=0, num_nextn_predict_layers=0,
+                  compress_ratios=source_config["compress_ratios"][layers:layers + 1])
+    config.pop("quantization_config", None)
+    scratch.mkdir(parents=True)
+    (scratch / "config.json").write_text(json.dumps(config))
+    save_file({name: t.detach().float().clone().contiguous() for name, t in state.items()},
+              scratch / "model.safetensors")
+    block = AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32)
+    norm_type = type(block.model.norm)
+    hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+    modules = {}
+    for name in ("enorm", "hnorm"):
+        modules[name] = norm_type(hidden, eps)
+        modules[name].weight.data = weights[f"{prefix}{name}.weight"].float().clone()
+    for name in ("e_proj", "h_proj"):
+        modules[name] = nn.Linear(hidden, hidden, bias=False)
+        modules[name].weight.data = weights[f"{prefix}{name}.weight"].float().clone()
+    return V4MtpLayer(block=block, **modules)

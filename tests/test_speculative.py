@@ -28,19 +28,42 @@ from dsconv.runner.engine.speculative import SpeculativeConfig, accept_greedy
 from dsconv.runner.models.batch import SampleSpec
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
+from dsconv.runner.models.v4_cache import speculative_windows
 from dsconv.runner.models.weights import load_manifest
 from tests.helpers import generate_ranks, shard
-from tests.mtp_training import mtp_layer
+from tests.mtp_training import mtp_layer, v4_mtp_layer
 
 NEW_TOKENS = 12
 
 
+FAMILIES = ("deepseek_v32", "deepseek_v4")
+
+
 @pytest.fixture(scope="module")
-def v32(tiny_source, tmp_path_factory):
-    shards = tmp_path_factory.mktemp("speculative") / "w1"
-    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(1, 1, 1, 1))
-    model, cfg, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, mtp=True)
-    return shards, model, new_cache
+def mtp_models(tiny_source, tmp_path_factory):
+    """mtp_models(family) -> (world-1 shards of the tiny checkpoint, the model with its MTP layer, its cache
+    factory with room for k = 3), built once per module."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            shards = tmp_path_factory.mktemp(f"speculative-{family}") / "w1"
+            shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
+            model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32,
+                                              speculative_tokens=3)
+            built[family] = shards, model, new_cache
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def v32(mtp_models):
+    return mtp_models("deepseek_v32")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def each_family(request, mtp_models):
+    return mtp_models(request.param)
 
 
 def prompts_of(lengths, seed=0):
@@ -86,7 +109,7 @@ def test_config_refusals():
 
 
 def mtp_reference(source, ids: list[int], scratch) -> list[int]:
-    """transformers' V3.2 on the bf16 source, then its MTP layer as the hub's weights describe it, the block being
+    """transformers' model on the bf16 source, then its MTP layer as the hub's weights describe it, the block being
     transformers' own decoder layer (tests/mtp_training.py) -> at each position t < len(ids) - 1 the argmax the layer
     predicts for position t + 2."""
     main = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -94,18 +117,24 @@ def mtp_reference(source, ids: list[int], scratch) -> list[int]:
     for path in sorted(source.glob("*.safetensors")):
         weights.update(load_file(path))
     config = json.loads((source / "config.json").read_text())
-    mtp = mtp_layer(main, config, weights, config["num_hidden_layers"], scratch)
+    if config["model_type"] == "deepseek_v4":
+        mtp = v4_mtp_layer(config, weights, scratch)
+    else:
+        mtp = mtp_layer(main, config, weights, config["num_hidden_layers"], scratch)
     with torch.no_grad():
         return mtp.logits(main, torch.tensor([ids]))[0].argmax(dim=-1).tolist()
 
 
-def test_mtp_drafts_equal_a_transformers_reference(v32, tiny_source, tmp_path):
-    _, model, new_cache = v32
+def test_mtp_drafts_equal_a_transformers_reference(each_family, tiny_source, tmp_path):
+    """k = 1: each draft is the reference MTP layer's prediction at its position (DeepSeek-V4: from the final
+    hyper-connection streams, through the layer's own hc_head)."""
+    shards, model, new_cache = each_family
+    family = load_manifest(shards)["model"]["config"]["model_type"]
     prompts = prompts_of((37, 9))
     tokens, drafts, _ = run(model, new_cache, prompts, k=1)
     assert drafts
     for i, prompt in enumerate(prompts):
-        predicted = mtp_reference(tiny_source("deepseek_v32", "bf16"), prompt + tokens[i], tmp_path / f"mtp-{i}")
+        predicted = mtp_reference(tiny_source(family, "bf16"), prompt + tokens[i], tmp_path / f"mtp-{i}")
         mine = {position: d for (request, position), d in drafts.items() if request == f"0-{i}"}
         assert len(mine) >= NEW_TOKENS - 1
         assert {position: d[0] for position, d in mine.items()} == {p: predicted[p - 2] for p in mine}
@@ -154,12 +183,14 @@ def oracle(monkeypatch):
 
 @pytest.mark.parametrize("budget,cache_tokens,kv_cache_dtype", [(4096, 1024, "auto"), (7, 1024, "int8"),
                                                                  (9, 96, "auto")])
-def test_oracle_drafts_verify_and_roll_back(v32, oracle, budget, cache_tokens, kv_cache_dtype):
+def test_oracle_drafts_verify_and_roll_back(each_family, oracle, budget, cache_tokens, kv_cache_dtype):
     """Budget 7: every prompt in chunks, decodes beside them; a 96-token cache: preemption; each prompt twice, the
     second round from the prefix cache. With drafts right up to position `wrong_at` (k = 3), each verification
-    accepts exactly those before it: the per-position counts show it, the tokens never change."""
-    _, model, new_cache = v32
-    prompts = prompts_of((37, 5, 21), seed=1)
+    accepts exactly those before it: the per-position counts show it, the tokens never change. DeepSeek-V4's
+    rejected rows cross its windows, compressor windows (4: CSA) and blocks."""
+    _, model, new_cache = each_family
+    # with room, one prompt decodes across position 127, where V4's HCA (ratio 128) pools its first window
+    prompts = prompts_of((37, 5, 21) + ((121,) if cache_tokens > 256 else ()), seed=1)
     base, _, _ = run(model, new_cache, prompts, 0, budget, cache_tokens, kv_cache_dtype, repeat=2)
     full = {f"{r}-{i}": prompts[i] + base[r * len(prompts) + i] for r in range(2) for i in range(len(prompts))}
     for wrong_at in (None, 0, 1, 2):
@@ -178,11 +209,11 @@ def test_oracle_drafts_verify_and_roll_back(v32, oracle, budget, cache_tokens, k
             assert s.preemptions > 0
 
 
-def test_mtp_drafts_do_not_depend_on_the_steps(v32):
+def test_mtp_drafts_do_not_depend_on_the_steps(each_family):
     """The real MTP layer, k = 3 (chained on its own states): the drafts proposed at each position of each request
     are the same whether the prompts run whole or in chunks of 7 tokens beside each other's decodes, and the
     tokens equal those without speculation."""
-    _, model, new_cache = v32
+    _, model, new_cache = each_family
     prompts = prompts_of((37, 5, 21), seed=2)
     base, _, _ = run(model, new_cache, prompts, 0)
     whole, drafts_whole, s = run(model, new_cache, prompts, 3)
@@ -191,11 +222,11 @@ def test_mtp_drafts_do_not_depend_on_the_steps(v32):
     assert drafts_whole == drafts_chunked and s.spec.drafts >= len(prompts) * 3
 
 
-def test_a_cache_that_just_holds_the_request(v32, oracle):
+def test_a_cache_that_just_holds_the_request(each_family, oracle):
     """A 20-token prompt and 12 new tokens in a cache of exactly 32 tokens, k = 3, with the MTP layer's drafts and
     with drafts that are all right: near the end the drafts and the MTP layer's chained passes stop where the
     request's table does; the request finishes with its tokens, no preemption."""
-    _, model, new_cache = v32
+    _, model, new_cache = each_family
     prompts = prompts_of((20,), seed=4)
     base, _, _ = run(model, new_cache, prompts, 0, cache_tokens=32, max_num_seqs=1)
     real, _, s = run(model, new_cache, prompts, 3, cache_tokens=32, max_num_seqs=1)  # the MTP layer's own drafts
@@ -207,22 +238,24 @@ def test_a_cache_that_just_holds_the_request(v32, oracle):
 
 
 @pytest.mark.slow
-def test_world_16_tokens_equal_world_1_without_speculation(v32, tiny_source, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_world_16_tokens_equal_world_1_without_speculation(mtp_models, family, tiny_source, tmp_path):
     """DP16 / EP16 / lm_head TP16, k = 2: each rank drafts for its own requests through the MTP layer's EP
     exchange and lm_head gather; the tokens equal world 1's without speculation, and drafts were verified."""
-    _, model, new_cache = v32
+    _, model, new_cache = mtp_models(family)
     prompts = prompts_of((37, 5, 21, 9), seed=3)
     base, _, _ = run(model, new_cache, prompts, 0)
     shards = tmp_path / "w16"
-    shard(tiny_source("deepseek_v32", "fp8"), shards, Layout(16, 16, 16, 1))
+    shard(tiny_source(family, "fp8"), shards, Layout(16, 16, 16, 1))
     got = generate_ranks(shards, tmp_path / "results", prompts, "float32", NEW_TOKENS,
                          speculative=SpeculativeConfig("mtp", 2))
     assert got["generated"] == base
     assert got["speculative"]["num_drafts"] > 0 and got["speculative"]["num_speculative_tokens"] == 2
 
 
-def test_speculation_needs_mtp_v3_shards_and_no_cp(v32, tiny_source, tmp_path):
-    """Each refusal is one line: shards without an MTP layer, a family without drafting, context parallelism."""
+def test_speculation_needs_mtp_shards_and_no_cp(v32, tiny_source, tmp_path):
+    """Each refusal is one line: shards without an MTP layer, context parallelism, a DeepSeek-V4 compress ratio
+    smaller than the drafts (rejected rows could complete two of its windows); V4 shards with MTP are taken."""
     shards, _, _ = v32
     config = SpeculativeConfig("mtp", 1)
     run = RunConfig.open(shards, speculative=config)
@@ -234,8 +267,10 @@ def test_speculation_needs_mtp_v3_shards_and_no_cp(v32, tiny_source, tmp_path):
         dataclasses.replace(run, scheduler=SchedulerConfig(cp_size=2, cp_min_tokens=1))._check_speculative()
     v4 = tmp_path / "v4"
     shard(tiny_source("deepseek_v4", "fp8"), v4, Layout(1, 1, 1, 1))
-    with pytest.raises(InputError, match="implemented for deepseek_v3, deepseek_v32 shards so far, not deepseek_v4"):
-        RunConfig.open(v4, speculative=config)
+    assert RunConfig.open(v4, speculative=SpeculativeConfig("mtp", 3)).speculative_tokens == 3
+    assert speculative_windows(4, 3) == 2 and speculative_windows(128, 0) == 1
+    with pytest.raises(InputError, match="num_speculative_tokens 3 exceeds deepseek_v4's compress ratio 2"):
+        speculative_windows(2, 3)
 
 
 def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -334,7 +369,7 @@ def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards):
     from tests.trained import heldout_texts, trained_source
 
     shards, _ = trained_shards("deepseek_v32")
-    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, mtp=True)
+    model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, speculative_tokens=3)
     tokenizer = Tokenizer.from_file(str(trained_source("deepseek_v32") / "tokenizer.json"))
     text = "\n".join(heldout_texts())
     prompts = [tokenizer.encode(text[i * 5000:i * 5000 + 600]).ids for i in range(4)]

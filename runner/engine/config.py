@@ -18,7 +18,7 @@ from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.models.weights import load_manifest
 
 DEFAULT_CACHE_TOKENS = 4096
-SPECULATIVE_FAMILIES = ("deepseek_v3", "deepseek_v32")  # whose MTP layer the runner drafts with
+SPECULATIVE_FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")  # whose MTP layer the runner drafts with
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,11 @@ class RunConfig:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
 
+    @property
+    def speculative_tokens(self) -> int:
+        """The drafts a step verifies (0: no speculative decoding)."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
     def _check_speculative(self) -> None:
         """MTP speculative decoding needs the MTP layer in the shards, a family the runner drafts for, no
         context-parallel prefill (whose shares the MTP layer does not take yet) and no NPU: each refusal one
@@ -132,7 +137,7 @@ class RunConfig:
         return model_for(self.family.name).cache_bytes(self.family.parse_config(self.model_config),
                                                        DTYPES[self.dtype], device, self.cache.dtype,
                                                        self.cache.block_size, self.scheduler.enable_prefix_caching,
-                                                       self.speculative is not None)
+                                                       self.speculative_tokens)
 
     @property
     def _idle(self) -> int:

@@ -125,7 +125,7 @@ def start_rank(run: RunConfig):
     dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size, overlap) \
         if torch.distributed.is_initialized() else Dist(device=rank_device(run.device), overlap_shared_experts=overlap)
     model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype],
-                                      mtp=run.speculative is not None)
+                                      speculative_tokens=run.speculative_tokens)
     return dist, model, new_cache
 
 

@@ -87,10 +87,14 @@ class V4Inputs:
         known = self.known.setdefault(seq.seq_id, {}).get(ratio)
         have = 0 if known is None else known.shape[0]
         new_start = seq.context_len - seq.query_len
-        if known is not None and (have > count or have < new_start // ratio):
+        if known is not None and have < new_start // ratio:
             raise ValueError(f"invalid step batch: sequence {seq.seq_id} has {have} entries of ratio {ratio} "
                              f"cached, its step (positions {new_start} .. {seq.context_len - 1}) needs "
                              f"{new_start // ratio} before it")
+        if have > new_start // ratio:  # a rewound step (the cache checked it): its rejected drafts' entries go
+            have = new_start // ratio
+            known = known[:have] if have else None
+            self.known[seq.seq_id][ratio] = known
         if have < count:
             block_size = self.cache.block_size
             new = torch.tensor([entry_slot(table, e, ratio, block_size) for e in range(have, count)],
@@ -122,4 +126,5 @@ class V4Inputs:
                 pool_slots = slots[pool_rows, pool_index]
             valid = lengths_mask(counts, device) if min(counts) < max(counts) else None
             entries[ratio] = V4Entries(slots, valid, pool_rows, pool_slots, pool_index)
-        return V4Decode(rows, positions, state, state[:, None] * window + seen % window, seen >= 0, entries)
+        ring = self.cache.window_rows
+        return V4Decode(rows, positions, state, state[:, None] * ring + seen % ring, seen >= 0, entries)

@@ -243,7 +243,7 @@ class Worker:
         position_of = dict(zip(proposing, positions))
         for j in range(1, k + 1):
             picked = torch.tensor([row for _, row in chain], dtype=torch.long, device=device)
-            tokens = model.logits(model.mtp.norm(hidden[picked])).argmax(dim=-1)
+            tokens = model.mtp.logits(model, hidden[picked]).argmax(dim=-1)
             for (i, _), token in zip(chain, tokens.tolist()):
                 drafts[i].append(token)
             if j == k:

@@ -383,12 +383,15 @@ class MultiTokenPredictor:
                  cache: LatentCache) -> torch.Tensor:
         """hidden [T, H] the main model's (or the previous draft step's) states at meta's positions, next_tokens
         [T] the tokens one position later -> the MTP layer's states [T, H] (its cache entries written on the way);
-        `model.logits(self.norm(...))` gives its predictions."""
+        `logits` gives its predictions."""
         model.dist.start_step(next_tokens.shape[0])
         e = cast(model.embed(next_tokens), model.dtype)  # embedding TP: an exchange
         e = e.masked_fill((meta.positions == 0)[:, None], 0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
         return self.block(x, model.step_rope(meta.positions), cache, self.cache_layer, meta, model.scale)
+
+    def logits(self, model: DeepseekV3, hidden: torch.Tensor) -> torch.Tensor:
+        return model.logits(self.norm(hidden))
 
 
 class DeepseekV3:

@@ -94,28 +94,36 @@ class Compressor:
         rows join the unfinished window's; each window they complete is pooled into its entry."""
         ratio, d = self.ratio, self.head_dim
         base = start // ratio * ratio  # the unfinished window's first position
-        ring = state * ratio  # the slot's first row: position p at ring + p % ratio
+        first = base // ratio  # its number
         kv, gate = new_kv, new_gate
-        if start > base:  # the window's rows from earlier steps
-            kv = torch.cat([pool.kv[ring:ring + start - base], new_kv])
-            gate = torch.cat([pool.gate[ring:ring + start - base], new_gate])
+        if start > base:  # the window's rows from earlier steps (a window's rows are consecutive in the slot)
+            row = pool.row(state, base)
+            kv = torch.cat([pool.kv[row:row + start - base], new_kv])
+            gate = torch.cat([pool.gate[row:row + start - base], new_gate])
         n = kv.shape[0] // ratio  # windows completed
         if n:
             windows, gates = kv[:n * ratio].view(n, ratio, -1), gate[:n * ratio].view(n, ratio, -1)
             prev_kv = prev_gate = None
             if self.overlap:  # each window after the previous one's first series (the slot's, for the first)
                 # copies: the slot's are overwritten below
-                prev_kv, prev_gate = pool.prev_kv[state][None].clone(), pool.prev_gate[state][None].clone()
+                before = pool.prev(state, first - 1)
+                prev_kv, prev_gate = pool.prev_kv[before][None].clone(), pool.prev_gate[before][None].clone()
                 if n > 1:
                     prev_kv = torch.cat([prev_kv, windows[:-1, :, :d]])
                     prev_gate = torch.cat([prev_gate, gates[:-1, :, :d]])
-                pool.prev_kv[state], pool.prev_gate[state] = windows[-1, :, :d], gates[-1, :, :d]
-            first = base // ratio
+                for w in range(max(0, n - pool.windows), n):  # the last ones the slot keeps
+                    keep = pool.prev(state, first + w)
+                    pool.prev_kv[keep], pool.prev_gate[keep] = windows[w, :, :d], gates[w, :, :d]
             index = torch.arange(first, first + n, device=kv.device)
             self.store(pool, slots[first:first + n], self.pool(windows, gates, prev_kv, prev_gate, index))
-        rest = kv.shape[0] - n * ratio  # the rows of the window still filling, at the slot's first rows
-        if rest:
-            pool.kv[ring:ring + rest], pool.gate[ring:ring + rest] = kv[n * ratio:], gate[n * ratio:]
+        # the slot keeps the rows of the window still filling, and of the `windows - 1` before it which a step that
+        # rewinds may pool again (rows from `base` on, one window at a time: each is consecutive in the slot)
+        stop = base + kv.shape[0]
+        for window_start in range(max(base, (stop // ratio - pool.windows + 1) * ratio), stop, ratio):
+            at = max(window_start, start)  # rows before `start` are the slot's already
+            rows = slice(at - base, min(window_start + ratio, stop) - base)
+            row = pool.row(state, at)
+            pool.kv[row:row + rows.stop - rows.start], pool.gate[row:row + rows.stop - rows.start] = kv[rows], gate[rows]
 
     def store(self, pool: CompressorPool, slots: torch.Tensor, entries: torch.Tensor) -> None:
         if self.rotation is not None and pool.entries.int8:
@@ -128,20 +136,22 @@ class Compressor:
         unfinished window; the windows these rows complete (entries.pool_rows) are pooled in one call, their
         entries written to their blocks."""
         ratio, d = self.ratio, self.head_dim
-        ring = group.state * ratio + group.positions % ratio
+        ring = pool.row(group.state, group.positions)
         pool.kv.index_copy_(0, ring, new_kv)
         pool.gate.index_copy_(0, ring, new_gate)
         if entries.pool_rows is None:
             return
-        states = group.state[entries.pool_rows]  # [k]
-        rows = (states[:, None] * ratio + torch.arange(ratio, device=states.device)).flatten()
+        states, index = group.state[entries.pool_rows], entries.pool_index  # [k]
+        first_rows = pool.row(states, index * ratio)  # each window's rows are consecutive in its slot
+        rows = (first_rows[:, None] + torch.arange(ratio, device=states.device)).flatten()
         kv = torch.index_select(pool.kv, 0, rows).view(-1, ratio, pool.kv.shape[1])  # [k, ratio, width]
         gate = torch.index_select(pool.gate, 0, rows).view(-1, ratio, pool.gate.shape[1])
         prev_kv = prev_gate = None
         if self.overlap:
-            prev_kv, prev_gate = pool.prev_kv[states], pool.prev_gate[states]
-            pool.prev_kv.index_copy_(0, states, kv[:, :, :d].contiguous())
-            pool.prev_gate.index_copy_(0, states, gate[:, :, :d].contiguous())
+            before, keep = pool.prev(states, index - 1), pool.prev(states, index)
+            prev_kv, prev_gate = pool.prev_kv[before], pool.prev_gate[before]
+            pool.prev_kv.index_copy_(0, keep, kv[:, :, :d].contiguous())
+            pool.prev_gate.index_copy_(0, keep, gate[:, :, :d].contiguous())
         self.store(pool, entries.pool_slots, self.pool(kv, gate, prev_kv, prev_gate, entries.pool_index))
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
@@ -312,9 +322,9 @@ class Attention:
         from the cache. A decode query sees its window (the last sliding_window keys, itself included) and every
         compressed entry, all complete once its row is pooled; on CSA layers only the indexer's index_topk of them,
         in entry order as `prefill` keeps them."""
-        cfg, window = self.cfg, self.cfg.sliding_window
+        cfg, ring = self.cfg, pool.window_rows
         B = q.shape[0]
-        pool.window.write(group.state * window + group.positions % window, kv)
+        pool.window.write(group.state * ring + group.positions % ring, kv)
         keys = [pool.window.read(group.window)]
         allowed = [group.window_valid]
         if self.compressor is not None:
@@ -340,17 +350,16 @@ class Attention:
         """One sequence's chunk of S > 1 new rows (their keys kv [S, head_dim], positions, their rows of the
         compressor's and the indexer's projections) -> (keys [K, head_dim]: its sliding window, then its compressed
         entries; allowed [S, K]: which of them each query sees). Its rows go into the cache on the way."""
-        window, state = self.cfg.sliding_window, prefill.state
+        window, state, ring = self.cfg.sliding_window, prefill.state, pool.window_rows
         stop = prefill.seq.context_len
         start = stop - kv.shape[0]
         first = max(0, start - window + 1)  # the first position the chunk's first query sees
-        ring = state * window
         keys = pool.window.stored(kv)  # the chunk's own keys as the cache keeps them (INT8: rounded alike)
         if start > first:  # the window's earlier keys, from the slot (before this chunk's overwrite them)
-            earlier = torch.arange(first, start, device=kv.device) % window + ring
+            earlier = torch.arange(first, start, device=kv.device) % ring + state * ring
             keys = torch.cat([pool.window.read(earlier), keys])
-        kept = max(start, stop - window)  # the positions the slot keeps for the next steps
-        pool.window.write(torch.arange(kept, stop, device=kv.device) % window + ring, kv[kept - start:])
+        kept = max(start, stop - ring)  # the positions the slot keeps for the next steps
+        pool.window.write(torch.arange(kept, stop, device=kv.device) % ring + state * ring, kv[kept - start:])
         key_positions = torch.arange(first, stop, device=positions.device)
         offset = positions[:, None] - key_positions[None, :]  # [S, K] query minus key position
         allowed = (offset >= 0) & (offset < window)
@@ -444,12 +453,14 @@ class HyperConnection:
 
 
 class HyperHead:
-    """The final collapse of the streams (a "pre" mix only) before the model's norm."""
+    """The final collapse of the streams (a "pre" mix only) before the model's norm (prefix "mtp.0.": the MTP
+    layer's own)."""
 
-    def __init__(self, cfg: V4Config, w: RankWeights):
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str = ""):
         self.cfg = cfg
-        self.fn, self.base = w.take("hc_head_fn").float(), w.take("hc_head_base").float()  # [m, m * D], [m]
-        self.scale = w.take("hc_head_scale").float()  # [1]
+        self.fn = w.take(f"{prefix}hc_head_fn").float()  # [m, m * D]
+        self.base = w.take(f"{prefix}hc_head_base").float()  # [m]
+        self.scale = w.take(f"{prefix}hc_head_scale").float()  # [1]
 
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.cfg.rms_norm_eps), self.fn)
@@ -458,13 +469,17 @@ class HyperHead:
 
 
 class Block:
-    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype):
-        p = f"layers.{layer}"
+    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype,
+                 prefix: str | None = None):
+        """layer: the decoder layer (prefix layers.{layer}), or num_hidden_layers + i for MTP layer i (its prefix
+        mtp.{i}; a MoE layer, its ratio the config's entry after the decoder layers')."""
+        p = prefix or f"layers.{layer}"
+        mlp_type = cfg.mlp_types[layer] if layer < cfg.num_hidden_layers else MlpType.MOE
         self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
         self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
         self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype)
         self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
-        self.ffn = MoE(cfg, w, f"{p}.ffn", cfg.mlp_types[layer], dist, dtype)
+        self.ffn = MoE(cfg, w, f"{p}.ffn", mlp_type, dist, dtype)
 
     def __call__(self, streams, tokens, meta: StepMeta, pool: LayerPool) -> torch.Tensor:
         """Attention's keys come from each sequence's own rows and cache (none sees another's); everything else,
@@ -476,8 +491,41 @@ class Block:
         return HyperConnection.merge(streams, post, comb, self.ffn(self.ffn_norm(x), tokens))
 
 
+class MultiTokenPredictor:
+    """DeepSeek-V4's MTP layer (`mtp.0.*`), as DeepSeek's own model.py computes it: at position t it takes the
+    main model's final hyper-connection streams at t (before hc_head) and the embedding of the token at t + 1,
+    and predicts the token at t + 2: e_proj(enorm(embedding)), added to every stream of h_proj(hnorm(streams));
+    one block like the decoder layers' (hyper-connections, attention over its own cache layer, the cache's last,
+    a MoE), then its own hc_head and norm before the main model's head. It shares the main model's embedding and
+    head (the hub ships no copy of either under mtp.0; vllm-ascend's output format adds one, which the shards
+    do not carry)."""
+
+    def __init__(self, cfg: V4Config, w: RankWeights, ropes: dict, dist: Dist, dtype: torch.dtype):
+        layer, p = cfg.num_hidden_layers, "mtp.0"
+        self.enorm, self.hnorm = norm(w, f"{p}.enorm.weight", cfg), norm(w, f"{p}.hnorm.weight", cfg)
+        self.e_proj, self.h_proj = Proj(w, f"{p}.e_proj", dtype), Proj(w, f"{p}.h_proj", dtype)
+        self.block = Block(cfg, w, layer, ropes, dist, dtype, prefix=p)
+        self.hc_head = HyperHead(cfg, w, f"{p}.")
+        self.norm = norm(w, f"{p}.norm.weight", cfg)
+        self.cache_layer = layer
+
+    def __call__(self, model: DeepseekV4, streams: torch.Tensor, next_tokens: torch.Tensor, meta: StepMeta,
+                 cache: V4Cache) -> torch.Tensor:
+        """streams [T, m, D] the main model's (or the previous draft pass's) at meta's positions, next_tokens [T]
+        the tokens one position later -> the MTP layer's streams [T, m, D] (its cache rows written on the way);
+        `logits` gives its predictions."""
+        model.dist.start_step(next_tokens.shape[0])
+        e = self.enorm(model.embed(next_tokens).to(model.dtype))  # embedding TP: an exchange
+        x = self.e_proj(e)[:, None] + self.h_proj(self.hnorm(streams))
+        return self.block(x, next_tokens, meta, cache.layers[self.cache_layer])
+
+    def logits(self, model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
+        return model.head(self.norm(self.hc_head(streams)))
+
+
 class DeepseekV4:
-    def __init__(self, cfg: V4Config, w: RankWeights, dist: Dist, dtype: torch.dtype):
+    def __init__(self, cfg: V4Config, w: RankWeights, dist: Dist, dtype: torch.dtype, mtp: bool = False):
+        """mtp: load the checkpoint's MTP layer (speculative decoding); without it its tensors are dropped."""
         if dist.attn_tp != 1:
             raise ValueError(f"attn_tp={dist.attn_tp}: DeepSeek-V4 attention TP is not implemented yet")
         self.cfg, self.dist, self.dtype = cfg, dist, dtype
@@ -491,9 +539,11 @@ class DeepseekV4:
         head = table if cfg.tie_word_embeddings else w.take("head.weight")
         # [vocab / tp, hidden]: this rank's vocabulary rows
         self.head = ParallelLMHead(Proj.of(head.to(dtype), None), cfg.vocab_size, dist)
+        self.mtp = MultiTokenPredictor(cfg, w, ropes, dist, dtype) if mtp else None
         for name in [n for n in w.tensors if n.startswith("mtp.")]:
-            w.discard(name)  # the MTP layers serve speculative decoding, which this runner does not do
+            w.discard(name)  # the MTP layer's, when it is not asked for (or a second one, which it chains instead)
         w.finish()
+        self.hidden: torch.Tensor | None = None  # with mtp: the last forward's final streams [T, m, D]
         # observe(layer index, its output streams [T, hc_mult, hidden]) after each layer and observe("logits",
         # logits): set by `dsrun compare` on the rank that records
         self.observe: Callable[[int | str, torch.Tensor], None] | None = None
@@ -512,6 +562,8 @@ class DeepseekV4:
             streams = block(streams, tokens, meta, cache.layers[layer])
             if self.observe is not None:
                 self.observe(layer, streams)
+        if self.mtp is not None:
+            self.hidden = streams
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))

@@ -26,12 +26,14 @@ from dsconv.runner.models.weights import load_rank
 @dataclass(frozen=True)
 class ModelEntry:
     new_model: Callable[..., Any]  # (config, RankWeights, Dist, dtype, mtp) -> model (mtp: with its MTP layer)
-    # (config, compute dtype, blocks, block_size, device, kv_cache_dtype, max_seqs, prefix_caching, mtp) -> a
-    # cache of that many blocks and sequence slots, ready for prefix caching if asked (DeepSeek-V4: with its state
-    # blocks), with a layer for the MTP layer if asked; the kv_cache_dtype is one the family accepts
+    # (config, compute dtype, blocks, block_size, device, kv_cache_dtype, max_seqs, prefix_caching,
+    # speculative_tokens) -> a cache of that many blocks and sequence slots, ready for prefix caching if asked
+    # (DeepSeek-V4: with its state blocks), with a layer for the MTP layer and room for steps that rewind over that
+    # many rejected drafts if speculative_tokens (0: no speculative decoding); the kv_cache_dtype is one the family
+    # accepts
     # (family.arch.check_kv_cache_dtype)
     new_cache: Callable[..., Any]
-    # (config, compute dtype, device, kv_cache_dtype, block_size, prefix_caching, mtp) -> (bytes of one block,
+    # (config, compute dtype, device, kv_cache_dtype, block_size, prefix_caching, speculative_tokens) -> (bytes of one block,
     # bytes of one sequence slot with its share of the state blocks), as the cache allocates them
     cache_bytes: Callable[..., tuple[int, int]]
     # (config, block_size) -> the state blocks one sequence slot brings with prefix caching (0: none needed)
@@ -39,36 +41,40 @@ class ModelEntry:
 
 
 def _latent_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto",
-                  max_seqs: int = DEFAULT_MAX_SEQS, prefix_caching: bool = True, mtp: bool = False,
+                  max_seqs: int = DEFAULT_MAX_SEQS, prefix_caching: bool = True, speculative_tokens: int = 0,
                   allocate_on=None):
     # entries in the dtype decode multiplies them in on `device` (float32 on CPU for a BF16 run, exact: BF16 values
     # convert losslessly), so a decode step reads the context as is instead of converting it in every layer; INT8
     # fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
     # the MTP layer's entries in one more layer, after the decoder layers' (deepseek_v3.MultiTokenPredictor)
-    return LatentCache(cfg.num_hidden_layers + mtp, blocks, block_size, cache_fields(cfg, kv_cache_dtype),
+    # (a rewound step writes the same slots again: nothing else to keep)
+    return LatentCache(cfg.num_hidden_layers + bool(speculative_tokens), blocks, block_size, cache_fields(cfg, kv_cache_dtype),
                        matmul_dtype_for(dtype, device), allocate_on or device, rest_dtype=dtype)
 
 
 def _latent_bytes(cfg, dtype: torch.dtype, device, kv_cache_dtype: str, block_size: int,
-                  prefix_caching: bool = True, mtp: bool = False) -> tuple[int, int]:
-    cache = _latent_cache(cfg, dtype, 0, block_size, device, kv_cache_dtype, mtp=mtp, allocate_on="meta")
+                  prefix_caching: bool = True, speculative_tokens: int = 0) -> tuple[int, int]:
+    cache = _latent_cache(cfg, dtype, 0, block_size, device, kv_cache_dtype, speculative_tokens=speculative_tokens,
+                          allocate_on="meta")
     return cache.bytes_per_token * block_size, 0  # nothing per sequence
 
 
 def _v4_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device, kv_cache_dtype: str = "auto",
-              max_seqs: int = DEFAULT_MAX_SEQS, prefix_caching: bool = True, mtp: bool = False):
+              max_seqs: int = DEFAULT_MAX_SEQS, prefix_caching: bool = True, speculative_tokens: int = 0):
     # entries, windows and state in the model dtype (INT8 entries and windows under kv_cache_dtype int8); the state
     # blocks prefix caching needs, in proportion to the sequence slots
     state_blocks = default_state_blocks(cfg, block_size, max_seqs) if prefix_caching else 0
     return V4Cache(cfg, blocks * block_size, dtype, device, block_size=block_size, max_seqs=max_seqs,
-                   kv_cache_dtype=kv_cache_dtype, state_blocks=state_blocks)
+                   kv_cache_dtype=kv_cache_dtype, state_blocks=state_blocks, speculative_tokens=speculative_tokens,
+                   mtp=bool(speculative_tokens))
 
 
 def _v4_bytes(cfg, dtype: torch.dtype, device, kv_cache_dtype: str, block_size: int,
-              prefix_caching: bool = True, mtp: bool = False) -> tuple[int, int]:
+              prefix_caching: bool = True, speculative_tokens: int = 0) -> tuple[int, int]:
     # one block and one slot with its state blocks, on the meta device (nothing allocated); "cpu" stands for itself,
     # anything else for an accelerator, whose one extra block and slot (the idle rank's) a budget counts apart
-    cache = _v4_cache(cfg, dtype, block_size, block_size, "meta", kv_cache_dtype, 1, prefix_caching)
+    cache = _v4_cache(cfg, dtype, block_size, block_size, "meta", kv_cache_dtype, 1, prefix_caching,
+                      speculative_tokens)
     return cache.bytes_per_block, cache.bytes_per_seq + cache.state_blocks * cache.bytes_per_state_block
 
 
@@ -92,18 +98,21 @@ class CacheFactory:
     `tokens` tokens per rank (whole blocks, rounded up), running up to max_seqs sequences at once, with what prefix
     caching needs (on by default, as the engine's --enable-prefix-caching)."""
 
-    def __init__(self, entry, cfg, dtype: torch.dtype, device: torch.device, mtp: bool = False):
-        self.entry, self.cfg, self.dtype, self.device, self.mtp = entry, cfg, dtype, device, mtp
+    def __init__(self, entry, cfg, dtype: torch.dtype, device: torch.device, speculative_tokens: int = 0):
+        self.entry, self.cfg, self.dtype, self.device = entry, cfg, dtype, device
+        self.speculative_tokens = speculative_tokens
 
     def __call__(self, tokens: int, kv_cache_dtype: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
                  max_seqs: int = DEFAULT_MAX_SEQS, prefix_caching: bool = True):
         return self.entry.new_cache(self.cfg, self.dtype, cache_blocks(tokens, block_size), block_size, self.device,
-                                    kv_cache_dtype, max_seqs, prefix_caching, self.mtp)
+                                    kv_cache_dtype, max_seqs, prefix_caching, self.speculative_tokens)
 
 
-def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype, mtp: bool = False):
-    """-> (model, its config, a CacheFactory for the cache its forward takes), by the shards' family; mtp: with the
-    checkpoint's MTP layer (speculative decoding), and a cache layer for it."""
+def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torch.dtype, speculative_tokens: int = 0):
+    """-> (model, its config, a CacheFactory for the cache its forward takes), by the shards' family;
+    speculative_tokens: with the checkpoint's MTP layer (speculative decoding of that many drafts a step), and a
+    cache for it."""
+    mtp = speculative_tokens > 0
     config = manifest["model"]["config"]
     family = family_for(config)
     entry = model_for(family.name)
@@ -111,4 +120,4 @@ def build_model(shards: Path, manifest: dict, rank: int, dist: Dist, dtype: torc
     flush_denormals(dist.device)  # the thread that builds the model is the one that runs it
     weights = load_rank(shards, manifest, rank, dist.device)
     model = entry.new_model(cfg, weights, dist, dtype, mtp) if mtp else entry.new_model(cfg, weights, dist, dtype)
-    return model, cfg, CacheFactory(entry, cfg, dtype, dist.device, mtp)
+    return model, cfg, CacheFactory(entry, cfg, dtype, dist.device, speculative_tokens)

@@ -103,7 +103,7 @@ def state_reach(cfg: V4Config, block_size: int) -> int:
     """The most tokens of state a hit at a block boundary restores: the window's keys before it, and a compressor
     window spanning blocks (the overlapping one's previous window too)."""
     reach = cfg.sliding_window - 1
-    for ratio in cfg.compress_ratios[:cfg.num_hidden_layers]:
+    for ratio in cfg.compress_ratios:  # the MTP layer's too
         if ratio > block_size:
             reach = max(reach, (2 if attn_type_of(ratio) is AttnType.CSA else 1) * ratio - 1)
         elif ratio and attn_type_of(ratio) is AttnType.CSA:
@@ -190,25 +190,46 @@ def _gather(stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class CompressorPool:
-    """One compressor's storage in one layer: its entries (paged) and each sequence slot's unfinished window."""
+    """One compressor's storage in one layer: its entries (paged) and each sequence slot's unfinished window.
+
+    A slot keeps `windows` windows of rows (position p at row p mod (windows * ratio)) and, overlapping, the first
+    series of the last `windows` complete windows (window w's at w mod windows). One of each suffices when every
+    step continues where the last stopped; speculative decoding rewinds over rejected drafts, whose rows may run
+    into the next window (and complete the current one): two keep the accepted rows and the previous window's
+    series that the rewound step still pools (`speculative_windows`)."""
     ratio: int
     overlap: bool
+    windows: int
     entries: Rows  # blocks * entry_slots rows
-    kv: torch.Tensor  # [slots * ratio, series * dim]: projected rows, sequence slot s at rows s * ratio + p % ratio
-    gate: torch.Tensor  # [slots * ratio, series * dim] float32: their gates, the window slot's bias `ape` added
-    prev_kv: torch.Tensor | None  # [slots, ratio, dim] overlap only: the last complete window's first series
-    prev_gate: torch.Tensor | None  # [slots, ratio, dim] float32; -inf before the first window
+    kv: torch.Tensor  # [slots * windows * ratio, series * dim]: projected rows
+    gate: torch.Tensor  # [slots * windows * ratio, series * dim] float32: their gates, the window slot's `ape` added
+    prev_kv: torch.Tensor | None  # [slots * windows, ratio, dim] overlap only: complete windows' first series
+    prev_gate: torch.Tensor | None  # [slots * windows, ratio, dim] float32; -inf before the first window
 
     @classmethod
     def allocate(cls, ratio: int, field: CacheField, overlap: bool, blocks: int, block_size: int, slots: int,
-                 dtype: torch.dtype, device: torch.device) -> CompressorPool:
+                 dtype: torch.dtype, device: torch.device, windows: int = 1) -> CompressorPool:
         dim = field.dim
         width = (2 if overlap else 1) * dim
         entries = Rows(blocks * entry_slots(ratio, block_size), field, dtype, device)
-        return cls(ratio, overlap, entries, torch.zeros(slots * ratio, width, dtype=dtype, device=device),
-                   torch.zeros(slots * ratio, width, dtype=torch.float32, device=device),
-                   torch.zeros(slots, ratio, dim, dtype=dtype, device=device) if overlap else None,
-                   torch.zeros(slots, ratio, dim, dtype=torch.float32, device=device) if overlap else None)
+        rows = slots * windows * ratio
+        return cls(ratio, overlap, windows, entries, torch.zeros(rows, width, dtype=dtype, device=device),
+                   torch.zeros(rows, width, dtype=torch.float32, device=device),
+                   torch.zeros(slots * windows, ratio, dim, dtype=dtype, device=device) if overlap else None,
+                   torch.zeros(slots * windows, ratio, dim, dtype=torch.float32, device=device) if overlap else None)
+
+    @property
+    def ring(self) -> int:
+        """Rows of projected rows per sequence slot."""
+        return self.windows * self.ratio
+
+    def row(self, slot, position):
+        """The row of a slot's position (ints or tensors alike)."""
+        return slot * self.ring + position % self.ring
+
+    def prev(self, slot, window):
+        """The row of prev_kv / prev_gate keeping complete window `window`'s first series."""
+        return slot * self.windows + window % self.windows
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.entries.tensors(), *(t for t in (self.kv, self.gate, self.prev_kv, self.prev_gate)
@@ -217,14 +238,28 @@ class CompressorPool:
     def start(self, slot: int) -> None:
         """A sequence starts in `slot`: no window before its first (its unfinished rows are written before read)."""
         if self.overlap:
-            self.prev_gate[slot] = float("-inf")
+            self.prev_gate[slot * self.windows:(slot + 1) * self.windows] = float("-inf")
 
     def copy_slot(self, source: int, target: int) -> None:
-        r = self.ratio
+        r, w = self.ring, self.windows
         self.kv[target * r:(target + 1) * r] = self.kv[source * r:(source + 1) * r]
         self.gate[target * r:(target + 1) * r] = self.gate[source * r:(source + 1) * r]
         if self.overlap:
-            self.prev_kv[target], self.prev_gate[target] = self.prev_kv[source], self.prev_gate[source]
+            self.prev_kv[target * w:(target + 1) * w] = self.prev_kv[source * w:(source + 1) * w]
+            self.prev_gate[target * w:(target + 1) * w] = self.prev_gate[source * w:(source + 1) * w]
+
+
+def speculative_windows(ratio: int, speculative_tokens: int) -> int:
+    """Windows a compressor's slot keeps (CompressorPool) when steps may rewind over up to `speculative_tokens`
+    rejected drafts: a step's rows, the rejected ones included, reach at most speculative_tokens - 1 positions past
+    the next step's first, so they stay within the window after the rewound one's while speculative_tokens <=
+    ratio, and only the last complete window is one a rewound step pools again."""
+    if not speculative_tokens:
+        return 1
+    if speculative_tokens > ratio:
+        raise InputError(f"--speculative-config num_speculative_tokens {speculative_tokens} exceeds deepseek_v4's "
+                         f"compress ratio {ratio}: rejected drafts could complete two windows")
+    return 2
 
 
 @dataclass
@@ -255,7 +290,8 @@ class LayerState:
 
 @dataclass
 class LayerPool:
-    window: Rows  # slots * sliding_window rows: slot s, position p at row s * window + p % window
+    window: Rows  # slots * window_rows rows: slot s, position p at row s * window_rows + p % window_rows
+    window_rows: int  # per slot: sliding_window, plus the drafts a speculative step may rewind over
     compressor: CompressorPool | None  # CSA and HCA layers
     indexer: CompressorPool | None  # CSA layers: the indexer's own compressed keys
     state: LayerState | None = None  # with prefix caching: the state blocks' rows of this layer
@@ -271,32 +307,46 @@ class LayerPool:
 class V4Cache(KVCache):
     def __init__(self, cfg: V4Config, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int = DEFAULT_MAX_SEQS, kv_cache_dtype: str = "auto",
-                 state_blocks: int = 0):
+                 state_blocks: int = 0, speculative_tokens: int = 0, mtp: bool = False):
         """capacity_tokens: the tokens the paged groups hold (whole blocks); max_seqs: the sequence slots; entries,
         windows and state in `dtype` (the model's compute dtype; INT8 with kv_cache_dtype int8, but the unfinished
-        windows), gates in float32; state_blocks: the state blocks prefix caching keeps (0: no prefix caching)."""
-        check_geometry(cfg.compress_ratios[:cfg.num_hidden_layers], block_size)
+        windows), gates in float32; state_blocks: the state blocks prefix caching keeps (0: no prefix caching);
+        speculative_tokens: the drafts a step verifies, which it may rewind over (`advance`); mtp: one more layer,
+        after the decoder layers', for the MTP layer (deepseek_v4.MultiTokenPredictor).
+
+        A step of speculative decoding writes its rejected drafts' rows too. A window row is written over by the
+        position sliding_window later, so the slot's window keeps sliding_window + speculative_tokens rows: a
+        rejected row then never replaces one the rewound step still sees; the compressors keep two windows
+        (`speculative_windows`). Rejected rows themselves are written over by the next step, which writes the
+        same positions before it reads them; the entries they complete live in blocks past the accepted tokens,
+        which no prefix hit reads before they are written again."""
+        layer_ratios = cfg.compress_ratios[:cfg.num_hidden_layers + mtp]
+        check_geometry(layer_ratios, block_size)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         fields = cache_fields(cfg, kv_cache_dtype)
         self.block_size, self.max_seqs = block_size, max_seqs
         self.num_blocks = cache_blocks(capacity_tokens, block_size)
         self.window = cfg.sliding_window
+        self.window_rows = cfg.sliding_window + speculative_tokens
+        self.speculative_tokens = speculative_tokens
         # on an accelerator an idle rank's throwaway token writes into one block past the pool's, which no sequence
         # is ever given, and takes a slot of its own (one more than max_seqs: the idle rank runs nothing else)
         npu = takes_npu_path(self.device)
         self.dummy_block = self.num_blocks if npu else None
         blocks, slots = self.num_blocks + npu, max_seqs + npu
         self.layers: list[LayerPool] = []
-        for ratio in cfg.compress_ratios[:cfg.num_hidden_layers]:
+        for ratio in layer_ratios:
             attn_type, compressor, indexer = attn_type_of(ratio), None, None
             if attn_type is not AttnType.SLIDING:
                 compressor = CompressorPool.allocate(ratio, fields["kv"], attn_type is AttnType.CSA, blocks,
-                                                     block_size, slots, dtype, self.device)
+                                                     block_size, slots, dtype, self.device,
+                                                     speculative_windows(ratio, speculative_tokens))
             if attn_type is AttnType.CSA:
-                indexer = CompressorPool.allocate(cfg.csa_compress_rate, fields["index_k"], True, blocks, block_size,
-                                                  slots, dtype, self.device)
-            window = Rows(slots * self.window, fields["kv"], dtype, self.device)
-            layer = LayerPool(window, compressor, indexer)
+                csa = cfg.csa_compress_rate
+                indexer = CompressorPool.allocate(csa, fields["index_k"], True, blocks, block_size, slots, dtype,
+                                                  self.device, speculative_windows(csa, speculative_tokens))
+            window = Rows(slots * self.window_rows, fields["kv"], dtype, self.device)
+            layer = LayerPool(window, self.window_rows, compressor, indexer)
             if state_blocks:
                 layer.state = LayerState(block_size, Rows(state_blocks * block_size, fields["kv"], dtype, self.device),
                                          [self._compressor_state(c, state_blocks) for c in layer.compressors()])
@@ -347,10 +397,10 @@ class V4Cache(KVCache):
         """Bytes one sequence slot takes: every layer's window and compressor state."""
         per_slot = 0
         for layer in self.layers:
-            per_slot += layer.window.row_bytes * self.window
+            per_slot += layer.window.row_bytes * self.window_rows
             for c in layer.compressors():
-                per_slot += c.kv[:c.ratio].nbytes + c.gate[:c.ratio].nbytes
-                per_slot += c.prev_kv[0].nbytes + c.prev_gate[0].nbytes if c.overlap else 0
+                per_slot += c.kv[:c.ring].nbytes + c.gate[:c.ring].nbytes
+                per_slot += c.prev_kv[:c.windows].nbytes + c.prev_gate[:c.windows].nbytes if c.overlap else 0
         return per_slot
 
     @property
@@ -367,10 +417,13 @@ class V4Cache(KVCache):
 
     def advance(self, seq_id: int, start: int, stop: int) -> None:
         """The sequence's positions start .. stop - 1 come this step: a new sequence (start 0) takes a slot; a running
-        one must continue where it stopped (no gap, no rewind)."""
-        if self.lengths.get(seq_id, 0) != start:
+        one must continue where it stopped (no gap), or with speculative decoding up to speculative_tokens
+        positions before, over the rejected drafts of its last step (or the MTP layer's chained passes)."""
+        held = self.lengths.get(seq_id, 0)
+        if not held - self.speculative_tokens <= start <= held:
             raise ValueError(f"invalid step batch: sequence {seq_id} continues at position {start}, its cache holds "
-                             f"{self.lengths.get(seq_id, 0)} tokens")
+                             f"{held} tokens" + (f" (a step may rewind over at most {self.speculative_tokens})"
+                                                 if self.speculative_tokens else ""))
         if seq_id not in self.slots:
             self.slots[seq_id] = self._take_slot(seq_id)
         self.lengths[seq_id] = stop
@@ -390,12 +443,12 @@ class V4Cache(KVCache):
         shared)."""
         slot = self._take_slot(fork.child)
         source = self.slots[fork.parent]
-        rows = torch.arange(self.window, device=self.device)
+        rows = torch.arange(self.window_rows, device=self.device)
         if fork.copies:  # no zero-size tensor when no partial block is copied
             parent_blocks = torch.tensor([p for p, _ in fork.copies], dtype=torch.long, device=self.device)
             child_blocks = torch.tensor([c for _, c in fork.copies], dtype=torch.long, device=self.device)
         for layer in self.layers:
-            layer.window.copy(source * self.window + rows, slot * self.window + rows)
+            layer.window.copy(source * self.window_rows + rows, slot * self.window_rows + rows)
             for c in layer.compressors():
                 c.copy_slot(source, slot)
                 if fork.copies:
@@ -428,19 +481,20 @@ class V4Cache(KVCache):
         window = range(max(0, length - self.window + 1), length)
         for layer in self.layers:
             if window:
-                layer.state.window.copy(rows(window), torch.tensor([slot * self.window + p % self.window
-                                                                    for p in window], device=self.device),
-                                        into=layer.window)
+                target = torch.tensor([slot * self.window_rows + p % self.window_rows for p in window],
+                                      device=self.device)
+                layer.state.window.copy(rows(window), target, into=layer.window)
             for c, kept in zip(layer.compressors(), layer.state.compressors, strict=True):
                 base = length // c.ratio * c.ratio  # the unfinished window's first position
                 if base < length:  # only a ratio above the block size leaves one at a block boundary
-                    ring = slot * c.ratio + torch.arange(length - base, device=self.device)
+                    ring = c.row(slot, torch.arange(base, length, device=self.device))
                     c.kv.index_copy_(0, ring, kept.kv.index_select(0, rows(range(base, length))))
                     c.gate.index_copy_(0, ring, kept.gate.index_select(0, rows(range(base, length))))
                 if c.overlap and base:  # the last complete window's first series
                     source = rows(range(base - c.ratio, base), kept.kept)
-                    c.prev_kv[slot] = kept.kv.index_select(0, source)[:, :c.prev_kv.shape[2]]
-                    c.prev_gate[slot] = kept.gate.index_select(0, source)[:, :c.prev_gate.shape[2]]
+                    prev = c.prev(slot, base // c.ratio - 1)
+                    c.prev_kv[prev] = kept.kv.index_select(0, source)[:, :c.prev_kv.shape[2]]
+                    c.prev_gate[prev] = kept.gate.index_select(0, source)[:, :c.prev_gate.shape[2]]
         self.slots[seq_id], self.lengths[seq_id] = slot, length
 
     def release(self, seq_id: int) -> None:
