@@ -95,8 +95,8 @@ PREFIX_CACHING_HELP = ("Reuse the KV cache of prompt blocks an earlier request o
 SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: '{\"method\": \"mtp\", \"num_speculative_tokens\": k}', k 1 "
                     "to 3. The checkpoint's MTP layer drafts k tokens a step for each request and one target step "
                     "verifies them: greedy output is the same as without, sampled output has the same distribution. "
-                    "DeepSeek-V3 / V3.2 shards with their MTP layer; requests with a grammar or a logit_bias decode "
-                    "one token a step.")
+                    "DeepSeek-V3 / V3.2 / V4 shards with their MTP layer; a request's grammar constrains its drafts, "
+                    "a request with a logit_bias decodes one token a step.")
 
 
 @app.command()

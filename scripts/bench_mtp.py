@@ -1,8 +1,8 @@
-"""MTP speculative decoding (--speculative-config) against none, in one run, on the trained tiny V3.2 (its MTP layer
-trained with DeepSeek's objective, tests/mtp_training.py).
+"""MTP speculative decoding (--speculative-config) against none, in one run, on a trained tiny model (V3.2 or V4,
+its MTP layer trained with DeepSeek's objective and distilled, tests/mtp_training.py).
 
-    python scripts/bench_mtp.py [--worlds 1 16] [--ks 1 2 3] [--new-tokens 64] [--rounds 2] [--work DIR]
-                                [--json FILE]
+    python scripts/bench_mtp.py [--family deepseek_v32|deepseek_v4] [--worlds 1 16] [--ks 1 2 3]
+                                [--new-tokens 64] [--rounds 2] [--work DIR] [--json FILE]
 
 For each world size W: the trained checkpoint sharded for DP W x EP W (float32 compute, where greedy verification
 gives the tokens of decoding without speculation; in BF16 the verification's extra rows change the rounding, and a
@@ -14,8 +14,6 @@ attention-DP rank), without speculation and with each k. Reported per run:
 - the mean acceptance length: tokens per target step (accepted drafts + the target's own);
 - decode tokens/s (rank 0's, from the first token to the last; its fastest of --rounds) and the ratio against no
   speculation in the same run.
-
-DeepSeek-V4's MTP drafting is not built yet: V3.2 only.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
 from tests.helpers import shard  # noqa: E402
 from tests.trained import heldout_texts, trained_source  # noqa: E402
 
-FAMILY = "deepseek_v32"
 PROMPT_CHARS = 600
 CONCURRENT = 16
 CACHE_TOKENS = 16384  # per attention-DP rank: 16 prompts of about 200 tokens and their new tokens at world 1
@@ -61,6 +58,7 @@ def one_run(shards: Path, texts: list[str], k: int, new_tokens: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=["deepseek_v32", "deepseek_v4"], default="deepseek_v32")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -72,9 +70,9 @@ def main() -> int:
     print_machine(machine(max(args.worlds)), max(args.worlds))
     results = {}
     for world in args.worlds:
-        shards = args.work / f"{FAMILY}-w{world}"
+        shards = args.work / f"{args.family}-w{world}"
         if not (shards / "manifest.json").exists():
-            shard(trained_source(FAMILY), shards, Layout(world, world, world, 1))
+            shard(trained_source(args.family), shards, Layout(world, world, world, 1))
         for batch in (1, CONCURRENT):
             texts = prompts(batch)
             base = None

@@ -129,9 +129,10 @@ def mtp_layer(main: nn.Module, source_config: dict, weights: dict[str, torch.Ten
     return MtpLayer(enorm, hnorm, eh_proj, block)
 
 
-def train_mtp(main: nn.Module, mtp: MtpLayer, batches, dense_topk: int, log) -> MtpLayer:
+def train_mtp(main: nn.Module, mtp, batches, dense_topk: int, log):
     """The module docstring's three stages, the main model frozen. batches(steps) yields (step, ids [B, S]);
-    dense_topk: an index_topk that selects every key of them."""
+    dense_topk: an index_topk that selects every key of them. mtp: an MtpLayer or a V4MtpLayer (whose block has
+    no indexer: the third stage is skipped)."""
     from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
 
     main.eval()
@@ -163,6 +164,9 @@ def train_mtp(main: nn.Module, mtp: MtpLayer, batches, dense_topk: int, log) -> 
         optimizer.zero_grad(set_to_none=True)
         if step % 25 == 0 or step == MTP_DISTILL_STEPS - 1:
             log(f"MTP distillation step {step}: KL {loss.item():.4f}")
+    mtp.block.eval()
+    if not indexer_parameters(mtp.block):  # DeepSeek-V4's MTP layer attends over its sliding window only
+        return mtp
     mtp.block.set_attn_implementation("eager")
     indexer = torch.optim.AdamW(indexer_parameters(mtp.block), lr=MTP_LR, betas=(0.9, 0.95), weight_decay=0.0)
     with capture_attention(mtp.block) as captured:
@@ -197,6 +201,29 @@ class V4MtpLayer:
     e_proj: nn.Linear
     h_proj: nn.Linear
     block: nn.Module
+
+    def trainable(self) -> list[nn.Parameter]:
+        """Everything but the embedding and head, which are the main model's."""
+        frozen = {id(self.block.lm_head.weight), id(self.block.model.embed_tokens.weight)}
+        params = [p for m in (self.enorm, self.hnorm, self.e_proj, self.h_proj) for p in m.parameters()]
+        return params + [p for p in self.block.parameters() if id(p) not in frozen]
+
+    def hub_weights(self, work: Path) -> dict[str, torch.Tensor]:
+        """The layer's tensors under the hub's names (mtp.0.*; no embedding or head: V4 shares the main model's)."""
+        from dsconv.convert.source import open_checkpoint
+
+        self.block.save_pretrained(work)
+        saved = open_checkpoint(work)  # transformers' tensor names read as the hub's
+        weights = {}
+        for weight in saved.weights:
+            name = weight.spec.name
+            if name.startswith("layers.0."):
+                weights[name.replace("layers.0.", "mtp.0.")] = weight.value.read()
+            elif name.startswith("hc_head_") or name == "norm.weight":
+                weights[f"mtp.0.{name}"] = weight.value.read()
+        for name in V4_MTP_ONLY:
+            weights[f"mtp.0.{name}.weight"] = getattr(self, name).weight.detach().clone()
+        return weights
 
     def inputs(self, main: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, S] -> the block's input streams [B, S - 1, hc_mult, hidden] at positions 0 .. S - 2."""

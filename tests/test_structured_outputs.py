@@ -187,7 +187,7 @@ def test_a_finished_grammar_allows_only_end_of_sentence():
     spec = json_spec({"type": "integer", "minimum": 0, "maximum": 9}, False)
     seven = tokenizer.encode("7", add_special_tokens=False).ids
     logits = torch.zeros(3, vocab)
-    grammars.constrain(logits, [(0, 10, spec, ()), (2, 11, spec, tuple(seven) + (eos,))])
+    grammars.constrain(logits, [(0, 10, spec, (), ()), (2, 11, spec, tuple(seven) + (eos,), ())])
     allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
     assert set(seven) <= allowed[0] and eos not in allowed[0]  # a digit first
     assert allowed[1] == set(range(vocab))  # not constrained

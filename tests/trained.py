@@ -37,14 +37,14 @@ from dsconv.kernels.device import cpu_model_and_flags
 from dsconv.convert.demo import build_once, cache_dir
 from dsconv.runner.entrypoints.reference import transformers_config
 from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
-from tests.mtp_training import mtp_layer, train_mtp
+from tests.mtp_training import mtp_layer, train_mtp, v4_mtp_layer
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 3}
+TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 4}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
-MTP_FAMILIES = ("deepseek_v32",)  # whose trained checkpoint has a trained MTP layer (V4's drafting is not built yet)
+MTP_FAMILIES = ("deepseek_v32", "deepseek_v4")  # whose trained checkpoint has a trained MTP layer
 ENCODINGS = ("fp8", "bf16")
 
 # Single-file modules in every CPython from 3.10 on (pathlib and zipfile became packages in 3.12 / 3.13)
@@ -257,7 +257,13 @@ def train_mtp_layer(family: str, model, config: dict, tokens: torch.Tensor, work
     for path in sorted(init.glob("*.safetensors")):
         start.update(load_file(path))
     layer = config["num_hidden_layers"]
-    mtp = mtp_layer(model, json.loads((init / "config.json").read_text()), start, layer, work / "mtp-init")
+    init_config = json.loads((init / "config.json").read_text())
+    if family == "deepseek_v4":  # the main model's embedding and head, shared
+        start.update({"embed.weight": model.model.embed_tokens.weight.detach(),
+                      "head.weight": model.lm_head.weight.detach()})
+        mtp = v4_mtp_layer(init_config, start, work / "mtp-init")
+    else:
+        mtp = mtp_layer(model, init_config, start, layer, work / "mtp-init")
     order = torch.Generator().manual_seed(SEED + 1)
 
     def batches(steps: int):
@@ -266,6 +272,8 @@ def train_mtp_layer(family: str, model, config: dict, tokens: torch.Tensor, work
             yield step, torch.stack([tokens[s:s + SEQ_LEN] for s in starts.tolist()])
 
     train_mtp(model, mtp, batches, SEQ_LEN, log)
+    if family == "deepseek_v4":
+        return mtp.hub_weights(work / "mtp-saved")
     return mtp.hub_weights(layer, work / "mtp-saved")
 
 
@@ -366,6 +374,8 @@ def _train_and_write(family: str, out: Path) -> None:
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
         if family in MTP_FAMILIES:  # after the main model, which it leaves as it was
             config = dict(config, num_nextn_predict_layers=1)
+            if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
+                config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
             weights.update(train_mtp_layer(family, model, config, ids, work, print))
     maker = TrainedMaker(family_for(config), config, weights)
     for encoding in ENCODINGS:

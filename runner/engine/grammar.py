@@ -92,23 +92,37 @@ class Grammars:
             self._compiled[spec] = compiled
         return self._compiled[spec]
 
-    def constrain(self, logits: torch.Tensor, rows: list[tuple[int, int, GrammarSpec, tuple[int, ...]]]) -> None:
-        """Masks, in place, the rows of `logits` [N, vocab] given as (row, seq_id, spec, output so far). A sequence
-        whose grammar is complete (and has taken its end-of-sentence, yet goes on: ignore_eos) may only repeat it."""
+    def constrain(self, logits: torch.Tensor, rows: list[tuple[int, int, GrammarSpec, tuple[int, ...], tuple[int, ...]]]
+                  ) -> None:
+        """Masks, in place, the rows of `logits` [N, vocab] given as (row, seq_id, spec, output so far, tokens after
+        it): each to what the grammar allows after the output and those tokens (speculative decoding's drafts: the
+        matcher takes them, then rolls them back). A sequence whose grammar is complete (and has taken its
+        end-of-sentence, yet goes on: ignore_eos) may only repeat it. A row after a token the grammar refuses is left
+        as it is: that token's own row refuses it, so nothing reads the rows after it (`sampler.constrain`)."""
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, the grammar's vocabulary {self.vocab_size}")
         xgr = self._xgr()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        done = []
-        for i, (row, seq_id, spec, output) in enumerate(rows):
+        masked, done = [], []
+        for i, (row, seq_id, spec, output, after) in enumerate(rows):
             matcher = self._matcher(seq_id, spec, output)
-            if matcher.is_terminated():
-                done.append(row)
-            else:
-                matcher.fill_next_token_bitmask(bitmask, i)
-        picked = logits[[row for row, *_ in rows]]
-        xgr.apply_token_bitmask_inplace(picked, bitmask.to(picked.device))
-        logits[[row for row, *_ in rows]] = picked
+            taken = 0
+            for token in after:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                taken += 1
+            if taken == len(after):
+                masked.append(i)
+                if matcher.is_terminated():
+                    done.append(row)
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, i)
+            if taken:
+                matcher.rollback(taken)
+        picked_rows = [rows[i][0] for i in masked]
+        picked = logits[picked_rows]
+        xgr.apply_token_bitmask_inplace(picked, bitmask[masked].to(picked.device))
+        logits[picked_rows] = picked
         for row in done:
             eos = logits[row, self.eos_token_id].clone()
             logits[row] = float("-inf")

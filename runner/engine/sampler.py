@@ -23,13 +23,31 @@ from dsconv.runner.engine.speculative import accept_greedy
 from dsconv.runner.models.batch import Batch, SampleSpec
 
 
+def constrain(batch: Batch, logits: torch.Tensor, grammars: Grammars) -> None:
+    """logits [rows, vocab], the rows of batch.logit_rows(): the sampling rows of sequences with a grammar masked in
+    place to the tokens it allows there, before anything reads them (on every rank: the MTP drafts and their
+    verification read them too). A verifying sequence's row j, which verifies its draft j, is masked as the grammar
+    stands after its output and drafts 0 .. j - 1 (verification stops at the first draft the grammar refuses,
+    whose own row is masked: the rows after it are left as they are)."""
+    rows, at = [], 0
+    for seq_id, spec, scores in zip(batch.seq_ids, batch.samples, batch.scores):
+        at += len(scores.targets) if scores is not None else 0
+        if spec is None:
+            continue
+        if spec.grammar is not None:
+            rows += [(at + j, seq_id, spec.grammar, spec.output, spec.drafts[:j]) for j in range(len(spec.drafts) + 1)]
+        at += len(spec.drafts) + 1
+    if rows:
+        grammars.constrain(logits, rows)
+
+
 def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
-    row) -> per sequence its sampled token and logprobs, and its siblings' (n > 1: further draws from the same
-    row with their own seeds). A row's logit_bias is added first, then rows of sequences with a grammar are masked
-    to the tokens it allows (both in place, so the siblings' draws and the logprobs follow them), and their
-    matchers take the sequence's own token. A sequence verifying drafts (speculative decoding) emits what `verify`
-    gives for its rows, each token with the target's logprob at its row."""
+    row), those of sequences with a grammar already masked (`constrain`) -> per sequence its sampled token and
+    logprobs, and its siblings' (n > 1: further draws from the same row with their own seeds). A row's logit_bias
+    is added first (in place, so the siblings' draws and the logprobs follow it); grammars' matchers take the
+    tokens each sequence emits. A sequence verifying drafts (speculative decoding) emits what `verify` gives for
+    its rows, each token with the target's logprob at its row."""
     draw_rows, score_rows, score_targets, score_tops = [], [], [], []
     verify_rows: list[range] = []  # per sampling sequence: the rows before its draw row that verify its drafts
     at = 0
@@ -50,10 +68,6 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
         if spec.logit_bias:
             ids, biases = zip(*spec.logit_bias)
             logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-    constrained = [(row, seq_id, spec.grammar, spec.output)
-                   for row, seq_id, spec in zip(draw_rows, drawing, specs) if spec.grammar is not None]
-    if constrained:
-        grammars.constrain(logits, constrained)
     # the siblings' draws follow the sequences' own: (row, spec) per draw
     sibling_draws = [(row, dataclasses.replace(spec, seed=seed, siblings=()))
                      for row, spec in zip(draw_rows, specs) for seed in spec.siblings]
@@ -61,9 +75,6 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     all_specs = specs + [spec for _, spec in sibling_draws]
     every_row = rows == list(range(logits.shape[0]))  # a decode step: no copy of the logits
     tokens = sample(logits if every_row else logits[rows], all_specs).tolist() if all_specs else []
-    for seq_id, token, spec in zip(drawing, tokens, specs):
-        if spec.grammar is not None:
-            grammars.accept(seq_id, token)
     emitted = [[token] for token in tokens[:len(specs)]]  # per sampling sequence, in order; rows per token
     emitted_rows = [[row] for row in draw_rows]
     for i, spec in enumerate(specs):
@@ -71,6 +82,9 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
             rows_i = [*verify_rows[i], draw_rows[i]]
             emitted[i] = verify(logits[rows_i], spec)
             emitted_rows[i] = rows_i[:len(emitted[i])]
+    for seq_id, spec, tokens_i in zip(drawing, specs, emitted):
+        for token in tokens_i if spec.grammar is not None else ():
+            grammars.accept(seq_id, token)
 
     # the scored prompt tokens' logprobs, then the drawn tokens' where the request asks for them (every token a
     # verifying sequence emits, then the siblings')

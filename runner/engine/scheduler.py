@@ -347,10 +347,10 @@ class Scheduler:
                           params.logit_bias, tuple(drafts), self._proposes(request))
 
     def _proposes(self, request: Request) -> int:
-        """The drafts the MTP layer proposes for a request after its step (none for a request with a grammar or a
-        logit_bias, or whose n samples are not forked yet)."""
+        """The drafts the MTP layer proposes for a request after its step (none for a request with a logit_bias, or
+        whose n samples are not forked yet; a grammar's masks constrain its drafts and their verification)."""
         params = request.params
-        plain = params.grammar is None and not params.logit_bias and request.forked
+        plain = not params.logit_bias and request.forked
         return self.speculative_tokens if plain else 0
 
     @staticmethod

@@ -12,8 +12,11 @@ MTP layer (runner/models/deepseek_v3.py, MultiTokenPredictor) proposes the next 
 on its own states, one row per drafting request (the one shipped layer applied again, as vLLM and DeepSeek chain
 it).
 
-A request with a grammar or a logit_bias, or whose n > 1 samples are not forked yet, decodes one token a step
-beside them (its drafts would need the grammar's masks in the MTP layer's choice); the start-up line says so.
+A request with a grammar (structured outputs, tool calls) drafts and verifies under it: each draft is the MTP
+layer's argmax among the tokens the grammar allows after the request's output and the drafts before it, and each
+verification row is masked as the grammar stands after the drafts it follows (sampler.constrain). A request with a
+logit_bias, or whose n > 1 samples are not forked yet, decodes one token a step beside them; the start-up line
+says so.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class SpeculativeConfig:
     def summary(self) -> str:
         return (f"speculative decoding: MTP, {self.num_speculative_tokens} draft token"
                 f"{'s' if self.num_speculative_tokens > 1 else ''} a step (greedy: the same tokens; sampled: the same "
-                f"distribution); requests with a grammar or a logit_bias decode one token a step")
+                f"distribution; grammars constrain the drafts); requests with a logit_bias decode one token a step")
 
 
 def accept_greedy(targets: list[int], drafts: tuple[int, ...] | list[int]) -> list[int]:

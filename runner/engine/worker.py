@@ -15,7 +15,7 @@ import torch
 from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
-from dsconv.runner.engine.sampler import step_results, verify
+from dsconv.runner.engine.sampler import constrain, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
@@ -196,6 +196,11 @@ class Worker:
             self.dist.plan_step([self.inputs.step_rows(b) for b in plan])
         try:
             logits = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows)
+            # the sampling rows of requests with a grammar masked: where they are sampled, and on every rank where
+            # the MTP drafts and their verification read them (a rank that samples nothing replays a request's
+            # output into its matcher when it next masks for it)
+            if self.grammars is not None and not inputs.dummy and (self.reports or self.speculative is not None):
+                constrain(batch.for_sampler(), logits, self.grammars)
             drafts = self._draft(batch, inputs, logits, plan) if self.speculative is not None else None
         finally:
             self.dist.plan_step(None)
@@ -220,6 +225,7 @@ class Worker:
             [i for i in range(len(batch.seq_ids)) if self._drafts(batch, i, 1)]
         next_tokens = torch.zeros(inputs.tokens.shape[0], dtype=torch.long, device=device)
         rows, positions, logit_at = [], [], 0  # the proposing sequences' last accepted row, and its position
+        emitted: dict[int, list[int]] = {}  # per proposing sequence: the tokens this step emits
         for i in range(len(batch.seq_ids) if not inputs.dummy and batch.cp is None else 0):
             start, stop, context = batch.span(i)
             spec, scores = batch.samples[i], batch.scores[i]
@@ -231,7 +237,7 @@ class Worker:
                 continue
             k_i = len(spec.drafts)
             if spec.propose:
-                accepted = verify(logits[logit_at:logit_at + k_i + 1], spec)
+                accepted = emitted[i] = verify(logits[logit_at:logit_at + k_i + 1], spec)
                 rows.append(stop - 1 - k_i + len(accepted) - 1)
                 positions.append(context - (stop - rows[-1]))
                 next_tokens[rows[-1]] = accepted[-1]
@@ -243,7 +249,9 @@ class Worker:
         position_of = dict(zip(proposing, positions))
         for j in range(1, k + 1):
             picked = torch.tensor([row for _, row in chain], dtype=torch.long, device=device)
-            tokens = model.mtp.logits(model, hidden[picked]).argmax(dim=-1)
+            draft_logits = model.mtp.logits(model, hidden[picked])
+            self._constrain_drafts(batch, draft_logits, [i for i, _ in chain], emitted, drafts)
+            tokens = draft_logits.argmax(dim=-1)
             for (i, _), token in zip(chain, tokens.tolist()):
                 drafts[i].append(token)
             if j == k:
@@ -258,6 +266,17 @@ class Worker:
             hidden = model.mtp(model, hidden[picked[kept]], tokens[kept], self.inputs.meta(chain_batch), self.cache)
             chain = [(chain[n][0], m) for m, n in enumerate(kept)]
         return drafts
+
+    def _constrain_drafts(self, batch: Batch, logits: torch.Tensor, drafting: list[int],
+                          emitted: dict[int, list[int]], drafts: list[list[int]]) -> None:
+        """The MTP layer's logits for the next draft of each drafting sequence (rows in `drafting`'s order), those of
+        sequences with a grammar masked as it stands after their output, this step's tokens and their drafts so far:
+        structured outputs and tool calls draft only what their grammar allows."""
+        rows = [(row, batch.seq_ids[i], batch.samples[i].grammar, batch.samples[i].output,
+                 tuple(emitted[i] + drafts[i])) for row, i in enumerate(drafting)
+                if batch.samples[i].grammar is not None]
+        if rows:
+            self.grammars.constrain(logits, rows)
 
     def _mtp_plan(self, plan: list[Batch] | None, j: int) -> list[tuple[int, int]] | None:
         """The (tokens, logit rows) of every DP index's j-th MTP pass, from the step plan: the step's tokens and its
