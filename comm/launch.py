@@ -51,6 +51,9 @@ LOCAL_ADDR = "127.0.0.1"
 # A SIGTERM'd rank normally dies at once (Python installs no SIGTERM handler); the grace only lets a rank
 # that does handle it flush its log before SIGKILL.
 TERMINATE_GRACE_S = 5.0
+# After a rank fails, how long the others may take to show whether one of them was killed: a rank killed by a
+# signal closes its sockets before its parent can see it exit, so a neighbour's connection error may come first
+FAILURE_SETTLE_S = 2.0
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a job ended by Ctrl-C (128 + SIGINT)
 USER_ERROR_EXIT = 2  # a rank that refused its input (InputError, such as a flag only a loaded rank can check): the
 #                      job exits 2, as a command does for a user mistake
@@ -292,12 +295,25 @@ def _supervise(procs: list, log_dir: Path) -> int:
             running.pop(sentinel).join()
         failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
         if failed:
+            _settle(running, procs)
+            failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             rank = _first_failure(failed, procs, log_dir)
             reason = _failure_reason(log_dir, rank, procs[rank].exitcode)
             print(f"rank {rank} failed: {reason} (logs in {log_dir})", file=sys.stderr, flush=True)
             _stop(procs)
             return USER_ERROR_EXIT if procs[rank].exitcode == USER_ERROR_EXIT else 1
     return 0
+
+
+def _settle(running: dict, procs: list) -> None:
+    """After a failure: the ranks that exit within FAILURE_SETTLE_S joined, until one is seen killed by a signal."""
+    deadline = time.monotonic() + FAILURE_SETTLE_S
+    while running and not any(proc.exitcode is not None and proc.exitcode < 0 for proc in procs):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+            running.pop(sentinel).join()
 
 
 def _first_failure(failed: list[int], procs: list, log_dir: Path) -> int:
