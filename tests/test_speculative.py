@@ -421,10 +421,9 @@ def test_sampled_requests_draft_and_repeat(v32):
 
 
 # The trained models' MTP layers (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: V3.2 1.58, V4
-# {V4_MEASURED} (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost
-# nothing (1.00 on the random fixtures), so these bounds tell a working layer from a broken one whatever the CPU
-# rounds.
-TRAINED_ACCEPTANCE_MIN = {"deepseek_v32": 1.4, "deepseek_v4": 1.4}
+# 1.77 (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost nothing
+# (1.00 on the random fixtures), so these bounds tell a working layer from a broken one whatever the CPU rounds.
+TRAINED_ACCEPTANCE_MIN = {"deepseek_v32": 1.4, "deepseek_v4": 1.6}
 TRAINED_NEW_TOKENS = 48
 
 

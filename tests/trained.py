@@ -13,7 +13,8 @@ written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 expert
 inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
 Training is meant to give the same bytes on every x86-64 CPU (fixed seed and data order, and PINNED_CPU_ENV, which
 says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2
-and V4 train their indexers, which the LM loss cannot reach (tests/indexer_training.py says how).
+and V4 train their indexers, which the LM loss cannot reach (tests/indexer_training.py says how); both then train
+their MTP layer, the main model frozen (tests/mtp_training.py).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "O
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
 
 # sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's before its MTP
-# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's,
-# its indexer trained, on the AVX-512 one;
+# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's
+# with its indexer and MTP layer trained, on the AVX-512 one;
 # docs/benchmarks.md, "Trained tiny models"). A CPU that
 # writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
@@ -107,15 +108,15 @@ TRAINED_SHA256 = {
         "fp8/model-00003-of-00004.safetensors": "810d585e3a8d0082623f712ec21e2b3a5ae3b307b0459cb5d0e42a1d9dc89562",
         "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
     },
-    "deepseek_v4": {
-        "bf16/model-00001-of-00004.safetensors": "7f56209117cd0f8ea5d62da26444fc6362ceefa8582ba53538d8ab082dc54f49",
-        "bf16/model-00002-of-00004.safetensors": "98b4ef259243e68b32995989e0dd69a516f88b48f120d3f5331b1f4f6d70d599",
-        "bf16/model-00003-of-00004.safetensors": "79f220a98e2eda5c3ff60201eb52349153e5eaa8d7f89b083a40e8338a191d7a",
-        "bf16/model-00004-of-00004.safetensors": "a107f318dcd5c6054892b7ccf3487d65b46ae0c6b04f7193f4f92a4960c1f9d4",
-        "fp8/model-00001-of-00004.safetensors": "0df8a0f4b02b8c2ddc78cf5e0c5129464f7f0011ccb914b6d388328a900b4136",
-        "fp8/model-00002-of-00004.safetensors": "c1a0f27ee1148bb494b80b002d479d5c726e8496d2c3aa727ffd15d68eab4aab",
-        "fp8/model-00003-of-00004.safetensors": "751020f4457256bc27766c427751e17fc65c6c92564666224515ee5597460078",
-        "fp8/model-00004-of-00004.safetensors": "f8601f2de17e1b2617dbca201ce1ece130ba14c1b2dbe7b06868e9af14519ffa",
+    "deepseek_v4": {  # with its trained MTP layer (version 4)
+        "bf16/model-00001-of-00004.safetensors": "b51a9b05b51ddfd9be1ff46c207c355b33c07de2fc8b16152e3e888c47ce2ec2",
+        "bf16/model-00002-of-00004.safetensors": "9d7c1a23c466759052440fcb56f8ab0e98d79f86c1f8b81e74657092a92e7701",
+        "bf16/model-00003-of-00004.safetensors": "2706b098b53b876f2ed5b4504b9c67e10226418bd4c14add14c1b31fc62d3a69",
+        "bf16/model-00004-of-00004.safetensors": "639a5ee95eded309fc49906a8d9ff21073f315b2fb9fc43b6f6852cf68b74eb0",
+        "fp8/model-00001-of-00004.safetensors": "8b2054bede48cda5d584cffeda33ec6ef8c739211e138642055c0b4327883e58",
+        "fp8/model-00002-of-00004.safetensors": "28d2031c61b65ddaab66b41c57ebde641d4aa3c9e1f7ee8e4dfd5dfe7fa6036f",
+        "fp8/model-00003-of-00004.safetensors": "c55558e4304a46174c4544e81406c628d1556ba3a0a454d0b63ccf158d08fecf",
+        "fp8/model-00004-of-00004.safetensors": "a8826ada71a8e820038ffb6810f87a8479e376bcf33e7b79778c52344f105354",
     },
 }
 

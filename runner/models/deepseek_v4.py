@@ -121,9 +121,10 @@ class Compressor:
         stop = base + kv.shape[0]
         for window_start in range(max(base, (stop // ratio - pool.windows + 1) * ratio), stop, ratio):
             at = max(window_start, start)  # rows before `start` are the slot's already
-            rows = slice(at - base, min(window_start + ratio, stop) - base)
+            count = min(window_start + ratio, stop) - at
             row = pool.row(state, at)
-            pool.kv[row:row + rows.stop - rows.start], pool.gate[row:row + rows.stop - rows.start] = kv[rows], gate[rows]
+            pool.kv[row:row + count] = kv[at - base:at - base + count]
+            pool.gate[row:row + count] = gate[at - base:at - base + count]
 
     def store(self, pool: CompressorPool, slots: torch.Tensor, entries: torch.Tensor) -> None:
         if self.rotation is not None and pool.entries.int8:
@@ -469,12 +470,12 @@ class HyperHead:
 
 
 class Block:
-    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype,
-                 prefix: str | None = None):
-        """layer: the decoder layer (prefix layers.{layer}), or num_hidden_layers + i for MTP layer i (its prefix
-        mtp.{i}; a MoE layer, its ratio the config's entry after the decoder layers')."""
-        p = prefix or f"layers.{layer}"
-        mlp_type = cfg.mlp_types[layer] if layer < cfg.num_hidden_layers else MlpType.MOE
+    def __init__(self, cfg: V4Config, w: RankWeights, layer: int, ropes: dict, dist: Dist, dtype: torch.dtype):
+        """layer: a decoder layer (tensors layers.{layer}.*), or num_hidden_layers + i for MTP layer i's block
+        (mtp.{i}.*: a MoE layer, its ratio the config's entry after the decoder layers')."""
+        mtp = layer >= cfg.num_hidden_layers
+        p = f"mtp.{layer - cfg.num_hidden_layers}" if mtp else f"layers.{layer}"
+        mlp_type = MlpType.MOE if mtp else cfg.mlp_types[layer]
         self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
         self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
         self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype)
@@ -504,7 +505,7 @@ class MultiTokenPredictor:
         layer, p = cfg.num_hidden_layers, "mtp.0"
         self.enorm, self.hnorm = norm(w, f"{p}.enorm.weight", cfg), norm(w, f"{p}.hnorm.weight", cfg)
         self.e_proj, self.h_proj = Proj(w, f"{p}.e_proj", dtype), Proj(w, f"{p}.h_proj", dtype)
-        self.block = Block(cfg, w, layer, ropes, dist, dtype, prefix=p)
+        self.block = Block(cfg, w, layer, ropes, dist, dtype)
         self.hc_head = HyperHead(cfg, w, f"{p}.")
         self.norm = norm(w, f"{p}.norm.weight", cfg)
         self.cache_layer = layer

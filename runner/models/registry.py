@@ -33,8 +33,8 @@ class ModelEntry:
     # accepts
     # (family.arch.check_kv_cache_dtype)
     new_cache: Callable[..., Any]
-    # (config, compute dtype, device, kv_cache_dtype, block_size, prefix_caching, speculative_tokens) -> (bytes of one block,
-    # bytes of one sequence slot with its share of the state blocks), as the cache allocates them
+    # (config, compute dtype, device, kv_cache_dtype, block_size, prefix_caching, speculative_tokens) -> (bytes of
+    # one block, bytes of one sequence slot with its share of the state blocks), as the cache allocates them
     cache_bytes: Callable[..., tuple[int, int]]
     # (config, block_size) -> the state blocks one sequence slot brings with prefix caching (0: none needed)
     state_blocks: Callable[[Any, int], int] = lambda cfg, block_size: 0
@@ -48,8 +48,9 @@ def _latent_cache(cfg, dtype: torch.dtype, blocks: int, block_size: int, device,
     # fields keep their unquantized part (V3's rope key) in the compute dtype: 16 bits in a BF16 run
     # the MTP layer's entries in one more layer, after the decoder layers' (deepseek_v3.MultiTokenPredictor)
     # (a rewound step writes the same slots again: nothing else to keep)
-    return LatentCache(cfg.num_hidden_layers + bool(speculative_tokens), blocks, block_size, cache_fields(cfg, kv_cache_dtype),
-                       matmul_dtype_for(dtype, device), allocate_on or device, rest_dtype=dtype)
+    return LatentCache(cfg.num_hidden_layers + bool(speculative_tokens), blocks, block_size,
+                       cache_fields(cfg, kv_cache_dtype), matmul_dtype_for(dtype, device), allocate_on or device,
+                       rest_dtype=dtype)
 
 
 def _latent_bytes(cfg, dtype: torch.dtype, device, kv_cache_dtype: str, block_size: int,
