@@ -142,15 +142,19 @@ def train_mtp(main: nn.Module, mtp, batches, dense_topk: int, log):
     mtp.block.train()
     set_index_topk(mtp.block, dense_topk)  # dense: every key selected while the block trains
     optimizer = torch.optim.AdamW(mtp.trainable(), lr=MTP_LR, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def update(loss: torch.Tensor) -> None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mtp.trainable(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     for step, ids in batches(MTP_STEPS):
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step)
         logits = mtp.logits(main, ids)[:, :-1]  # positions 0 .. S - 3 predict tokens 2 .. S - 1
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 2:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(mtp.trainable(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        update(loss)
         if step % 25 == 0 or step == MTP_STEPS - 1:
             log(f"MTP step {step}: loss {loss.item():.3f}")
     for group in optimizer.param_groups:
@@ -161,10 +165,7 @@ def train_mtp(main: nn.Module, mtp, batches, dense_topk: int, log):
             target = main(ids).logits[:, 1:-1].log_softmax(dim=-1)
         loss = torch.nn.functional.kl_div(logits.log_softmax(dim=-1).flatten(0, 1), target.flatten(0, 1),
                                           log_target=True, reduction="batchmean")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(mtp.trainable(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        update(loss)
         if step % 25 == 0 or step == MTP_DISTILL_STEPS - 1:
             log(f"MTP distillation step {step}: KL {loss.item():.4f}")
     mtp.block.eval()

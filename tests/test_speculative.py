@@ -420,22 +420,23 @@ def test_sampled_requests_draft_and_repeat(v32):
     assert sampled()[0] == first
 
 
-# The trained models' MTP layers (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: V3.2 1.58, V4
-# 1.77 (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost nothing
-# (1.00 on the random fixtures), so these bounds tell a working layer from a broken one whatever the CPU rounds.
-TRAINED_ACCEPTANCE_MIN = {"deepseek_v32": 1.4, "deepseek_v4": 1.6}
+# The trained V3.2's MTP layer (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: 1.58 measured
+# (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost nothing (1.00
+# on the random fixture), so this bound tells a working layer from a broken one whatever the CPU rounds. (The
+# trained V4's MTP layer is trained on request, outside the suite: scripts/bench_mtp.py --family deepseek_v4.)
+TRAINED_ACCEPTANCE_MIN = 1.4
 TRAINED_NEW_TOKENS = 48
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards, family):
-    """The trained model (BF16 shards of its hub-format checkpoint, float32 compute): held-out text, 48 tokens each,
+def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards):
+    """The trained V3.2 (BF16 shards of its hub-format checkpoint, float32 compute): held-out text, 48 tokens each,
     with k = 1 and 3: the tokens of decoding without speculation, and a mean acceptance length at k = 1 of at least
     TRAINED_ACCEPTANCE_MIN."""
     from tokenizers import Tokenizer
 
     from tests.trained import heldout_texts, trained_source
 
+    family = "deepseek_v32"
     shards, _ = trained_shards(family)
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32, speculative_tokens=3)
     tokenizer = Tokenizer.from_file(str(trained_source(family) / "tokenizer.json"))
@@ -445,10 +446,10 @@ def test_trained_mtp_layer_drafts_what_the_model_then_says(trained_shards, famil
     for k in (1, 3):
         got, _, s = run(model, new_cache, prompts, k, cache_tokens=4096, new_tokens=TRAINED_NEW_TOKENS)
         assert got == base, k
-        print(f"{family} k={k}: mean acceptance length {s.spec.mean_acceptance_length:.2f}, per position "
+        print(f"k={k}: mean acceptance length {s.spec.mean_acceptance_length:.2f}, per position "
               f"{[round(c / s.spec.drafts, 2) for c in s.spec.accepted_per_pos]}")
         if k == 1:
-            assert s.spec.mean_acceptance_length >= TRAINED_ACCEPTANCE_MIN[family]
+            assert s.spec.mean_acceptance_length >= TRAINED_ACCEPTANCE_MIN
 
 
 def test_server_streams_accepted_drafts_with_the_target_logprobs(trained_shards, tmp_path):

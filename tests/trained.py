@@ -43,9 +43,12 @@ from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 4}
+TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 3}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
-MTP_FAMILIES = ("deepseek_v32", "deepseek_v4")  # whose trained checkpoint has a trained MTP layer
+# whose recorded trained checkpoint has a trained MTP layer; V4's is trained on request (`with_mtp`): its bytes differ
+# from CPU to CPU like every model's here, and the recorded V4's were written on a CPU this one may not be, so it is
+# a checkpoint apart (the recorded model plus its MTP layer), unrecorded, that scripts/bench_mtp.py builds
+MTP_FAMILIES = ("deepseek_v32",)
 ENCODINGS = ("fp8", "bf16")
 
 # Single-file modules in every CPython from 3.10 on (pathlib and zipfile became packages in 3.12 / 3.13)
@@ -92,8 +95,8 @@ PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "O
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
 
 # sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's before its MTP
-# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's
-# with its indexer and MTP layer trained, on the AVX-512 one;
+# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's,
+# its indexer trained, on the AVX-512 one; an Intel Xeon with AMX writes other bytes for both;
 # docs/benchmarks.md, "Trained tiny models"). A CPU that
 # writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
@@ -108,15 +111,15 @@ TRAINED_SHA256 = {
         "fp8/model-00003-of-00004.safetensors": "810d585e3a8d0082623f712ec21e2b3a5ae3b307b0459cb5d0e42a1d9dc89562",
         "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
     },
-    "deepseek_v4": {  # with its trained MTP layer (version 4)
-        "bf16/model-00001-of-00004.safetensors": "b51a9b05b51ddfd9be1ff46c207c355b33c07de2fc8b16152e3e888c47ce2ec2",
-        "bf16/model-00002-of-00004.safetensors": "9d7c1a23c466759052440fcb56f8ab0e98d79f86c1f8b81e74657092a92e7701",
-        "bf16/model-00003-of-00004.safetensors": "2706b098b53b876f2ed5b4504b9c67e10226418bd4c14add14c1b31fc62d3a69",
-        "bf16/model-00004-of-00004.safetensors": "639a5ee95eded309fc49906a8d9ff21073f315b2fb9fc43b6f6852cf68b74eb0",
-        "fp8/model-00001-of-00004.safetensors": "8b2054bede48cda5d584cffeda33ec6ef8c739211e138642055c0b4327883e58",
-        "fp8/model-00002-of-00004.safetensors": "28d2031c61b65ddaab66b41c57ebde641d4aa3c9e1f7ee8e4dfd5dfe7fa6036f",
-        "fp8/model-00003-of-00004.safetensors": "c55558e4304a46174c4544e81406c628d1556ba3a0a454d0b63ccf158d08fecf",
-        "fp8/model-00004-of-00004.safetensors": "a8826ada71a8e820038ffb6810f87a8479e376bcf33e7b79778c52344f105354",
+    "deepseek_v4": {
+        "bf16/model-00001-of-00004.safetensors": "7f56209117cd0f8ea5d62da26444fc6362ceefa8582ba53538d8ab082dc54f49",
+        "bf16/model-00002-of-00004.safetensors": "98b4ef259243e68b32995989e0dd69a516f88b48f120d3f5331b1f4f6d70d599",
+        "bf16/model-00003-of-00004.safetensors": "79f220a98e2eda5c3ff60201eb52349153e5eaa8d7f89b083a40e8338a191d7a",
+        "bf16/model-00004-of-00004.safetensors": "a107f318dcd5c6054892b7ccf3487d65b46ae0c6b04f7193f4f92a4960c1f9d4",
+        "fp8/model-00001-of-00004.safetensors": "0df8a0f4b02b8c2ddc78cf5e0c5129464f7f0011ccb914b6d388328a900b4136",
+        "fp8/model-00002-of-00004.safetensors": "c1a0f27ee1148bb494b80b002d479d5c726e8496d2c3aa727ffd15d68eab4aab",
+        "fp8/model-00003-of-00004.safetensors": "751020f4457256bc27766c427751e17fc65c6c92564666224515ee5597460078",
+        "fp8/model-00004-of-00004.safetensors": "f8601f2de17e1b2617dbca201ce1ece130ba14c1b2dbe7b06868e9af14519ffa",
     },
 }
 
@@ -335,11 +338,12 @@ class TrainedMaker(TensorMaker):
         return scale
 
 
-def build_trained(out: Path, family: str) -> Path:
+def build_trained(out: Path, family: str, with_mtp: bool = False) -> Path:
     """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
-    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json.
-    Runs in a fresh interpreter with PINNED_CPU_ENV."""
-    subprocess.run([sys.executable, "-m", "tests.trained", family, str(out)],
+    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json;
+    with_mtp: its MTP layer trained too, whatever MTP_FAMILIES says. Runs in a fresh interpreter with
+    PINNED_CPU_ENV."""
+    subprocess.run([sys.executable, "-m", "tests.trained", family, str(out), *(["--with-mtp"] if with_mtp else [])],
                    env={**os.environ, **PINNED_CPU_ENV}, check=True)
     return out
 
@@ -360,7 +364,7 @@ def training_tokens():
     return tokenizer, torch.tensor([token for text in texts for token in [0] + tokenizer.encode(text).ids])
 
 
-def _train_and_write(family: str, out: Path) -> None:
+def _train_and_write(family: str, out: Path, with_mtp: bool = False) -> None:
     require_pinned()
     from dsconv.convert.source import open_checkpoint
 
@@ -373,7 +377,7 @@ def _train_and_write(family: str, out: Path) -> None:
         model.save_pretrained(work / "saved")
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
-        if family in MTP_FAMILIES:  # after the main model, which it leaves as it was
+        if family in MTP_FAMILIES or with_mtp:  # after the main model, which it leaves as it was
             config = dict(config, num_nextn_predict_layers=1)
             if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
                 config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
@@ -385,15 +389,17 @@ def _train_and_write(family: str, out: Path) -> None:
         tokenizer.save(str(out / encoding / "tokenizer.json"))
 
 
-def trained_source(family: str, encoding: str = "fp8") -> Path:
+def trained_source(family: str, encoding: str = "fp8", with_mtp: bool = False) -> Path:
     """The family's trained tiny checkpoint (fp8: the hub's encodings; bf16: the same model decoded), built on
-    first use into the cache, keyed by version and by the standard library's text."""
+    first use into the cache, keyed by version and by the standard library's text; with_mtp: a family outside
+    MTP_FAMILIES with its MTP layer trained too, a checkpoint apart (its main model the same)."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no trained tiny checkpoint; one of {', '.join(FAMILIES)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
-    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}"
-    return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
+    with_mtp = with_mtp and family not in MTP_FAMILIES
+    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}{'-mtp' if with_mtp else ''}"
+    return build_once(cache_dir() / name, lambda out: build_trained(out, family, with_mtp)) / encoding
 
 
 def cpu_description() -> str:
@@ -440,4 +446,4 @@ def heldout_texts() -> list[str]:
 
 
 if __name__ == "__main__":  # build_trained's fresh interpreter
-    _train_and_write(sys.argv[1], Path(sys.argv[2]))
+    _train_and_write(sys.argv[1], Path(sys.argv[2]), "--with-mtp" in sys.argv[3:])
