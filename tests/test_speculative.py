@@ -307,17 +307,19 @@ def test_grammar_constrains_drafts_and_verification(each_family, oracle, tiny_gr
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_world_16_tokens_equal_world_1_without_speculation(mtp_models, family, tiny_source, tmp_path):
-    """DP16 / EP16 / lm_head TP16, k = 2: each rank drafts for its own requests through the MTP layer's EP
-    exchange and lm_head gather; the tokens equal world 1's without speculation, and drafts were verified."""
+    """DP16 / EP16 / lm_head TP16, k = 1 and 3: each rank drafts for its own requests through the MTP layer's EP
+    exchange and lm_head gather (chained passes too); the tokens equal world 1's without speculation, and drafts
+    were verified."""
     _, model, new_cache = mtp_models(family)
     prompts = prompts_of((37, 5, 21, 9), seed=3)
     base, _, _ = run(model, new_cache, prompts, 0)
     shards = tmp_path / "w16"
     shard(tiny_source(family, "fp8"), shards, Layout(16, 16, 16, 1))
-    got = generate_ranks(shards, tmp_path / "results", prompts, "float32", NEW_TOKENS,
-                         speculative=SpeculativeConfig("mtp", 2))
-    assert got["generated"] == base
-    assert got["speculative"]["num_drafts"] > 0 and got["speculative"]["num_speculative_tokens"] == 2
+    for k in (1, 3):
+        got = generate_ranks(shards, tmp_path / f"results-{k}", prompts, "float32", NEW_TOKENS,
+                             speculative=SpeculativeConfig("mtp", k))
+        assert got["generated"] == base, k
+        assert got["speculative"]["num_drafts"] > 0 and got["speculative"]["num_speculative_tokens"] == k
 
 
 def test_speculation_needs_mtp_shards_and_no_cp(v32, tiny_source, tmp_path):
