@@ -100,13 +100,23 @@ class MtpLayer:
         return weights
 
 
+def _one_layer_model(config: dict, state: dict[str, torch.Tensor], scratch: Path) -> nn.Module:
+    """A one-layer checkpoint of `config` and `state` written to `scratch` and loaded back by transformers (float32),
+    which converts its tensors (names, expert layouts) as it does any download's."""
+    from transformers import AutoModelForCausalLM
+
+    scratch.mkdir(parents=True)
+    (scratch / "config.json").write_text(json.dumps(config))
+    save_file({name: t.detach().float().clone().contiguous() for name, t in state.items()},
+              scratch / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32)
+
+
 def mtp_layer(main: nn.Module, source_config: dict, weights: dict[str, torch.Tensor], layer: int,
               scratch: Path) -> MtpLayer:
     """The MTP layer of hub-named `weights` (model.layers.{layer}.*; a checkpoint's, or a random fixture's to train
     from) around the main model `main` (float32): its block written to `scratch` as a one-layer transformers
     checkpoint and loaded back, so transformers converts its expert weights."""
-    from transformers import AutoModelForCausalLM
-
     prefix = f"model.layers.{layer}."
     state = {name.replace(prefix, "model.layers.0."): t for name, t in weights.items()
              if name.startswith(prefix) and name.removeprefix(prefix).split(".")[0] not in MTP_ONLY}
@@ -117,11 +127,7 @@ def mtp_layer(main: nn.Module, source_config: dict, weights: dict[str, torch.Ten
     # one layer, an indexed MoE one as the MTP block is; transformers' config keys (layer types) as main's has them
     config.update(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"],
                   layer_types=main.config.layer_types[-1:], num_nextn_predict_layers=0)
-    scratch.mkdir(parents=True)
-    (scratch / "config.json").write_text(json.dumps(config))
-    save_file({name: t.detach().float().clone().contiguous() for name, t in state.items()},
-              scratch / "model.safetensors")
-    block = AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32)
+    block = _one_layer_model(config, state, scratch)
     norm_type = type(main.model.norm)
     hidden, eps = main.config.hidden_size, main.config.rms_norm_eps
     enorm, hnorm = norm_type(hidden, eps), norm_type(hidden, eps)
@@ -262,8 +268,6 @@ class V4MtpLayer:
 def v4_mtp_layer(source_config: dict, weights: dict[str, torch.Tensor], scratch: Path) -> V4MtpLayer:
     """The MTP layer of hub-named V4 `weights` (mtp.0.*, with the main model's embed.weight and head.weight): its
     block, hc_head and norm written to `scratch` as a one-layer hub checkpoint and loaded back by transformers."""
-    from transformers import AutoModelForCausalLM
-
     prefix, state = "mtp.0.", {}
     for name, t in weights.items():
         rest = name.removeprefix(prefix)
@@ -277,11 +281,7 @@ def v4_mtp_layer(source_config: dict, weights: dict[str, torch.Tensor], scratch:
     config.update(num_hidden_layers=1, num_hash_layers=0, num_nextn_predict_layers=0,
                   compress_ratios=source_config["compress_ratios"][layers:layers + 1])
     config.pop("quantization_config", None)
-    scratch.mkdir(parents=True)
-    (scratch / "config.json").write_text(json.dumps(config))
-    save_file({name: t.detach().float().clone().contiguous() for name, t in state.items()},
-              scratch / "model.safetensors")
-    block = AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32)
+    block = _one_layer_model(config, state, scratch)
     norm_type = type(block.model.norm)
     hidden, eps = config["hidden_size"], config["rms_norm_eps"]
     modules = {}

@@ -186,10 +186,12 @@ def test_a_finished_grammar_allows_only_end_of_sentence():
     grammars = Grammars(path, vocab, eos)
     spec = json_spec({"type": "integer", "minimum": 0, "maximum": 9}, False)
     seven = tokenizer.encode("7", add_special_tokens=False).ids
-    logits = torch.zeros(3, vocab)
-    grammars.constrain(logits, [(0, 10, spec, (), ()), (2, 11, spec, tuple(seven) + (eos,), ())])
+    logits = torch.zeros(4, vocab)
+    # row 3: drafts after the output (speculative decoding), end-of-sentence twice: still done
+    grammars.constrain(logits, [(0, 10, spec, (), ()), (2, 11, spec, tuple(seven) + (eos,), ()),
+                                (3, 12, spec, tuple(seven), (eos, eos))])
     allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
     assert set(seven) <= allowed[0] and eos not in allowed[0]  # a digit first
     assert allowed[1] == set(range(vocab))  # not constrained
-    assert allowed[2] == {eos}  # done: end-of-sentence only
+    assert allowed[2] == allowed[3] == {eos}  # done: end-of-sentence only
     grammars.accept(11, eos)  # and taking it again is no error

@@ -92,8 +92,8 @@ class Grammars:
             self._compiled[spec] = compiled
         return self._compiled[spec]
 
-    def constrain(self, logits: torch.Tensor, rows: list[tuple[int, int, GrammarSpec, tuple[int, ...], tuple[int, ...]]]
-                  ) -> None:
+    def constrain(self, logits: torch.Tensor,
+                  rows: list[tuple[int, int, GrammarSpec, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Masks, in place, the rows of `logits` [N, vocab] given as (row, seq_id, spec, output so far, tokens after
         it): each to what the grammar allows after the output and those tokens (speculative decoding's drafts: the
         matcher takes them, then rolls them back). A sequence whose grammar is complete (and has taken its
@@ -106,12 +106,17 @@ class Grammars:
         masked, done = [], []
         for i, (row, seq_id, spec, output, after) in enumerate(rows):
             matcher = self._matcher(seq_id, spec, output)
-            taken = 0
+            taken, follows = 0, True  # tokens the matcher took (to roll back); whether all of `after` fits
             for token in after:
-                if matcher.is_terminated() or not matcher.accept_token(token):
+                if matcher.is_terminated():  # done: only end-of-sentence again (ignore_eos), which it does not take
+                    follows = token == self.eos_token_id
+                elif matcher.accept_token(token):
+                    taken += 1
+                else:
+                    follows = False
+                if not follows:
                     break
-                taken += 1
-            if taken == len(after):
+            if follows:
                 masked.append(i)
                 if matcher.is_terminated():
                     done.append(row)
@@ -120,9 +125,10 @@ class Grammars:
             if taken:
                 matcher.rollback(taken)
         picked_rows = [rows[i][0] for i in masked]
-        picked = logits[picked_rows]
-        xgr.apply_token_bitmask_inplace(picked, bitmask[masked].to(picked.device))
-        logits[picked_rows] = picked
+        if picked_rows:
+            picked = logits[picked_rows]
+            xgr.apply_token_bitmask_inplace(picked, bitmask[masked].to(picked.device))
+            logits[picked_rows] = picked
         for row in done:
             eos = logits[row, self.eos_token_id].clone()
             logits[row] = float("-inf")
