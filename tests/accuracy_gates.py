@@ -4,8 +4,9 @@ figures are perplexities, logits cosines and top-1 agreement.
 
 The figures are computed in fresh interpreters (PARTS at once, a share of the windows each) under the same
 pinned environment as training (tests.trained.PINNED_CPU_ENV: ATen's baseline kernels, MKL's compatible
-path, one thread, glibc's baseline function variants), so that every x86-64 CPU gives the same bits; the test
-records them and checks that it reproduced them. Evaluated on the kernels a CPU picks for itself, the
+path, one thread, glibc's baseline function variants) and, as training, with IEEE's square root for ATen's
+vector-math one (tests.trained.IeeeSquareRoot: V4's sqrtsoftplus router), so that every x86-64 CPU gives the same
+bits; the test records them and checks that it reproduced them. Evaluated on the kernels a CPU picks for itself, the
 per-position figures of the V3.2 cache gates moved with the CPU: a near-tied indexer choice that one rounding
 tips is a different key attended (docs/benchmarks.md, "The accuracy gates on every CPU").
 
@@ -22,11 +23,12 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from tests.trained import PINNED_CPU_ENV, heldout_texts
+from tests.trained import PINNED_CPU_ENV, IeeeSquareRoot, heldout_texts
 from tests.helpers import greedy
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_rank
@@ -162,5 +164,8 @@ def gate_report(name: str, figures: dict) -> str:
 
 if __name__ == "__main__":
     tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv, part_arg, parts_arg = sys.argv[1:]
-    print(json.dumps(gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
-                                int(part_arg), int(parts_arg))))
+    pinned = all(os.environ.get(key) == value for key, value in PINNED_CPU_ENV.items())
+    with IeeeSquareRoot() if pinned else nullcontext():  # other environments measure the CPU's own arithmetic
+        share = gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
+                           int(part_arg), int(parts_arg))
+    print(json.dumps(share))

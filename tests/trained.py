@@ -31,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsconv.family.arch import Encoding, family_for
 from dsconv.kernels.device import cpu_model_and_flags
@@ -43,11 +45,11 @@ from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 4, "deepseek_v4": 3}
+TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 4}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
-# whose recorded trained checkpoint has a trained MTP layer; V4's is trained on request (`with_mtp`): its bytes differ
-# from CPU to CPU like every model's here, and the recorded V4's were written on a CPU this one may not be, so it is
-# a checkpoint apart (the recorded model plus its MTP layer), unrecorded, that scripts/bench_mtp.py builds
+# whose recorded trained checkpoint has a trained MTP layer; V4's is trained on request (`with_mtp`), a checkpoint
+# apart (the recorded model plus its MTP layer), unrecorded, that scripts/bench_mtp.py builds: the suite's training
+# time is set by V3.2's, and V4's layer would add about ten minutes beside it
 MTP_FAMILIES = ("deepseek_v32",)
 ENCODINGS = ("fp8", "bf16")
 
@@ -93,33 +95,38 @@ TRAINED_INDEX_TOPK = 32
 # work runs in a fresh interpreter.
 PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
                   "MKL_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX"}
+# One more thing rounds by CPU under all of that: ATen's float sqrt runs oneMKL's vector math (vsSqrt), which is not
+# correctly rounded (16% of float32 results on [0.001, 10) differ from IEEE's square root) and starts from the CPU's
+# approximate reciprocal square root, whose bits differ between Intel and AMD (and qemu). It was the only op of a
+# whole training step whose bits an Intel Xeon and an emulated AMD EPYC disagreed on: every forward and backward op
+# agreed, AdamW's sqrt did not (scripts/trained_fingerprints.py --ops). Training therefore runs under
+# IeeeSquareRoot, and the encoders' power-of-two scales come from float exponents (frexp), not log2 / exp2.
 
-# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training writes them (V3.2's before its MTP
-# layer measured on an AMD EPYC with AVX2 only and on one with AVX-512, which agree; with its MTP layer, and V4's,
-# its indexer trained, on the AVX-512 one; an Intel Xeon with AMX writes other bytes for both;
-# docs/benchmarks.md, "Trained tiny models"). A CPU that
-# writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
+# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training under IeeeSquareRoot writes them:
+# an Intel Xeon with AVX-512 and AMX wrote these (2026-11-28), and the first dense step's every op, with its weights
+# after it, came out the same bits under qemu emulating an AMD EPYC (docs/benchmarks.md, "Trained tiny models").
+# A CPU that writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
 TRAINED_SHA256 = {
-    "deepseek_v32": {  # with its trained MTP layer (version 4)
-        "bf16/model-00001-of-00004.safetensors": "72beec7d17ef729bbbf2758174582423d5c09dbbf0454a5304db4f5b2d173647",
-        "bf16/model-00002-of-00004.safetensors": "c45ac2cd8e8d7b2cb56fc1d8ad602573698cf868c08dfe5465e9cd4119f7e867",
-        "bf16/model-00003-of-00004.safetensors": "f461998621985d59bbf8059922cf7d3f2f0abc4f8ff25b0f844e073a5435f4b0",
-        "bf16/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
-        "fp8/model-00001-of-00004.safetensors": "0684c118e7cbec5a5ffc011b181a5cb32a11b326943337c07838bfde88bd9c21",
-        "fp8/model-00002-of-00004.safetensors": "f03a6722eb2e9112e79562635b95edc71b3a43b1e53c34d944815c83ae4385ff",
-        "fp8/model-00003-of-00004.safetensors": "810d585e3a8d0082623f712ec21e2b3a5ae3b307b0459cb5d0e42a1d9dc89562",
-        "fp8/model-00004-of-00004.safetensors": "b8ac1e5e37f7d5c6abab12c5a4fea3ba6aa711f14ede0368579f68054870fa2a",
+    "deepseek_v32": {  # with its trained MTP layer
+        "bf16/model-00001-of-00004.safetensors": "f1ffd9bf81d352a3d2e0013c067d96f788480ec7e02fb129bf7cc5fbf27672b1",
+        "bf16/model-00002-of-00004.safetensors": "d5302b1e3fe4778d977bef8a2959f5c1846070315438e67ec3e3091996ec0f24",
+        "bf16/model-00003-of-00004.safetensors": "b44e93eede293688d534fa914d4b18eb2ace06b326f1fd08764d444340f2ba63",
+        "bf16/model-00004-of-00004.safetensors": "1fd55f47b1844f132f9aed7358bf2c95799716f8975dac84dfc7b1195c14fe4f",
+        "fp8/model-00001-of-00004.safetensors": "963d85b8cf2b51b394eac6373599b8e910e89ee2efe25264edd67e4ed4fd8f1a",
+        "fp8/model-00002-of-00004.safetensors": "4e48aca9d67100909fe86a2f1825397f67400ce03db7d7b711b2cca8dbbc31a1",
+        "fp8/model-00003-of-00004.safetensors": "cc260aaac90b52c4f732c25364ec893147103bdd49433eeca4eb5fc81d4b6167",
+        "fp8/model-00004-of-00004.safetensors": "1fd55f47b1844f132f9aed7358bf2c95799716f8975dac84dfc7b1195c14fe4f",
     },
     "deepseek_v4": {
-        "bf16/model-00001-of-00004.safetensors": "7f56209117cd0f8ea5d62da26444fc6362ceefa8582ba53538d8ab082dc54f49",
-        "bf16/model-00002-of-00004.safetensors": "98b4ef259243e68b32995989e0dd69a516f88b48f120d3f5331b1f4f6d70d599",
-        "bf16/model-00003-of-00004.safetensors": "79f220a98e2eda5c3ff60201eb52349153e5eaa8d7f89b083a40e8338a191d7a",
-        "bf16/model-00004-of-00004.safetensors": "a107f318dcd5c6054892b7ccf3487d65b46ae0c6b04f7193f4f92a4960c1f9d4",
-        "fp8/model-00001-of-00004.safetensors": "0df8a0f4b02b8c2ddc78cf5e0c5129464f7f0011ccb914b6d388328a900b4136",
-        "fp8/model-00002-of-00004.safetensors": "c1a0f27ee1148bb494b80b002d479d5c726e8496d2c3aa727ffd15d68eab4aab",
-        "fp8/model-00003-of-00004.safetensors": "751020f4457256bc27766c427751e17fc65c6c92564666224515ee5597460078",
-        "fp8/model-00004-of-00004.safetensors": "f8601f2de17e1b2617dbca201ce1ece130ba14c1b2dbe7b06868e9af14519ffa",
+        "bf16/model-00001-of-00004.safetensors": "ce15bb730be5b37c90fd41d01450754d25bc64e9c0f9442bb3e663d22908f610",
+        "bf16/model-00002-of-00004.safetensors": "9e008672d8f1a98068b81b1612e64361b6dd3ddf8ad6dbbbffc1b24d6de93484",
+        "bf16/model-00003-of-00004.safetensors": "fa78da9ed82c85e38c0f6dbb40178856385c134725acb5289c0a0de1c230ae7c",
+        "bf16/model-00004-of-00004.safetensors": "8796977d60ab2afe81902d20f3b830889744320d4687ea3ea14f9bfa252679e7",
+        "fp8/model-00001-of-00004.safetensors": "2c1b4cefc8838e37df154c8ac4a1a117326f355096b73f9cc44f3d4e455a117b",
+        "fp8/model-00002-of-00004.safetensors": "c22374b6107171d2cbd459b265f95eb74c1fde959aff3a7bd0a4050635a41ee2",
+        "fp8/model-00003-of-00004.safetensors": "e54d6a105fd7d16569a8446c0da0a5e1e743a239ecadba1be527afbce94fd9d6",
+        "fp8/model-00004-of-00004.safetensors": "9cbe66f5dd92f7acbfe1afed21e4ecddcc87cf6560716649dab502c6a2082df9",
     },
 }
 
@@ -133,6 +140,10 @@ E2M1_MAGNITUDES = torch.tensor(E2M1[:8])
 E2M1_MIDPOINTS = (E2M1_MAGNITUDES[1:] + E2M1_MAGNITUDES[:-1]) / 2
 FP4_SIGN = 8
 SCALE_FLOOR = 2.0 ** -100  # an all-zero block still gets a finite scale that fits e8m0
+# IEEE 754 binary32: 23 stored mantissa bits, exponent bias 127, normal exponents -126 to 127
+FLOAT32_MANTISSA_BITS = 23
+FLOAT32_EXPONENT_BIAS = 127
+FLOAT32_MIN_EXPONENT, FLOAT32_MAX_EXPONENT = -126, 127
 
 
 def stdlib_text(modules: tuple[str, ...]) -> list[str]:
@@ -281,6 +292,38 @@ def train_mtp_layer(family: str, model, config: dict, tokens: torch.Tensor, work
     return mtp.hub_weights(layer, work / "mtp-saved")
 
 
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(x)) of positive floats, exactly (int32), from the float's exponent: log2 rounds (a float just above
+    a power of two has a log2 that rounds to the power's), and its last bit is the vector math library's."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2 ** exponent, 0.5 <= mantissa < 1
+    return exponent - (mantissa == 0.5).to(exponent.dtype)
+
+
+def power_of_two(n: torch.Tensor) -> torch.Tensor:
+    """2.0 ** n as float32 for int32 n in float32's normal range (-126 to 127), built from its bits."""
+    if n.numel() and not (FLOAT32_MIN_EXPONENT <= int(n.min()) and int(n.max()) <= FLOAT32_MAX_EXPONENT):
+        raise ValueError(f"power_of_two: exponents {int(n.min())} to {int(n.max())} leave float32's normal range")
+    return ((n.to(torch.int32) + FLOAT32_EXPONENT_BIAS) << FLOAT32_MANTISSA_BITS).view(torch.float32)
+
+
+class IeeeSquareRoot(TorchDispatchMode):
+    """aten.sqrt on float tensors computed as IEEE 754 defines it, correctly rounded (numpy's sqrt, the CPU's
+    square-root instruction), instead of ATen's vector-math sqrt, whose last bits depend on the CPU (PINNED_CPU_ENV
+    says why). Below autograd, so forward and backward alike; sqrt with out= is refused rather than left to ATen."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in (torch.ops.aten.sqrt, torch.ops.aten.sqrt_) and args[0].is_floating_point():
+            if func not in (torch.ops.aten.sqrt.default, torch.ops.aten.sqrt_.default):
+                raise NotImplementedError(f"{func} under IeeeSquareRoot: only sqrt(x) and x.sqrt_() are computed")
+            x = args[0]
+            if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
+                raise NotImplementedError(f"IeeeSquareRoot computes float32 / float64 on CPU, not {x.dtype} on {x.device}")
+            root = torch.from_numpy(np.sqrt(x.detach().contiguous().numpy())).reshape(x.shape)
+            return x.copy_(root) if func is torch.ops.aten.sqrt_.default else root
+        return func(*args, **kwargs)
+
+
 def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (float8_e4m3fn codes, float32 power-of-two scale per 128x128 block) with
     w ~= codes * scale, as DeepSeek's UE8M0 checkpoints store it (each block's amax fits 448)."""
@@ -288,7 +331,7 @@ def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
     padded = torch.nn.functional.pad(w.float(), (0, grid[1] * FP8_BLOCK - cols, 0, grid[0] * FP8_BLOCK - rows))
     amax = padded.reshape(grid[0], FP8_BLOCK, grid[1], FP8_BLOCK).abs().amax(dim=(1, 3))  # [grid]
-    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=SCALE_FLOOR) / FP8_MAX)))
+    scale = power_of_two(ceil_log2(amax.clamp(min=SCALE_FLOOR) / FP8_MAX))
     full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
     return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -299,7 +342,7 @@ def encode_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // FP4_GROUP, FP4_GROUP)
     amax = groups.abs().amax(dim=-1)  # [out, in / 32]
-    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=SCALE_FLOOR) / FP4_MAX)))
+    scale = power_of_two(ceil_log2(amax.clamp(min=SCALE_FLOOR) / FP4_MAX))
     scaled = (groups / scale[..., None]).reshape(rows, cols)
     codes = torch.bucketize(scaled.abs(), E2M1_MIDPOINTS) + FP4_SIGN * (scaled < 0)
     codes = codes.to(torch.uint8).reshape(rows, cols // 2, 2)
@@ -334,7 +377,7 @@ class TrainedMaker(TensorMaker):
         if item.part == "payload":
             return payload.view(item.dtype)
         if item.dtype == torch.float8_e8m0fnu:
-            return (torch.log2(scale).round().to(torch.int32) + E8M0_BIAS).to(torch.uint8).view(item.dtype)
+            return (ceil_log2(scale) + E8M0_BIAS).to(torch.uint8).view(item.dtype)
         return scale
 
 
@@ -371,7 +414,7 @@ def _train_and_write(family: str, out: Path, with_mtp: bool = False) -> None:
     tokenizer, ids = training_tokens()
     config = training_config(family)
     torch.use_deterministic_algorithms(True)
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, IeeeSquareRoot():
         work = Path(scratch)
         model = train_model(family, config, ids, work, print)
         model.save_pretrained(work / "saved")
