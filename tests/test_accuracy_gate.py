@@ -9,12 +9,14 @@ Every gate's figures are the same bits on every x86-64 CPU: the trained models a
 that it reproduced its recorded figures (RECORDED), then judges them against its thresholds."""
 
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from tests.trained import FAMILIES, cpu_description, encode_fp4, encode_fp8, snap, unrecorded_bytes
+from tests.trained import FAMILIES, IeeeSquareRoot, ceil_log2, cpu_description, encode_fp4, encode_fp8, power_of_two, \
+    snap, unrecorded_bytes
 from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
 from dsconv.runner.entrypoints.perplexity import windows
@@ -142,6 +144,27 @@ def test_encoders_round_trip():
     assert torch.equal(snap(decoded4, Encoding.FP4), decoded4)
     assert torch.equal(decoded4.bfloat16().float(), decoded4)  # BF16 holds them exactly
     assert (decoded4 - w).abs().max() <= w.abs().max() / 2  # e2m1: 1 mantissa bit, amax within 6 * scale
+
+
+def test_training_arithmetic_is_ieee():
+    """What keeps training CPU-independent: sqrt under IeeeSquareRoot is the correctly rounded one (float64's root
+    rounded once to float32, which for a square root is the correctly rounded result), in place and on a 0-d
+    tensor too, through autograd; ceil_log2 and power_of_two are exact where log2 rounds."""
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) * 10 + 1e-3
+    exact = torch.from_numpy(np.sqrt(x.double().numpy()).astype(np.float32))
+    leaf = x.clone().requires_grad_()
+    with IeeeSquareRoot():
+        root, in_place, scalar = x.sqrt(), x.clone().sqrt_(), torch.tensor(2.0).sqrt()
+        leaf.sqrt().sum().backward()
+    assert torch.equal(root, exact) and torch.equal(in_place, exact)
+    assert scalar.item() == np.float32(np.sqrt(2.0))
+    assert torch.equal(leaf.grad, 0.5 / exact)  # sqrt's backward: grad / (2 * result)
+    just_above = torch.tensor([2.0 ** -5]).nextafter(torch.tensor([1.0]))  # log2 rounds this to -5.0
+    values = torch.cat([torch.tensor([1.0, 0.75, 2.0 ** -5, 3.0, 448.0, 2.0 ** -108]), just_above])
+    assert ceil_log2(values).tolist() == [0, 0, -5, 2, 9, -108, -4]
+    assert torch.equal(power_of_two(torch.tensor([-126, 0, 5, 127])), torch.tensor([2.0 ** -126, 1.0, 32.0, 2.0 ** 127]))
+    with pytest.raises(ValueError, match="normal range"):
+        power_of_two(torch.tensor([128]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

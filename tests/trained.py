@@ -319,7 +319,7 @@ class IeeeSquareRoot(TorchDispatchMode):
             x = args[0]
             if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
                 raise NotImplementedError(f"IeeeSquareRoot computes float32 / float64 on CPU, not {x.dtype} on {x.device}")
-            root = torch.from_numpy(np.sqrt(x.detach().contiguous().numpy())).reshape(x.shape)
+            root = torch.from_numpy(np.asarray(np.sqrt(x.detach().contiguous().numpy()))).reshape(x.shape)
             return x.copy_(root) if func is torch.ops.aten.sqrt_.default else root
         return func(*args, **kwargs)
 
