@@ -422,11 +422,12 @@ def test_sampled_requests_draft_and_repeat(v32):
     assert sampled()[0] == first
 
 
-# The trained V3.2's MTP layer (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: 1.58 measured
-# (docs/benchmarks.md); a layer that drafts at random or reads the wrong hidden states accepts almost nothing (1.00
-# on the random fixture), so this bound tells a working layer from a broken one whatever the CPU rounds. (The
-# trained V4's MTP layer is trained on request, outside the suite: scripts/bench_mtp.py --family deepseek_v4.)
-TRAINED_ACCEPTANCE_MIN = 1.4
+# The trained V3.2's MTP layer (tests/mtp_training.py), k = 1, greedy, float32, on held-out text: 1.68 measured on
+# the model trained with IEEE's square root, the same bytes on every CPU (k = 3: 2.19, per position 0.65 / 0.32 /
+# 0.22); the issue's line is 1.6. A layer that drafts at random or reads the wrong hidden states accepts almost
+# nothing (1.00 on the random fixture). (The trained V4's MTP layer is trained on request, outside the suite:
+# scripts/bench_mtp.py --family deepseek_v4.)
+TRAINED_ACCEPTANCE_MIN = 1.6
 TRAINED_NEW_TOKENS = 48
 
 
