@@ -83,8 +83,11 @@ def fingerprints(family: str, steps: int, ops: Path | None = None) -> None:
     log = [OpLog(ops / f"{family}.ops")] if ops else []
 
     def on_dense_step(step: int, model, loss) -> None:
-        if log:  # the first dense step alone
-            log[0].__enter__() if step < 0 else (log[0].__exit__(None, None, None), log.pop().close())
+        if log and step < 0:  # the first dense step alone
+            log[0].__enter__()
+        elif log:
+            log[0].__exit__(None, None, None)
+            log.pop().close()
         if step < 0:
             print(f"{family} loaded: weights {weights_digest(model)}", flush=True)
             return

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tests.trained import PINNED_CPU_ENV, IeeeSquareRoot, heldout_texts
+from tests.trained import PINNED_CPU_ENV, IeeeSquareRoot, heldout_texts, unpinned_settings
 from tests.helpers import greedy
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_rank
@@ -164,8 +164,7 @@ def gate_report(name: str, figures: dict) -> str:
 
 if __name__ == "__main__":
     tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv, part_arg, parts_arg = sys.argv[1:]
-    pinned = all(os.environ.get(key) == value for key, value in PINNED_CPU_ENV.items())
-    with IeeeSquareRoot() if pinned else nullcontext():  # other environments measure the CPU's own arithmetic
+    with IeeeSquareRoot() if not unpinned_settings() else nullcontext():  # other environments measure the CPU's own arithmetic
         share = gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
                            int(part_arg), int(parts_arg))
     print(json.dumps(share))

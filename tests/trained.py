@@ -45,7 +45,8 @@ from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
 # per family: bump when its training or encoding changes, so stale caches are rebuilt
-TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 4}
+# (V4's 4 named a checkpoint with its MTP layer before IEEE's sqrt, which a cache may still hold: hence 5)
+TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 5}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 # whose recorded trained checkpoint has a trained MTP layer; V4's is trained on request (`with_mtp`), a checkpoint
 # apart (the recorded model plus its MTP layer), unrecorded, that scripts/bench_mtp.py builds: the suite's training
@@ -391,9 +392,14 @@ def build_trained(out: Path, family: str, with_mtp: bool = False) -> Path:
     return out
 
 
+def unpinned_settings() -> dict[str, str | None]:
+    """The PINNED_CPU_ENV settings this process's environment lacks, with what it has instead."""
+    return {key: os.environ.get(key) for key, value in PINNED_CPU_ENV.items() if os.environ.get(key) != value}
+
+
 def require_pinned() -> None:
     """Refuses a process that did not start with PINNED_CPU_ENV (ATen, MKL and glibc read it at start-up)."""
-    unpinned = {key: os.environ.get(key) for key, value in PINNED_CPU_ENV.items() if os.environ.get(key) != value}
+    unpinned = unpinned_settings()
     if unpinned or torch.backends.cpu.get_cpu_capability() != "DEFAULT" or torch.get_num_threads() != 1:
         raise RuntimeError(f"training needs {PINNED_CPU_ENV} in the environment before torch loads; this process has "
                            f"{unpinned or 'it'}, {torch.backends.cpu.get_cpu_capability()} kernels and "
