@@ -72,7 +72,7 @@ def main() -> int:
     for world in args.worlds:
         shards = args.work / f"{args.family}-w{world}"
         if not (shards / "manifest.json").exists():
-            shard(trained_source(args.family, with_mtp=True), shards, Layout(world, world, world, 1))
+            shard(trained_source(args.family), shards, Layout(world, world, world, 1))
         for batch in (1, CONCURRENT):
             texts = prompts(batch)
             base = None

@@ -44,14 +44,10 @@ from tests.mtp_training import mtp_layer, train_mtp, v4_mtp_layer
 from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
     decode_fp8, make_tiny_checkpoint, write_checkpoint
 
-# per family: bump when its training or encoding changes, so stale caches are rebuilt
-# (V4's 4 named a checkpoint with its MTP layer before IEEE's sqrt, which a cache may still hold: hence 5)
-TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 5}
+# per family: bump when its training or encoding changes, so stale caches are rebuilt (V4's 4 named a checkpoint
+# with its MTP layer before IEEE's sqrt, and 5 one without its MTP layer, which caches may still hold: hence 6)
+TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 6}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
-# whose recorded trained checkpoint has a trained MTP layer; V4's is trained on request (`with_mtp`), a checkpoint
-# apart (the recorded model plus its MTP layer), unrecorded, that scripts/bench_mtp.py builds: the suite's training
-# time is set by V3.2's, and V4's layer would add about ten minutes beside it
-MTP_FAMILIES = ("deepseek_v32",)
 ENCODINGS = ("fp8", "bf16")
 
 # Single-file modules in every CPython from 3.10 on (pathlib and zipfile became packages in 3.12 / 3.13)
@@ -119,15 +115,15 @@ TRAINED_SHA256 = {
         "fp8/model-00003-of-00004.safetensors": "cc260aaac90b52c4f732c25364ec893147103bdd49433eeca4eb5fc81d4b6167",
         "fp8/model-00004-of-00004.safetensors": "1fd55f47b1844f132f9aed7358bf2c95799716f8975dac84dfc7b1195c14fe4f",
     },
-    "deepseek_v4": {
-        "bf16/model-00001-of-00004.safetensors": "ce15bb730be5b37c90fd41d01450754d25bc64e9c0f9442bb3e663d22908f610",
-        "bf16/model-00002-of-00004.safetensors": "9e008672d8f1a98068b81b1612e64361b6dd3ddf8ad6dbbbffc1b24d6de93484",
-        "bf16/model-00003-of-00004.safetensors": "fa78da9ed82c85e38c0f6dbb40178856385c134725acb5289c0a0de1c230ae7c",
-        "bf16/model-00004-of-00004.safetensors": "8796977d60ab2afe81902d20f3b830889744320d4687ea3ea14f9bfa252679e7",
-        "fp8/model-00001-of-00004.safetensors": "2c1b4cefc8838e37df154c8ac4a1a117326f355096b73f9cc44f3d4e455a117b",
-        "fp8/model-00002-of-00004.safetensors": "c22374b6107171d2cbd459b265f95eb74c1fde959aff3a7bd0a4050635a41ee2",
-        "fp8/model-00003-of-00004.safetensors": "e54d6a105fd7d16569a8446c0da0a5e1e743a239ecadba1be527afbce94fd9d6",
-        "fp8/model-00004-of-00004.safetensors": "9cbe66f5dd92f7acbfe1afed21e4ecddcc87cf6560716649dab502c6a2082df9",
+    "deepseek_v4": {  # with its trained MTP layer (the main model's tensors are version 5's, unchanged)
+        "bf16/model-00001-of-00004.safetensors": "9a06b55765414e0375be905ffc5067fa9e568b4be136de32a6e507198f13905c",
+        "bf16/model-00002-of-00004.safetensors": "2718fbdce32c3a572b425ed41e0d5190a95e0ab3ebae04d457e1204a82bfffa2",
+        "bf16/model-00003-of-00004.safetensors": "d2fd98f00dece8e0dbbd96d6a315cec4366ff92960c6008f0d051a09a39772b3",
+        "bf16/model-00004-of-00004.safetensors": "4c9bd06254a5b467f41ce5d5609e23024e7d0a2c9dcefbc1a6a870d81ac75d8c",
+        "fp8/model-00001-of-00004.safetensors": "dc40beb668732c24f3ec0a86b60f6537b3365e23ed686890a2ed1c1ee5259c2f",
+        "fp8/model-00002-of-00004.safetensors": "a528c9a6313cccd94c376d397c58bf8a2087633fe05b0358324bc160428dbca4",
+        "fp8/model-00003-of-00004.safetensors": "ca0d4c8b88b05f8ae722cfb17cbed0d825bf4022b370fc277da0960522c0019b",
+        "fp8/model-00004-of-00004.safetensors": "85070f4d5809ecef866d90cf9594e16c7b7eec64233bd047ac85f27487f2041c",
     },
 }
 
@@ -382,12 +378,11 @@ class TrainedMaker(TensorMaker):
         return scale
 
 
-def build_trained(out: Path, family: str, with_mtp: bool = False) -> Path:
-    """Train `family`'s tiny model and write it under `out`: `fp8/` in the hub's encodings and `bf16/`, the same
-    model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with tokenizer.json;
-    with_mtp: its MTP layer trained too, whatever MTP_FAMILIES says. Runs in a fresh interpreter with
-    PINNED_CPU_ENV."""
-    subprocess.run([sys.executable, "-m", "tests.trained", family, str(out), *(["--with-mtp"] if with_mtp else [])],
+def build_trained(out: Path, family: str) -> Path:
+    """Train `family`'s tiny model with its MTP layer and write it under `out`: `fp8/` in the hub's encodings and
+    `bf16/`, the same model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with
+    tokenizer.json. Runs in a fresh interpreter with PINNED_CPU_ENV."""
+    subprocess.run([sys.executable, "-m", "tests.trained", family, str(out)],
                    env={**os.environ, **PINNED_CPU_ENV}, check=True)
     return out
 
@@ -413,7 +408,7 @@ def training_tokens():
     return tokenizer, torch.tensor([token for text in texts for token in [0] + tokenizer.encode(text).ids])
 
 
-def _train_and_write(family: str, out: Path, with_mtp: bool = False) -> None:
+def _train_and_write(family: str, out: Path) -> None:
     require_pinned()
     from dsconv.convert.source import open_checkpoint
 
@@ -426,11 +421,11 @@ def _train_and_write(family: str, out: Path, with_mtp: bool = False) -> None:
         model.save_pretrained(work / "saved")
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
-        if family in MTP_FAMILIES or with_mtp:  # after the main model, which it leaves as it was
-            config = dict(config, num_nextn_predict_layers=1)
-            if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
-                config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
-            weights.update(train_mtp_layer(family, model, config, ids, work, print))
+        # the MTP layer, after the main model, which it leaves as it was
+        config = dict(config, num_nextn_predict_layers=1)
+        if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
+            config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
+        weights.update(train_mtp_layer(family, model, config, ids, work, print))
     maker = TrainedMaker(family_for(config), config, weights)
     for encoding in ENCODINGS:
         (out / encoding).mkdir(parents=True)
@@ -438,17 +433,15 @@ def _train_and_write(family: str, out: Path, with_mtp: bool = False) -> None:
         tokenizer.save(str(out / encoding / "tokenizer.json"))
 
 
-def trained_source(family: str, encoding: str = "fp8", with_mtp: bool = False) -> Path:
-    """The family's trained tiny checkpoint (fp8: the hub's encodings; bf16: the same model decoded), built on
-    first use into the cache, keyed by version and by the standard library's text; with_mtp: a family outside
-    MTP_FAMILIES with its MTP layer trained too, a checkpoint apart (its main model the same)."""
+def trained_source(family: str, encoding: str = "fp8") -> Path:
+    """The family's trained tiny checkpoint with its trained MTP layer (fp8: the hub's encodings; bf16: the same
+    model decoded), built on first use into the cache, keyed by version and by the standard library's text."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no trained tiny checkpoint; one of {', '.join(FAMILIES)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
-    with_mtp = with_mtp and family not in MTP_FAMILIES
-    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}{'-mtp' if with_mtp else ''}"
-    return build_once(cache_dir() / name, lambda out: build_trained(out, family, with_mtp)) / encoding
+    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}"
+    return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
 
 
 def cpu_description() -> str:
@@ -495,4 +488,4 @@ def heldout_texts() -> list[str]:
 
 
 if __name__ == "__main__":  # build_trained's fresh interpreter
-    _train_and_write(sys.argv[1], Path(sys.argv[2]), "--with-mtp" in sys.argv[3:])
+    _train_and_write(sys.argv[1], Path(sys.argv[2]))

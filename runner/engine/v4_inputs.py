@@ -18,6 +18,8 @@ does not read the whole block table again, as InputBuilder does for the latent c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -37,18 +39,31 @@ class V4Inputs:
         self.known.pop(seq_id, None)
 
     def __call__(self, batch: Batch, seqs: list[SeqStep]) -> V4Step:
-        """The step's V4 metadata, for its sequences (whose positions the cache has advanced), checked."""
-        prefills, decodes = [], []
+        """The step's V4 metadata, for its sequences (whose positions the cache has advanced), checked. One-row
+        sequences, and the short chunks of speculative decoding (`batched_rows`), attend as rows of the decode
+        groups; longer chunks one sequence at a time."""
+        prefills, rows = [], []
+        batched_rows = self.batched_rows()
         for i, seq in enumerate(seqs):
             entries = {r: self._entries(seq, batch.block_tables[i], r) for r in self.ratios}
-            if seq.query_len == 1:
-                decodes.append((seq, entries))
+            if 0 < seq.query_len <= batched_rows:
+                first, state = seq.context_len - seq.query_len, self.cache.slots[seq.seq_id]
+                rows += [DecodeRow(seq.start + j, first + j, state, entries) for j in range(seq.query_len)]
             elif seq.query_len:
                 prefills.append(V4Prefill(seq, self.cache.slots[seq.seq_id], entries))
         smallest = self.ratios[0] if self.ratios else None  # the group with the most entries bounds the gather
-        groups = gather_groups([0 if smallest is None else seq.context_len // smallest for seq, _ in decodes])
-        return V4Step(tuple(prefills), tuple(self._decode([decodes[i] for i in group]) for group in groups),
+        # groups keep step order: a sequence's rows split over two groups are written by the earlier before the
+        # later reads them
+        groups = gather_groups([0 if smallest is None else (row.position + 1) // smallest for row in rows])
+        return V4Step(tuple(prefills), tuple(self._decode([rows[i] for i in group]) for group in groups),
                       self._state_writes(batch, seqs))
+
+    def batched_rows(self) -> int:
+        """The longest chunk whose rows attend as decode rows: each row's keys are read once all the chunk's rows
+        are written, so its window's oldest keys must outlive the chunk's writes (the slot keeps sliding_window +
+        speculative_tokens rows: a verification's k + 1 rows fit), and a chunk completes at most one window of
+        each compressor, which a decode group pools once (no longer than the smallest ratio)."""
+        return min([self.cache.speculative_tokens + 1, *self.ratios])
 
     def _state_writes(self, batch: Batch, seqs: list[SeqStep]) -> V4StateWrites | None:
         """Where the step's rows' state goes: each position of a block with a state block, in every group that
@@ -103,22 +118,22 @@ class V4Inputs:
             self.known[seq.seq_id][ratio] = known
         return known  # None: no entry yet (no zero-size tensor reaches a device kernel)
 
-    def _decode(self, decodes: list[tuple[SeqStep, dict[int, torch.Tensor]]]) -> V4Decode:
+    def _decode(self, rows: list[DecodeRow]) -> V4Decode:
         device, window = self.device, self.cache.window
-        rows = torch.tensor([seq.start for seq, _ in decodes], dtype=torch.long, device=device)
-        positions = torch.tensor([seq.context_len - 1 for seq, _ in decodes], dtype=torch.long, device=device)
-        state = torch.tensor([self.cache.slots[seq.seq_id] for seq, _ in decodes], dtype=torch.long, device=device)
+        positions = torch.tensor([row.position for row in rows], dtype=torch.long, device=device)
+        state = torch.tensor([row.state for row in rows], dtype=torch.long, device=device)
         seen = positions[:, None] - window + 1 + torch.arange(window, device=device)  # [B, window] in position order
         entries = {}
         for ratio in self.ratios:
-            counts = [seq.context_len // ratio for seq, _ in decodes]
+            counts = [(row.position + 1) // ratio for row in rows]  # the entries complete once the row is in
             if not max(counts):
                 entries[ratio] = V4Entries(None, None, None, None, None)
                 continue
             # [B, n_max], padded with slot 0
-            slots = pad_sequence([e[ratio] if e[ratio] is not None else torch.zeros(1, dtype=torch.long, device=device)
-                                  for _, e in decodes], batch_first=True)
-            pooled = [j for j, (seq, _) in enumerate(decodes) if seq.context_len % ratio == 0]  # their row completes
+            slots = pad_sequence([row.entries[ratio][:count] if count else torch.zeros(1, dtype=torch.long,
+                                                                                          device=device)
+                                  for row, count in zip(rows, counts, strict=True)], batch_first=True)
+            pooled = [j for j, row in enumerate(rows) if (row.position + 1) % ratio == 0]  # their row completes
             pool_rows = pool_slots = pool_index = None
             if pooled:
                 pool_rows = torch.tensor(pooled, dtype=torch.long, device=device)
@@ -127,4 +142,14 @@ class V4Inputs:
             valid = lengths_mask(counts, device) if min(counts) < max(counts) else None
             entries[ratio] = V4Entries(slots, valid, pool_rows, pool_slots, pool_index)
         ring = self.cache.window_rows
-        return V4Decode(rows, positions, state, state[:, None] * ring + seen % ring, seen >= 0, entries)
+        step_rows = torch.tensor([row.row for row in rows], dtype=torch.long, device=device)
+        return V4Decode(step_rows, positions, state, state[:, None] * ring + seen % ring, seen >= 0, entries)
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One row of a decode group: a one-row sequence's, or one of a short chunk's (`V4Inputs.batched_rows`)."""
+    row: int  # in the step
+    position: int
+    state: int  # its sequence slot
+    entries: dict[int, torch.Tensor | None]  # ratio -> the slots of the sequence's entries once the step is in

@@ -40,9 +40,12 @@ class InputBuilder:
     each running sequence's context so far, so a decode step extends them by its new slots instead of reading
     the whole block table again."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, speculative_tokens: int = 0):
+        """speculative_tokens: the drafts a step verifies; the latent cache's chunks up to one more row than that (a
+        verification's) attend as rows of the decode groups (DeepSeek-V4's cache decides for itself, V4Inputs)."""
         self.cache = cache
         self.device = cache.device
+        self.batched_rows = speculative_tokens + 1
         self.context_slots: dict[int, torch.Tensor] = {}  # seq_id -> [context] the slots of its positions so far
         self.v4 = V4Inputs(cache) if isinstance(cache, V4Cache) else None  # DeepSeek-V4's cache groups
 
@@ -104,7 +107,8 @@ class InputBuilder:
         if self.v4 is not None:  # DeepSeek-V4: its cache groups' own metadata
             return StepMeta(seqs, flat, flat, v4=self.v4(batch, seqs))
         step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
-        return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs))
+        return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs),
+                        batched_rows=self.batched_rows)
 
     def _seq(self, batch: Batch, i: int) -> SeqStep:
         """Sequence i of a latent-cache step: its context's slots (the last step's extended by this one's, or read from
@@ -154,8 +158,18 @@ class InputBuilder:
         return StepMeta([], positions, positions, None, (), step)
 
     def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
-        """The one-token sequences in step order, in groups whose padded gather stays under DECODE_GATHER_ROWS."""
-        decodes = [seq for seq in seqs if seq.query_len == 1]
+        """The one-token sequences, and each row of the chunks of at most `batched_rows` as one over its context up
+        to its own position (the step writes every row's entries before any attends), in step order, in groups
+        whose padded gather stays under DECODE_GATHER_ROWS."""
+        decodes = []
+        for seq in seqs:
+            if seq.query_len == 1:
+                decodes.append(seq)
+            elif seq.query_len <= self.batched_rows:
+                first = seq.context_len - seq.query_len
+                decodes += [SeqStep(seq.seq_id, seq.start + j, seq.start + j + 1, first + j + 1,
+                                    seq.context_slots[:first + j + 1], None, seq.first_slot)
+                            for j in range(seq.query_len)]
         return tuple(self._decode_rows([decodes[i] for i in group])
                      for group in gather_groups([seq.context_len for seq in decodes]))
 
@@ -177,7 +191,7 @@ class Worker:
                  speculative: SpeculativeConfig | None = None):
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
         self.speculative = speculative
-        self.inputs = InputBuilder(cache)
+        self.inputs = InputBuilder(cache, speculative.num_speculative_tokens if speculative is not None else 0)
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
         self.steps = 0  # steps this rank has run

@@ -103,9 +103,10 @@ class Attention:
             return self.finish(out)
         cache.write(layer, meta, **entries)
 
-        # the attention core: the step's one-token sequences (decodes) together, each longer chunk (prefill) alone
+        # the attention core: the step's one-token sequences (decodes) and short chunks (speculative decoding's
+        # verifications) together, row by row, each longer chunk (prefill) alone
         for seq in meta.seqs:
-            if seq.query_len > 1:
+            if seq.query_len > meta.batched_rows:
                 rows = slice(seq.start, seq.stop)
                 out[rows] = self.prefill(q_nope[rows], q_pe[rows], q_resid[rows], [w[rows] for w in index_k_w],
                                          step_rope, rows, cache, layer, seq, scale)

@@ -133,9 +133,9 @@ class Compressor:
 
     def decode(self, pool: CompressorPool, group: V4Decode, entries: V4Entries, new_kv: torch.Tensor,
                new_gate: torch.Tensor) -> None:
-        """One projected row for each of the group's B sequences ([B, series * head_dim], `project`) into its slot's
-        unfinished window; the windows these rows complete (entries.pool_rows) are pooled in one call, their
-        entries written to their blocks."""
+        """The group's B projected rows ([B, series * head_dim], `project`; at most one per sequence completes a
+        window) into their slots' unfinished windows; the windows these rows complete (entries.pool_rows) are
+        pooled in one call, their entries written to their blocks."""
         ratio, d = self.ratio, self.head_dim
         ring = pool.row(group.state, group.positions)
         pool.kv.index_copy_(0, ring, new_kv)
@@ -265,8 +265,8 @@ class Attention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, step: V4Step, pool: LayerPool) -> torch.Tensor:
         """x [T, hidden]: the step's rows, each sequence's (its seq.start .. stop) at consecutive positions
         continuing what the cache holds for it in this layer, `pool` -> [T, hidden]. The projections run once over
-        all rows; a sequence's chunk of several rows attends alone (`prefill`), the one-row sequences (decode)
-        together, one call per group of them (`decode`)."""
+        all rows; a sequence's chunk of several rows attends alone (`prefill`), the one-row sequences (decode) and
+        the short chunks of speculative decoding together, row by row, one call per group of them (`decode`)."""
         cfg = self.cfg
         T, heads, head_dim = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = self.rope(positions)  # [T, rope / 2]
@@ -315,12 +315,13 @@ class Attention:
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, compress: list[torch.Tensor], index: list[torch.Tensor],
                group: V4Decode, pool: LayerPool) -> torch.Tensor:
-        """A decode group's B one-row sequences: their rows of the step's queries q [B, heads, head_dim], keys
+        """A decode group's B rows (V4Decode): their rows of the step's queries q [B, heads, head_dim], keys
         kv [B, head_dim] and the compressors' and indexer's projections -> [B, heads, head_dim].
 
         Every row goes into its slot (window, unfinished windows); the windows the rows complete are pooled in one
         call per compressor; then one indexer scoring and one attention call for all of them, over keys gathered
-        from the cache. A decode query sees its window (the last sliding_window keys, itself included) and every
+        from the cache (a short chunk's rows each see their sequence up to their own position: its later rows are
+        in the slot already, outside the row's window and entries). A decode query sees its window (the last sliding_window keys, itself included) and every
         compressed entry, all complete once its row is pooled; on CSA layers only the indexer's index_topk of them,
         in entry order as `prefill` keeps them."""
         cfg, ring = self.cfg, pool.window_rows

@@ -58,8 +58,9 @@ class SeqStep:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A group of the step's one-token sequences (decodes), attended in one batched call: their contexts side by
-    side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
+    """A group of the step's one-token sequences (decodes), and of the rows of short chunks (speculative decoding's
+    verifications, StepMeta.batched_rows) each as one over its context up to its own position, attended in one
+    batched call: their contexts side by side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
     the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
     layer with a dozen per group and layer."""
     rows: slice | torch.Tensor  # their rows in the step: a slice when they are rows 0 .. B - 1, else [B] indices
@@ -79,6 +80,7 @@ class StepMeta:
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
     decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
+    batched_rows: int = 1  # the latent cache's chunks this long or shorter are rows of `decodes`, each row alone
     cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
     v4: V4Step | None = None  # DeepSeek-V4's cache groups (then `slots`, `decodes` are unused)
 
@@ -106,8 +108,8 @@ class CPStep:
 
 @dataclass(frozen=True)
 class V4Entries:
-    """One paged group (compress ratio r) for a decode group's B sequences, once each one's new token is in."""
-    slots: torch.Tensor | None  # [B, n_max] slots of each sequence's entries 0 .. n_i - 1 (n_i = context // r),
+    """One paged group (compress ratio r) for a decode group's B rows, once each one's token is in."""
+    slots: torch.Tensor | None  # [B, n_max] slots of each row's entries 0 .. n_i - 1 (n_i = (position + 1) // r),
     #                             padded; None when no sequence has an entry yet
     valid: torch.Tensor | None  # [B, n_max] True at a real entry; None when none is padded
     pool_rows: torch.Tensor | None  # [k] the group's rows (0 .. B - 1) whose token completes a window; None: none
@@ -121,10 +123,12 @@ class V4Entries:
 
 @dataclass(frozen=True)
 class V4Decode:
-    """A group of the step's one-token sequences, attended in one batched call."""
+    """A group of the step's rows attended in one batched call, each as a one-token sequence's: the one-token
+    sequences', and the rows of short chunks (speculative decoding's verifications, v4_inputs.V4Inputs.batched_rows),
+    each of which sees its sequence up to its own position."""
     rows: torch.Tensor  # [B] their rows in the step
     positions: torch.Tensor  # [B] their tokens' positions
-    state: torch.Tensor  # [B] their sequence slots
+    state: torch.Tensor  # [B] their sequences' slots (a short chunk's rows share one)
     window: torch.Tensor  # [B, sliding_window] window rows of positions p - window + 1 .. p (ring rows)
     window_valid: torch.Tensor  # [B, sliding_window] True where that position exists (>= 0)
     entries: dict[int, V4Entries]  # by ratio
