@@ -203,8 +203,8 @@ class Attention:
 
     def decode(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache, layer: int,
                decode: DecodeRows, scale: float) -> torch.Tensor:
-        """B one-token sequences at once (their rows of the step: `rows`), each over its context or, for V3.2
-        past index_topk, over its chosen positions -> [B, heads, v] (`absorbed`)."""
+        """B rows at once (their rows of the step: `rows`; one-token sequences', or short chunks' each as one), each
+        over its context or, for V3.2 past index_topk, over its chosen positions -> [B, heads, v] (`absorbed`)."""
         cfg = self.cfg
         slots, valid = decode.slots, decode.valid  # [B, C]
         if self.indexer is not None and decode.max_context > cfg.index_topk:
@@ -283,7 +283,7 @@ class Indexer:
 
     def select_decode(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int,
                       decode: DecodeRows) -> torch.Tensor:
-        """B one-token sequences at once, their contexts padded to the longest (a padded position scores -inf,
+        """B rows at once (a decode group's), their contexts padded to the longest (a padded position scores -inf,
         after every real one, so a context shorter than index_topk keeps all its positions and pads the rest).
         -> [B, k] positions, k = min(index_topk, longest context)."""
         q = self.queries(q_resid, cos, sin)  # [B, heads, dim]

@@ -16,8 +16,9 @@ What V4 changes from V3 (the math follows transformers 5.23 `deepseek_v4`; tenso
 Each step continues what the cache (runner/models/v4_cache.py) holds for a sequence: the sliding window's keys
 and each compressor's unfinished window in its sequence slot, the compressed entries and the indexer's keys in its
 blocks, where the step's metadata (step.V4Step) says. A prompt fed in chunks of any size and the tokens after it
-continue one sequence; a chunk of several rows attends alone (`Attention.prefill`), a step's one-row sequences
-together (`Attention.decode`, batched over the gathered caches). Attention TP is future work (attention runs DP).
+continue one sequence; a chunk of several rows attends alone (`Attention.prefill`), a step's one-row sequences and
+the short chunks of speculative decoding together, row by row (`Attention.decode`, batched over the gathered
+caches). Attention TP is future work (attention runs DP).
 """
 
 from __future__ import annotations
@@ -223,10 +224,10 @@ class Indexer:
 
     def select_decode(self, q: torch.Tensor, head_weights: torch.Tensor, keys,
                       valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row of each of B sequences: q [B, heads, dim], head_weights [B, heads], keys ([B, n, dim], `keys`)
-        each sequence's compressed keys with this row pooled (all complete for it), padded (valid [B, n]; None:
-        none is) -> (the chosen entries [B, min(n, index_topk)] in entry order, the padding last; True where one is
-        real). What `select` chooses for the row, in one call (a padded entry scores -inf, its pick is invalid).
+        """B rows (a decode group's): q [B, heads, dim], head_weights [B, heads], keys ([B, n, dim], `keys`)
+        each row's sequence's compressed keys with this row pooled (all complete for it), padded (valid [B, n];
+        None: none is) -> (the chosen entries [B, min(n, index_topk)] in entry order, the padding last; True where
+        one is real). What `select` chooses for the row, in one call (a padded entry scores -inf, its pick is invalid).
         Exact ties (relu's zeros) break by entry order as in `select`; a GEMM whose blocking changes with the
         padded length may round a near-tie the other way, as any change of batch can on an accelerator."""
         dim = self.cfg.index_head_dim
@@ -320,10 +321,11 @@ class Attention:
 
         Every row goes into its slot (window, unfinished windows); the windows the rows complete are pooled in one
         call per compressor; then one indexer scoring and one attention call for all of them, over keys gathered
-        from the cache (a short chunk's rows each see their sequence up to their own position: its later rows are
-        in the slot already, outside the row's window and entries). A decode query sees its window (the last sliding_window keys, itself included) and every
+        from the cache. A decode query sees its window (the last sliding_window keys, itself included) and every
         compressed entry, all complete once its row is pooled; on CSA layers only the indexer's index_topk of them,
-        in entry order as `prefill` keeps them."""
+        in entry order as `prefill` keeps them. A short chunk's rows each see their sequence up to their own
+        position: the rows before it were written by this group or an earlier one, those after it are outside its
+        window and entries (v4_inputs.V4Inputs.batched_rows says why no write reaches a key a row sees)."""
         cfg, ring = self.cfg, pool.window_rows
         B = q.shape[0]
         pool.window.write(group.state * ring + group.positions % ring, kv)

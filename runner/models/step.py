@@ -60,9 +60,9 @@ class SeqStep:
 class DecodeRows:
     """A group of the step's one-token sequences (decodes), and of the rows of short chunks (speculative decoding's
     verifications, StepMeta.batched_rows) each as one over its context up to its own position, attended in one
-    batched call: their contexts side by side, each padded to the longest. Gathering B padded contexts reads B * max_context entries where a loop over
-    the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it replaces a dozen calls per sequence and
-    layer with a dozen per group and layer."""
+    batched call: their contexts side by side, each padded to the longest. Gathering B padded contexts reads
+    B * max_context entries where a loop over the sequences reads their sum (bounded by DECODE_GATHER_ROWS); it
+    replaces a dozen calls per sequence and layer with a dozen per group and layer."""
     rows: slice | torch.Tensor  # their rows in the step: a slice when they are rows 0 .. B - 1, else [B] indices
     slots: torch.Tensor  # [B, max_context] the slots of positions 0 .. context_len - 1, padded with slot 0
     valid: torch.Tensor | None  # [B, max_context] True at a real position; None when no context is padded
@@ -79,7 +79,7 @@ class StepMeta:
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
-    decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences, in groups
+    decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences (and short chunks' rows), in groups
     batched_rows: int = 1  # the latent cache's chunks this long or shorter are rows of `decodes`, each row alone
     cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
     v4: V4Step | None = None  # DeepSeek-V4's cache groups (then `slots`, `decodes` are unused)
@@ -110,7 +110,7 @@ class CPStep:
 class V4Entries:
     """One paged group (compress ratio r) for a decode group's B rows, once each one's token is in."""
     slots: torch.Tensor | None  # [B, n_max] slots of each row's entries 0 .. n_i - 1 (n_i = (position + 1) // r),
-    #                             padded; None when no sequence has an entry yet
+    #                             padded; None when no row has an entry yet
     valid: torch.Tensor | None  # [B, n_max] True at a real entry; None when none is padded
     pool_rows: torch.Tensor | None  # [k] the group's rows (0 .. B - 1) whose token completes a window; None: none
     pool_slots: torch.Tensor | None  # [k] where their new entries go
@@ -136,7 +136,8 @@ class V4Decode:
 
 @dataclass(frozen=True)
 class V4Prefill:
-    """One sequence's chunk of several rows (positions start .. seq.context_len - 1)."""
+    """One sequence's chunk of several rows (positions start .. seq.context_len - 1), longer than the short chunks
+    the decode groups take (v4_inputs.V4Inputs.batched_rows)."""
     seq: SeqStep
     state: int  # its sequence slot
     entries: dict[int, torch.Tensor | None]  # ratio -> [context // ratio] slots of its entries once the chunk is in
