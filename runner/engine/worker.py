@@ -107,7 +107,7 @@ class InputBuilder:
         if self.v4 is not None:  # DeepSeek-V4: its cache groups' own metadata
             return StepMeta(seqs, flat, flat, v4=self.v4(batch, seqs))
         step_slots = torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device)
-        return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), self._decode_groups(seqs),
+        return StepMeta(seqs, flat, step_slots, range_start(batch.slot_mapping), decodes=self._decode_groups(seqs),
                         batched_rows=self.batched_rows)
 
     def _seq(self, batch: Batch, i: int) -> SeqStep:
@@ -155,7 +155,7 @@ class InputBuilder:
                 prefix_slots = torch.tensor(slots(table, block_size, 0, start), dtype=torch.long, device=device)
         step = CPStep(positions, length, most, order, self.cache.scratch(length),
                       StepMeta([], new, new, start), seq, owner_meta, start, cp.group[0], prefix_slots)
-        return StepMeta([], positions, positions, None, (), step)
+        return StepMeta([], positions, positions, None, cp=step)
 
     def _decode_groups(self, seqs: list[SeqStep]) -> tuple[DecodeRows, ...]:
         """The one-token sequences, and each row of the chunks of at most `batched_rows` as one over its context up

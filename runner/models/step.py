@@ -10,7 +10,7 @@ entry slots its block tables give, the sequence slots, the window rows and the w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,10 +79,11 @@ class StepMeta:
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: where each token's cache entries go
     first_slot: int | None = None  # set when slots are first_slot .. first_slot + T - 1 (always for one token)
+    _: KW_ONLY  # the rest by name: a field added among them cannot take another's argument
     decodes: tuple[DecodeRows, ...] = ()  # paged caches: the one-token sequences (and short chunks' rows), in groups
-    batched_rows: int = 1  # the latent cache's chunks this long or shorter are rows of `decodes`, each row alone
     cp: CPStep | None = None  # a context-parallel prefill's share (then `seqs` is empty)
     v4: V4Step | None = None  # DeepSeek-V4's cache groups (then `slots`, `decodes` are unused)
+    batched_rows: int = 1  # the latent cache's chunks this long or shorter are rows of `decodes`, each row alone
 
 
 @dataclass(frozen=True)
