@@ -164,7 +164,8 @@ def gate_report(name: str, figures: dict) -> str:
 
 if __name__ == "__main__":
     tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv, part_arg, parts_arg = sys.argv[1:]
-    with IeeeSquareRoot() if not unpinned_settings() else nullcontext():  # other environments measure the CPU's own arithmetic
+    # other environments measure the CPU's own arithmetic
+    with IeeeSquareRoot() if not unpinned_settings() else nullcontext():
         share = gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
                            int(part_arg), int(parts_arg))
     print(json.dumps(share))

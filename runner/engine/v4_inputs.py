@@ -33,6 +33,11 @@ class V4Inputs:
     def __init__(self, cache: V4Cache):
         self.cache, self.device = cache, cache.device
         self.ratios = cache.ratios()
+        # the longest chunk whose rows attend as decode rows: each row's keys are read once all the chunk's rows are
+        # written, so its window's oldest keys must outlive the chunk's writes (the slot keeps sliding_window +
+        # speculative_tokens rows: a verification's k + 1 rows fit), and a chunk completes at most one window of
+        # each compressor, which a decode group pools once (no longer than the smallest ratio)
+        self.batched_rows = min([cache.speculative_tokens + 1, *self.ratios])
         self.known: dict[int, dict[int, torch.Tensor]] = {}  # seq_id -> ratio -> slots of its entries so far
 
     def release(self, seq_id: int) -> None:
@@ -43,10 +48,9 @@ class V4Inputs:
         sequences, and the short chunks of speculative decoding (`batched_rows`), attend as rows of the decode
         groups; longer chunks one sequence at a time."""
         prefills, rows = [], []
-        batched_rows = self.batched_rows()
         for i, seq in enumerate(seqs):
             entries = {r: self._entries(seq, batch.block_tables[i], r) for r in self.ratios}
-            if 0 < seq.query_len <= batched_rows:
+            if 0 < seq.query_len <= self.batched_rows:
                 first, state = seq.context_len - seq.query_len, self.cache.slots[seq.seq_id]
                 rows += [DecodeRow(seq.start + j, first + j, state, entries) for j in range(seq.query_len)]
             elif seq.query_len:
@@ -57,13 +61,6 @@ class V4Inputs:
         groups = gather_groups([0 if smallest is None else (row.position + 1) // smallest for row in rows])
         return V4Step(tuple(prefills), tuple(self._decode([rows[i] for i in group]) for group in groups),
                       self._state_writes(batch, seqs))
-
-    def batched_rows(self) -> int:
-        """The longest chunk whose rows attend as decode rows: each row's keys are read once all the chunk's rows
-        are written, so its window's oldest keys must outlive the chunk's writes (the slot keeps sliding_window +
-        speculative_tokens rows: a verification's k + 1 rows fit), and a chunk completes at most one window of
-        each compressor, which a decode group pools once (no longer than the smallest ratio)."""
-        return min([self.cache.speculative_tokens + 1, *self.ratios])
 
     def _state_writes(self, batch: Batch, seqs: list[SeqStep]) -> V4StateWrites | None:
         """Where the step's rows' state goes: each position of a block with a state block, in every group that

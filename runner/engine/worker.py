@@ -124,7 +124,8 @@ class InputBuilder:
             context_slots = torch.tensor(slots(table, self.cache.block_size, 0, context), dtype=torch.long,
                                          device=self.device)
         self.context_slots[seq_id] = context_slots
-        causal = causal_mask(n_new, context, self.device) if n_new > 1 else None
+        # a chunk the decode groups take row by row reads no mask
+        causal = causal_mask(n_new, context, self.device) if n_new > self.batched_rows else None
         first_block = range_start(table)  # consecutive blocks: the context is one range of slots
         return SeqStep(seq_id, row, stop, context, context_slots, causal,
                        None if first_block is None else first_block * self.cache.block_size)

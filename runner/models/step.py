@@ -47,7 +47,8 @@ class SeqStep:
     # the latent cache only (DeepSeek-V4's cache takes its own metadata, V4Step):
     context_slots: torch.Tensor | None = None  # [context_len] the cache slots of positions 0 .. context_len - 1
     causal: torch.Tensor | None = None  # [query_len, context_len] True where query i (position context_len -
-    #                                     query_len + i) may look; None for one query, which sees everything
+    #                                     query_len + i) may look; None for one query, which sees everything, and
+    #                                     for a chunk the decode groups take row by row (StepMeta.batched_rows)
     first_slot: int | None = None  # set when context_slots are first_slot .. first_slot + context_len - 1, i.e.
     #                                the block table is consecutive blocks: the context is then read as a view
 
