@@ -6,7 +6,7 @@ only initialises the process group from its environment and runs the entry in th
 Otherwise `launch` starts the ranks itself and supervises them, one rank per visible device for cuda / npu (a
 machine with fewer devices than ranks is refused before any rank starts: start one process per device on each
 node with torchrun instead). CPU ranks are `multiprocessing` processes from the "forkserver" context: the fork server is a fresh interpreter (exec'ed, so it shares no threads, CUDA state or
-sockets with this process) that imports torch once; each rank is forked from it. With "spawn" every rank
+sockets with this process) that imports torch and the entry's module once; each rank is forked from it. With "spawn" every rank
 imports torch again, seconds of CPU each (figures in docs/benchmarks.md, "Kernel choices"). Failure handling is the same as with spawn: `Process.exitcode`
 tells an exception (positive) from a signal (negative), `Process.sentinel` lets the supervisor sleep until
 any rank exits, and `terminate`/`kill` reach a rank even while it is blocked inside a C++ collective, which
@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -123,7 +124,7 @@ def _check_local_devices(device: str, world_size: int) -> None:
 # One rank: redirect output, join the process group, run the entry, record a failure for the supervisor.
 
 def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: float, log_dir: Path,
-              store_port: int | None) -> int:
+              store_path: str | None) -> int:
     """Returns 0, or 1 after writing the error to `log_dir` (`_error_path`, and the traceback to the log)."""
     if rank > 0:
         _redirect_output(_log_path(log_dir, rank))
@@ -144,10 +145,11 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
         timeout = timedelta(seconds=timeout_s)
-        if store_port is None:  # torchrun: rendezvous through MASTER_ADDR / MASTER_PORT from the environment
+        if store_path is None:  # torchrun: rendezvous through MASTER_ADDR / MASTER_PORT from the environment
             dist.init_process_group(backend, timeout=timeout)
-        else:  # our launch: meet at the supervisor's store
-            store = dist.TCPStore(LOCAL_ADDR, store_port, world_size, is_master=False, timeout=timeout)
+        else:  # our launch: meet at the job's file store
+            store = dist.FileStore(store_path, world_size)
+            store.set_timeout(timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         entry(**args) if isinstance(args, dict) else entry(*args)
         # No rank closes its connections while a peer may still be reading from them.
@@ -201,7 +203,7 @@ def _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir) -> 
         raise InputError(f"torchrun started {env_world} processes but the layout needs world size {world_size}")
     rank = int(os.environ["RANK"])
     console = os.fdopen(os.dup(2), "w")  # the console's stderr, kept before ranks > 0 redirect theirs
-    code = _run_rank(entry, args, rank, world_size, device, timeout_s, log_dir, store_port=None)
+    code = _run_rank(entry, args, rank, world_size, device, timeout_s, log_dir, store_path=None)
     if code:
         # No launcher of ours watches these ranks, so each failing rank speaks for itself.
         print(f"rank {rank} failed: {_failure_reason(log_dir, rank, exitcode=code)} (logs in {log_dir})",
@@ -216,16 +218,19 @@ def _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir) -> 
 def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0=False) -> int:
     ctx = multiprocessing.get_context("forkserver" if device == "cpu" else "spawn")
     if device == "cpu":
-        # Must come before the first forkserver process starts; the server imports these once for every rank.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
-    # The store every rank meets at lives here: port 0 lets the OS pick a free port, so no probe-then-bind
-    # race with other jobs on the machine, and it outlives any one rank.
-    store = dist.TCPStore(LOCAL_ADDR, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+        # Must come before the first forkserver process starts; the server imports these once for every rank. A
+        # rank imports its entry's module to find the entry: 16 ranks importing the runner on 2 cores took 3 to 8
+        # s a launch, against 0.3 s for a no-op entry (this process's later launches reuse the first's server).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, *_modules_of(entry, args)])
+    # The ranks meet at a file store in a fresh directory of this job's: no port to pick or race for, and no
+    # server to connect to. A TCPStore served from here stalled about one 16-rank start in three on a 2-core
+    # machine, one rank's connect taking 5 s with no retransmitted SYN (measured, torch 2.13).
+    store_dir = tempfile.mkdtemp(prefix="dsrun-store-")
+    store_path = os.path.join(store_dir, "store")
     # Ranks watch this pipe; it reaches end-of-file when this process dies, even by SIGKILL.
     alive_r, alive_w = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=_rank_process, name=f"rank{rank}",
-                         args=(entry, args, rank, world_size, device, timeout_s, log_dir, store.port, alive_r))
+                         args=(entry, args, rank, world_size, device, timeout_s, log_dir, store_path, alive_r))
              for rank in range(world_size)]
     try:
         with _sigint_held():  # a Ctrl-C during start-up is acted on once every started rank has its pid
@@ -249,6 +254,15 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
         raise
     finally:
         alive_w.close()
+        shutil.rmtree(store_dir, ignore_errors=True)  # the ranks' store removes its file once all have closed it
+
+
+def _modules_of(entry, args) -> list[str]:
+    """The modules a rank imports to unpickle its entry and the functions among its arguments (a wrapper's inner
+    entry), in that order; not `__main__`, which multiprocessing prepares in every rank itself."""
+    values = args.values() if isinstance(args, dict) else args
+    modules = [fn.__module__ for fn in (entry, *values) if callable(fn) and hasattr(fn, "__module__")]
+    return [name for name in dict.fromkeys(modules) if name not in (None, "__main__")]
 
 
 @contextmanager
@@ -271,13 +285,14 @@ def _sigint_held() -> Iterator[None]:
         signal.raise_signal(signal.SIGINT)
 
 
-def _rank_process(entry, args, rank, world_size, device, timeout_s, log_dir, master_port, alive_r) -> None:
+def _rank_process(entry, args, rank, world_size, device, timeout_s, log_dir, store_path, alive_r) -> None:
     # Ctrl-C reaches the whole terminal process group; the supervisor alone decides how ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_supervisor_dies, args=(alive_r,), daemon=True).start()
+    # torchrun's variables but MASTER_PORT: no rendezvous goes through a port, and a rank is not under torchrun
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOCAL_ADDR, MASTER_PORT=str(master_port))
-    sys.exit(_run_rank(entry, args, rank, world_size, device, timeout_s, log_dir, store_port=master_port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOCAL_ADDR)
+    sys.exit(_run_rank(entry, args, rank, world_size, device, timeout_s, log_dir, store_path=store_path))
 
 
 def _exit_when_supervisor_dies(alive_r) -> None:
