@@ -7,10 +7,12 @@ import them.
 """
 
 import json
+import multiprocessing.util
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -136,13 +138,25 @@ def _check_all_to_all(group, rank, dtype, row_shape, zero_senders, zero_receiver
     assert torch.equal(recv.view(torch.uint8), expected.view(torch.uint8)), (group.name, dtype, row_shape)
 
 
+@pytest.fixture
+def scratch(tmp_path, monkeypatch) -> Path:
+    """A fresh directory as tempfile's, where launch makes its ranks' store: -> it, empty."""
+    multiprocessing.util.get_temp_dir()  # multiprocessing's own (the fork server's socket) stays where it was
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
+
+
 @pytest.mark.slow
-def test_sixteen_ranks_groups_and_collectives(tmp_path, capsys):
-    code = launch(_check_sixteen_ranks, (), world_size=16, device="cpu", timeout_s=TIMEOUT_S, log_dir=tmp_path)
+def test_sixteen_ranks_groups_and_collectives(tmp_path, scratch, capsys):
+    logs = tmp_path / "logs"
+    code = launch(_check_sixteen_ranks, (), world_size=16, device="cpu", timeout_s=TIMEOUT_S, log_dir=logs)
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "hello from rank 5" in (tmp_path / "rank5.log").read_text()  # ranks > 0 log to files
-    assert not (tmp_path / "rank0.log").exists()  # rank 0 keeps the console and had nothing to report
+    assert "hello from rank 5" in (logs / "rank5.log").read_text()  # ranks > 0 log to files
+    assert not (logs / "rank0.log").exists()  # rank 0 keeps the console and had nothing to report
+    assert list(scratch.iterdir()) == []  # the ranks' store is gone with the job
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,15 +194,17 @@ def _failure_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "failed:" in line]
 
 
-def test_rank_that_raises_ends_the_job(tmp_path, capsys):
+def test_rank_that_raises_ends_the_job(tmp_path, scratch, capsys):
+    logs = tmp_path / "logs"
     code = launch(_raise_while_others_wait, (str(tmp_path),), world_size=4, device="cpu", timeout_s=TIMEOUT_S,
-                  log_dir=tmp_path)
+                  log_dir=logs)
     ended = time.time()
     err = capsys.readouterr().err
     assert code != 0
     assert ended - _failed_at(tmp_path) < FAILURE_BOUND_S
-    assert _failure_lines(err) == [f"rank 3 failed: RuntimeError: boom from rank 3 (logs in {tmp_path})"], err
-    assert "Traceback" in (tmp_path / "rank3.log").read_text()
+    assert _failure_lines(err) == [f"rank 3 failed: RuntimeError: boom from rank 3 (logs in {logs})"], err
+    assert "Traceback" in (logs / "rank3.log").read_text()
+    assert list(scratch.iterdir()) == []  # a failed job leaves no store behind either
 
 
 def test_rank_killed_by_signal_ends_the_job(tmp_path, capsys):
