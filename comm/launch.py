@@ -30,7 +30,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -225,8 +224,14 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
     # The ranks meet at a file store in a fresh directory of this job's: no port to pick or race for, and no
     # server to connect to. A TCPStore served from here stalled about one 16-rank start in three on a 2-core
     # machine, one rank's connect taking 5 s with no retransmitted SYN (measured, torch 2.13).
-    store_dir = tempfile.mkdtemp(prefix="dsrun-store-")
-    store_path = os.path.join(store_dir, "store")
+    # The ranks' store removes its file once all have closed it; the directory goes with the job, however it ends.
+    with tempfile.TemporaryDirectory(prefix="dsrun-store-", ignore_cleanup_errors=True) as store_dir:
+        return _start_and_supervise(ctx, entry, args, world_size, device, timeout_s, log_dir,
+                                    os.path.join(store_dir, "store"), sigterm_to_rank0)
+
+
+def _start_and_supervise(ctx, entry, args, world_size, device, timeout_s, log_dir, store_path,
+                         sigterm_to_rank0) -> int:
     # Ranks watch this pipe; it reaches end-of-file when this process dies, even by SIGKILL.
     alive_r, alive_w = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=_rank_process, name=f"rank{rank}",
@@ -254,7 +259,6 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
         raise
     finally:
         alive_w.close()
-        shutil.rmtree(store_dir, ignore_errors=True)  # the ranks' store removes its file once all have closed it
 
 
 def _modules_of(entry, args) -> list[str]:
