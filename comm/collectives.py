@@ -135,6 +135,67 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
     return InFlight(work, finish, (send_bytes, recv_bytes)) if async_op else finish()
 
 
+COUNT_BYTES = 8  # a block's header: its row count as one int64
+
+
+def header_rows(row_bytes: int) -> int:
+    """The rows a fixed-capacity block's header takes: enough for its count."""
+    return -(-COUNT_BYTES // row_bytes)
+
+
+def all_to_all_counted(send: torch.Tensor, send_counts: torch.Tensor, capacity: int, group: Group,
+                       async_op: bool = False) -> tuple[torch.Tensor, list[int], list[int]] | InFlight:
+    """EP exchange in one all-to-all, its counts travelling with its rows (as DeepEP's low-latency mode and MC2
+    carry theirs): rows `send[offset_j : offset_j + send_counts[j]]` go to group rank j, as in all_to_all_variable,
+    but no exchange of counts comes first. Every member sends every member one block of a fixed size: a header
+    (`header_rows`) whose first 8 bytes are the block's row count, then `capacity` rows, the real ones first, the
+    rest padding that is never read.
+
+    send: [N, ...] rows grouped by destination, in group-rank order; send_counts: [group.size] int64 tensor summing to
+    N, where the rows live (no host sync here). capacity: the most rows any member may send any one member this time,
+    which every member must pass alike (the caller derives it from what every rank knows, and checks its counts
+    where that costs no host sync); a row past its block's capacity is an index error, a header above it an error
+    at the receiver. Returns (recv [M, ...], recv_counts) as all_to_all_variable does, and send_counts as a list,
+    read back with the received headers; async_op: an `InFlight`, its wait() reads them (the host sync on an
+    accelerator)."""
+    size, n = group.size, send.shape[0]
+    if send_counts.shape != (size,):
+        raise ValueError(f"send_counts of shape {tuple(send_counts.shape)} must give one count per rank of group "
+                         f"{group.name} ({size})")
+    if n > capacity * size:
+        raise ValueError(f"{n} rows cannot travel in {size} blocks of capacity {capacity}")
+    if size == 1:
+        finish = lambda: (send, [n], [n])  # noqa: E731
+        return InFlight(None, finish) if async_op else finish()
+
+    row_shape = send.shape[1:]
+    row_bytes = math.prod(row_shape) * send.element_size()
+    head = header_rows(row_bytes)
+    blocks = torch.empty(size, head + capacity, row_bytes, dtype=torch.uint8, device=send.device)
+    counts = send_counts.to(torch.int64).contiguous()
+    blocks.view(size, -1)[:, :COUNT_BYTES] = counts.view(torch.uint8).view(size, COUNT_BYTES)
+    if n:  # each row to its destination's block, after the header, in order
+        destination = torch.repeat_interleave(torch.arange(size, device=send.device), counts, output_size=n)
+        first = torch.cumsum(counts, 0) - counts  # [size] each destination's first row in `send`
+        slot = torch.arange(n, device=send.device) - first[destination] + head
+        blocks[destination, slot] = send.contiguous().reshape(-1).view(torch.uint8).view(n, row_bytes)
+    received = torch.empty_like(blocks)
+    work = dist.all_to_all_single(received, blocks, group=group.handle, async_op=async_op)
+
+    def finish() -> tuple[torch.Tensor, list[int], list[int]]:
+        headers = received.view(size, -1)[:, :COUNT_BYTES].contiguous().view(torch.int64).view(size)
+        recv_counts, sent = torch.stack([headers, counts]).tolist()  # both read back at once
+        if max(recv_counts) > capacity or min(recv_counts) < 0:
+            raise ValueError(f"received block counts {recv_counts} outside [0, {capacity}]: the members disagree "
+                             f"on the capacity")
+        if not sum(recv_counts):
+            return torch.empty(0, *row_shape, dtype=send.dtype, device=send.device), recv_counts, sent
+        arrived = _cat_rows([received[source, head:head + count] for source, count in enumerate(recv_counts)])
+        return arrived.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape), recv_counts, sent
+
+    return InFlight(work, finish, (blocks, received)) if async_op else finish()
+
+
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat of the parts that have rows (their sizes are on the host): no kernel is handed an empty one."""
     parts = [part for part in parts if part.shape[0]]

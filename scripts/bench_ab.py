@@ -2,7 +2,8 @@
 (a refactoring must leave speed unchanged within noise).
 
     python scripts/bench_ab.py --base REV [--family deepseek_v32] [--rounds 8] [--new-tokens 64] [--work DIR]
-                               [--world16-rounds N] [--skip-serve] [--batch 1 16] [--rss-prompt-len 2048]
+                               [--world16-rounds N [--world16-batch 1 16] [--world16-encodings bf16 w8a8]]
+                               [--skip-serve] [--batch 1 16] [--rss-prompt-len 2048]
 
 The base revision is checked out into a temporary git worktree; each side runs in its own processes with
 PYTHONPATH pointing `dsconv` at its code, on the same shards (a tiny checkpoint of --family sharded for one
@@ -16,7 +17,8 @@ rank by this tree's code; the shard format is the same on both sides).
     workload (32 streamed completions, prompts 16-256 tokens, outputs 8-128, concurrency 8, seed 0) sent to
     each in turn, round after round.
 (3) With --world16-rounds N: `dsrun generate --json` at world 16 (a real-vocabulary tiny checkpoint sharded EP16,
-    lm_head TP16, attention DP16), each side's own CLI in turn, N rounds: the decode tokens/s rank 0 reports.
+    lm_head TP16, attention DP16), each side's own CLI in turn, N rounds: the decode tokens/s rank 0 reports; one
+    A/B per --world16-batch B (B prompts at once) and per --world16-encodings (bf16, w8a8: quantized first).
 (4) With --rss-prompt-len N: the peak resident memory of a fresh process per side that loads the model, then
     serves 16 concurrent requests of N-token prompts (8 new tokens each, prefilled in chunks of 4096 tokens) from
     a cache holding exactly them: ru_maxrss after the load and at the end, and their difference.
@@ -188,14 +190,17 @@ def decode_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int, bat
     return results
 
 
-def world16_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """`dsrun generate --json` at world 16 (EP16, lm_head TP16, attention DP16), each side's own CLI: the decode
-    tokens/s rank 0 reports (generation after the first token; the start-up of 16 ranks is not in it)."""
-    prompt = " ".join(f"word{i}" for i in range(PROMPT_LEN))
+def world16_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int, batch: int = 1
+               ) -> dict[str, list[float]]:
+    """`dsrun generate --json` at world 16 (EP16, lm_head TP16, attention DP16), each side's own CLI, `batch` prompts
+    at once (spread over the attention-DP ranks): the decode tokens/s rank 0 reports (generation after the first
+    token, over every prompt; the start-up of 16 ranks is not in it)."""
+    prompts = [" ".join(f"word{i + j}" for i in range(PROMPT_LEN)) for j in range(batch)]
 
     def one(side: Side) -> float:
+        flags = [arg for prompt in prompts for arg in ("--prompt", prompt)]
         proc = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards),
-                               "--prompt", prompt, "--no-chat", "--json", "--max-new-tokens", str(new_tokens),
+                               *flags, "--no-chat", "--json", "--max-new-tokens", str(new_tokens),
                                "--dtype", "bfloat16"], capture_output=True, text=True, env=side.env, timeout=900)
         if proc.returncode:
             raise SystemExit(f"bench_ab: {side.name}'s world-16 run failed: {proc.stderr[-2000:]}")
@@ -268,6 +273,10 @@ def main() -> int:
     parser.add_argument("--skip-serve", action="store_true", help="no serve rounds")
     parser.add_argument("--world16-rounds", type=int, default=0,
                         help="also `dsrun generate` at world 16, this many alternating rounds (each starts 16 ranks)")
+    parser.add_argument("--world16-batch", type=int, nargs="+", default=[1],
+                        help="the world-16 runs with this many prompts at once (one A/B per value)")
+    parser.add_argument("--world16-encodings", nargs="+", default=["bf16"], choices=["bf16", "w8a8"],
+                        help="the world-16 runs' shards: the tiny checkpoint as made, or quantized to W8A8")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="decode runs with this many prompts at once (one A/B per value)")
@@ -307,11 +316,14 @@ def main() -> int:
         if args.rss_prompt_len:
             print(f"peak RSS, {RSS_REQUESTS} concurrent requests of {args.rss_prompt_len} prompt tokens:", flush=True)
             figures["rss"] = rss_ab(sides, shards, args.rss_prompt_len)
-        if args.world16_rounds:
-            shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True)
-            figures["world16"] = report(f"decode tokens/s, world 16 (dsrun generate --json), BF16, {args.new_tokens} "
-                                        f"tokens", "tok/s",
-                                        world16_ab(sides, shards16, args.new_tokens, args.world16_rounds))
+        for encoding in args.world16_encodings if args.world16_rounds else ():
+            shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True,
+                                              w8a8=encoding == "w8a8")
+            for batch in args.world16_batch:
+                key = "world16" + ("" if (encoding, batch) == ("bf16", 1) else f"_{encoding}_batch{batch}")
+                figures[key] = report(f"decode tokens/s, world 16 (dsrun generate --json), {encoding.upper()} shards, "
+                                      f"{args.new_tokens} tokens, {batch} at once", "tok/s",
+                                      world16_ab(sides, shards16, args.new_tokens, args.world16_rounds, batch))
         if not args.skip_serve:
             figures["serve"] = report("dsrun serve output tokens/s, world 1, 32 requests, concurrency 8", "tok/s",
                                       serve_ab(sides, shards, args.work, args.rounds))

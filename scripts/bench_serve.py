@@ -46,6 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dsconv.convert.quantize import build_plan, run_quantize  # noqa: E402
 from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from dsconv.errors import InputError  # noqa: E402
 from dsconv.kernels.device import cpu_model_and_flags  # noqa: E402
@@ -262,14 +263,20 @@ def imbalance(url: str) -> tuple[float, float]:
     return values["dsrun:dp_imbalance_sum"], values["dsrun:dp_imbalance_count"]
 
 
-def shards_for(work: Path, family: str, layout: Layout, real_vocab: bool = False) -> Path:
+def shards_for(work: Path, family: str, layout: Layout, real_vocab: bool = False, w8a8: bool = False) -> Path:
     """The family's tiny checkpoint sharded for `layout`, built under `work` once; real_vocab: with DeepSeek's real
-    vocabulary (a text prompt's ids fit)."""
+    vocabulary (a text prompt's ids fit); w8a8: quantized by dsconv quantize (the default recipe) first."""
     kind = "-real-vocab" if real_vocab else ""
     src = work / family / f"src{kind}"
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         make_tiny_checkpoint(src, family, real_vocab=real_vocab)
+    if w8a8:
+        quantized, kind = work / family / f"src{kind}-w8a8", f"{kind}-w8a8"
+        if not (quantized / "config.json").exists():
+            shutil.rmtree(quantized, ignore_errors=True)
+            run_quantize(build_plan(src, None, "ascend", 4 * 10**9), quantized, workers=2, on_progress=lambda n: None)
+        src = quantized
     out = work / family / f"shards{kind}-w{layout.world_size}"
     if not (out / "manifest.json").exists():
         shutil.rmtree(out, ignore_errors=True)

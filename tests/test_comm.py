@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsconv.comm.collectives import all_gather_cat, all_reduce_sum, all_to_all_variable, barrier
-from dsconv.comm.groups import make_groups
+from dsconv.comm.collectives import (all_gather_cat, all_reduce_sum, all_to_all_counted, all_to_all_variable,
+                                     barrier)
+from dsconv.comm.groups import Group, make_groups
 from dsconv.comm.launch import backend_for, launch
 from dsconv.errors import InputError
 from dsconv.family.layout import Layout
@@ -55,6 +56,8 @@ def _check_sixteen_ranks() -> None:
             _check_all_to_all(groups.ep, rank, dtype, row_shape, zero_senders={5}, zero_receivers={7})
     _check_all_to_all(groups.attn_dp, rank, torch.int8, (4,), zero_senders=set(), zero_receivers=set())
     _check_all_to_all(groups.ep, rank, torch.float32, (4,), zero_senders=set(range(16)), zero_receivers=set())
+    with pytest.raises(IndexError):  # a row past its block: refused before anything is sent
+        all_to_all_counted(torch.zeros(3, 2), torch.tensor([3] + [0] * 15), 2, groups.ep)
     barrier(groups.attn_tp)
     barrier(groups.attn_dp)
     _check_reused_and_trivial_groups(rank)
@@ -123,8 +126,16 @@ def _sent_by(src: int, size: int, dtype, row_shape, zero_senders, zero_receivers
 
 
 def _check_all_to_all(group, rank, dtype, row_shape, zero_senders, zero_receivers) -> None:
+    """Both forms of the exchange: variable-size after the counts, and the counts in fixed-capacity blocks (capacity
+    3, the most `_sent_by` sends one rank; with one-byte rows the header takes eight rows)."""
     send, counts = _sent_by(group.rank, group.size, dtype, row_shape, zero_senders, zero_receivers)
-    recv, recv_counts = all_to_all_variable(send, counts, group)
+    _check_received(group, dtype, row_shape, zero_senders, zero_receivers, *all_to_all_variable(send, counts, group))
+    recv, recv_counts, sent = all_to_all_counted(send, counts, 3, group, async_op=True).wait()
+    assert sent == counts.tolist()
+    _check_received(group, dtype, row_shape, zero_senders, zero_receivers, recv, recv_counts)
+
+
+def _check_received(group, dtype, row_shape, zero_senders, zero_receivers, recv, recv_counts) -> None:
     # Brute force: slice every sender's buffer for the rows addressed to us.
     expected_rows, expected_counts = [], []
     for src in range(group.size):
@@ -136,6 +147,17 @@ def _check_all_to_all(group, rank, dtype, row_shape, zero_senders, zero_receiver
     assert recv_counts == expected_counts, (recv_counts, expected_counts)
     assert recv.dtype == dtype and recv.shape == expected.shape, (recv.dtype, recv.shape, expected.shape)
     assert torch.equal(recv.view(torch.uint8), expected.view(torch.uint8)), (group.name, dtype, row_shape)
+
+
+def test_counted_exchange_refuses_rows_over_its_capacity():
+    alone = Group("ep", (0,), 0, None)
+    rows = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="3 rows cannot travel in 1 blocks of capacity 2"):
+        all_to_all_counted(rows, torch.tensor([3]), 2, alone)
+    with pytest.raises(ValueError, match=r"must give one count per rank of group ep \(1\)"):
+        all_to_all_counted(rows, torch.tensor([1, 2]), 3, alone)
+    recv, counts, sent = all_to_all_counted(rows, torch.tensor([3]), 3, alone)
+    assert recv is rows and counts == sent == [3]
 
 
 @pytest.fixture

@@ -462,10 +462,11 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
         assert call["npu.Stream"] == 1, call  # one second stream per rank, made once
         assert call["npu.stream"] == call["npu.Stream.wait_event"] / 2 == beside * steps, call
         assert call["npu_quant_matmul on a second stream"] == 2 * moe_layers * steps, call  # gate_up and down
-    # host syncs in each decode step (every step after the prefill), per rank: 1 per MoE layer (the EP all-to-all
-    # takes its split sizes as lists: the sent counts and the received ones, read back together) and on the rank
-    # that samples 1 for the drawn tokens; lm_head TP takes each rank's rows from the step plan. Before: 2 per MoE
-    # layer (the two lists read one after the other) and 1 for lm_head TP (the rows exchanged and read back).
+    # host syncs in each decode step (every step after the prefill), per rank: 1 per MoE layer (the counted
+    # dispatch's received headers and its sent counts, read back together when it is waited for; the combine takes
+    # them as lists) and on the rank that samples 1 for the drawn tokens; lm_head TP takes each rank's rows from the
+    # step plan. Before: 2 per MoE layer (the two lists read one after the other) and 1 for lm_head TP (the rows
+    # exchanged and read back).
     for rank in range(16):
         steps = json.loads((tmp_path / "npu" / SYNCS_NAME.format(rank=rank)).read_text())
         decode = [sum(step.values()) for step in steps[1:]]

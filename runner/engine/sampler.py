@@ -41,6 +41,25 @@ def constrain(batch: Batch, logits: torch.Tensor, grammars: Grammars) -> None:
         grammars.constrain(logits, rows)
 
 
+def greedy_only(batch: Batch) -> bool:
+    """Whether every row of the batch's logits is a plain greedy draw, which needs its argmax alone (the rule by
+    which lm_head TP sends each rank its rows' best tokens instead of their whole rows, parallel.ParallelLMHead):
+    no prompt logprobs, and every sampling sequence at temperature 0 with no logprobs, logit_bias, grammar, further
+    samples (n > 1) or drafts to verify. Anything else needs the full row."""
+    batch = batch.for_sampler()
+    return all(scores is None for scores in batch.scores) and all(
+        spec is None or (spec.temperature == 0.0 and spec.logprobs is None and not spec.logit_bias
+                         and spec.grammar is None and not spec.siblings and not spec.drafts)
+        for spec in batch.samples)
+
+
+def greedy_results(batch: Batch, tokens: list[int]) -> list[SeqResult]:
+    """A `greedy_only` batch's results from its sampling rows' argmax tokens (one per sampling sequence, in order):
+    what step_results gives from their logits."""
+    drawn = iter(tokens)
+    return [SeqResult(None if spec is None else next(drawn), None) for spec in batch.samples]
+
+
 def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
     row), those of sequences with a grammar already masked (`constrain`) -> per sequence its sampled token and

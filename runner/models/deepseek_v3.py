@@ -415,9 +415,10 @@ class DeepseekV3:
         # `dsrun compare` on the rank that records
         self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
-    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP)."""
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor:
+        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP); greedy: -> those
+        rows' argmax tokens [len(rows) or T] (ParallelLMHead: no slice of the vocabulary travels)."""
         self.dist.start_step(tokens.shape[0])
         x = cast(self.embed(tokens), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
@@ -428,7 +429,7 @@ class DeepseekV3:
         h = self.norm(x)
         if self.mtp is not None:
             self.hidden = h
-        logits = self.logits(h if rows is None else h[rows])
+        logits = self.head(h if rows is None else h[rows], greedy)
         if self.observe is not None:
             self.observe("logits", logits)
         return logits

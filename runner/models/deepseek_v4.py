@@ -552,10 +552,11 @@ class DeepseekV4:
         # logits): set by `dsrun compare` on the rank that records
         self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
-    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor:
         """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
-        says, each sequence continuing what `cache` holds for it -> logits [len(rows) or T, vocab] of those rows.
+        says, each sequence continuing what `cache` holds for it -> logits [len(rows) or T, vocab] of those rows;
+        greedy: their argmax tokens [len(rows) or T] (ParallelLMHead: no slice of the vocabulary travels).
 
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
@@ -571,7 +572,7 @@ class DeepseekV4:
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
-        logits = self.head(h)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
+        logits = self.head(h, greedy)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
         if self.observe is not None:
             self.observe("logits", logits)
         return logits

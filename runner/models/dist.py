@@ -82,6 +82,14 @@ class Dist:
         instead of exchanging them (a host sync each on an accelerator)."""
         self._planned = rows
 
+    def most_moe_rows(self) -> int | None:
+        """The most rows any rank routes through the MoE this step, from the step plan (None without one): each
+        attention-TP rank routes its share, ceil(tokens / attn_tp), of its DP index's tokens (parallel.py,
+        attention_tp_share; an accelerator's throwaway row stands in only for an empty share)."""
+        if self._planned is None:
+            return None
+        return max(-(-tokens // self.attn_tp) for tokens, _ in self._planned)
+
     def start_step(self, rows: int) -> None:
         """Called by the model at the top of each step with its row count: the rows each member of each
         fine-grained TP group (o_proj, embedding) holds this step, learnt once here for every layer's exchange."""

@@ -11,9 +11,19 @@ combine is issued asynchronously too and waited right before its rows are summed
 expert runs after the combine, as it did before. Both orders compute the same values: the shared expert's output
 and the routed sum are independent until they are added, in the same order (routed + shared).
 
-Host syncs per MoE layer on an accelerator: one at EP > 1 (the all-to-all takes its split sizes as lists: the
-counts this rank sends and, from the count exchange, those it receives, read back together), none at EP 1. Counting
-uses index_add_ there (bincount sizes its output from the data, a sync), the grouped experts take the counts as a
+Two exchanges per MoE layer in decode: the dispatch carries its counts. Every rank knows from the step plan how many
+rows each rank routes (Dist.most_moe_rows), and a token sends at most k rows, so no rank sends any other more than
+capacity = most rows x k rows. The dispatch then sends every peer one block of that capacity with its count in a
+header (comm.collectives.all_to_all_counted, as DeepEP's low-latency mode and MC2 carry theirs): one all-to-all, no
+exchange of counts before it. The combine returns each peer's real rows only, both sides'
+counts being known by then. The padding costs bytes: the counted form is taken while a rank's padded send stays
+within its device's DISPATCH_PAD_BYTES (decode steps, short chunks); past it (long prefill chunks, whose blocks
+would be mostly padding) and without a step plan, the counts travel first (exchange_counts) and the rows follow in
+a variable-size all-to-all, three exchanges.
+
+Host syncs per MoE layer on an accelerator: one at EP > 1 (the counted dispatch's received headers, read when it
+is waited for; the variable one's counts, read back before its rows are sent), none at EP 1. Counting uses
+index_add_ there (bincount sizes its output from the data, a sync), the grouped experts take the counts as a
 tensor, and the combine reuses the dispatch's counts.
 
 The profiler sees each phase under its own name (DISPATCH, DISPATCH_WAIT, SHARED_EXPERT, COMBINE, COMBINE_WAIT):
@@ -26,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
-from dsconv.comm.collectives import InFlight, all_to_all_variable, exchange_counts
+from dsconv.comm.collectives import InFlight, all_to_all_counted, all_to_all_variable, exchange_counts, header_rows
 from dsconv.kernels.device import is_npu
 from dsconv.kernels.linear import quantize_activations
 from dsconv.runner.models.dist import Dist
@@ -36,6 +46,16 @@ from dsconv.family.placement import expert_owner
 DISPATCH, DISPATCH_WAIT = "dsrun.moe.dispatch", "dsrun.moe.dispatch_wait"
 SHARED_EXPERT = "dsrun.moe.shared_expert"
 COMBINE, COMBINE_WAIT = "dsrun.moe.combine", "dsrun.moe.combine_wait"
+
+# The most bytes a rank's counted dispatch may send (its padded blocks), by device type; above it the counts travel
+# first. The counted form saves one exchange's latency and pays for its padding in bandwidth, so the bound is about
+# what a link moves in one exchange's latency:
+# - gloo between local processes (cpu): an all-to-all of 16 ranks takes about 7 ms on 2 cores (docs/benchmarks.md),
+#   in which memory moves tens of MB;
+# - a device link (cuda, npu): about 25 GB/s (200 Gb/s) for tens of microseconds, about 1 MB. Real V3.2 at EP16
+#   under W8A8 (7,180-byte rows, top-8) fits one token per rank in it: a decode step at batch 1.
+DISPATCH_PAD_BYTES = {"cpu": 32 * 2**20}
+DEVICE_LINK_PAD_BYTES = 2**20
 
 
 def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local: RoutedExperts,
@@ -72,10 +92,9 @@ def _routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local
     send_counts = _count(expert_owner(flat, local.n_routed_experts, dist.ep), dist.ep)
     # each row's expert as its index among its owner's local experts (owners hold contiguous blocks)
     rows, local_ids = x[order // k], flat[order] % per_rank
-    # EP dispatch: each row goes to its expert's owner with the expert's local index; W8A8 experts get INT8
-    # activations and their per-token scales, quantized once here (what the expert itself would compute)
-    columns = [*quantize_activations(rows), local_ids] if local.int8 else [rows, local_ids]
-    dispatch = ep_dispatch(dist, columns, send_counts)
+    # EP dispatch: each row goes to its expert's owner with the expert's local index
+    columns = dispatch_columns(rows, local_ids, local.int8)
+    dispatch = ep_dispatch(dist, columns, send_counts, k)
     if during_dispatch is not None:
         during_dispatch()
     received = dispatch.wait()
@@ -88,6 +107,13 @@ def _routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local
         combined[order] = back.wait()[0]
     # per token, its k rows weighted and summed in float32: [T, 1, k] @ [T, k, H]
     return torch.bmm(weights[:, None], combined.view(-1, k, x.shape[1]).float())[:, 0].to(x.dtype)
+
+
+def dispatch_columns(rows: torch.Tensor, local_ids: torch.Tensor, int8: bool) -> list[torch.Tensor]:
+    """What the dispatch sends per row: for W8A8 experts the INT8 activations [N, H] and their per-token float32
+    scales [N, 1], quantized once here by the sender (what the expert would compute from the row: quantization is
+    per row, so it commutes with the exchange), else the rows in their dtype; then each row's local expert [N]."""
+    return [*quantize_activations(rows), local_ids] if int8 else [rows, local_ids]
 
 
 def _run_local(received: list[torch.Tensor], local: RoutedExperts, dist: Dist,
@@ -110,18 +136,21 @@ def _run_local(received: list[torch.Tensor], local: RoutedExperts, dist: Dist,
 
 
 class Dispatch:
-    """An EP dispatch in flight: `wait()` -> the columns as received (None when no row arrived); `counts`, the row
-    counts per peer as lists, (received, sent), for `ep_combine`."""
+    """An EP dispatch in flight: `wait()` -> the columns as received (None when no row arrived), after which
+    `counts` holds the row counts per peer as lists, (received, sent), for `ep_combine`. sent: the sent counts when
+    they are known at issue (the variable form); the counted form's exchange reads them back with its headers."""
 
-    def __init__(self, dist: Dist, columns: list[torch.Tensor], flight=None, widths: list[int] = (),
-                 counts: tuple[list[int], list[int]] | None = None):
-        self.dist, self.columns, self.flight, self.widths, self.counts = dist, columns, flight, widths, counts
+    def __init__(self, dist: Dist, columns: list[torch.Tensor], flight: InFlight | None = None,
+                 widths: list[int] = (), sent: list[int] | None = None):
+        self.dist, self.columns, self.flight, self.widths, self.sent = dist, columns, flight, widths, sent
+        self.counts: tuple[list[int], list[int]] | None = None
 
     def wait(self) -> list[torch.Tensor] | None:
         if self.flight is None:  # EP 1: nothing travelled
             return self.columns
         with self.dist.timed(), record_function(DISPATCH_WAIT):
-            recv, received = self.flight.wait()
+            recv, received, *sent = self.flight.wait()
+        self.counts = (received, sent[0] if sent else self.sent)
         if not sum(received):  # no rows for this rank: None, so that nothing reads an empty buffer
             return None
         # clone, not contiguous(): a one-row column slice counts as contiguous at an unaligned storage offset
@@ -129,22 +158,43 @@ class Dispatch:
                 for part, c in zip(recv.split(self.widths, dim=1), self.columns)]
 
 
-def ep_dispatch(dist: Dist, columns: list[torch.Tensor], send_counts: torch.Tensor) -> Dispatch:
+def ep_dispatch(dist: Dist, columns: list[torch.Tensor], send_counts: torch.Tensor, per_token: int) -> Dispatch:
     """Per-row tensors (e.g. INT8 activations [N, H], their scales [N, 1], local expert ids [N]), rows
     grouped by destination EP rank (send_counts[d] rows for rank d) -> the exchange in flight. The columns
-    travel packed as bytes in one all-to-all, issued asynchronously after the counts' exchange."""
+    travel packed as bytes in one all-to-all, issued asynchronously: with their counts in fixed-capacity blocks when
+    the step plan bounds them and the padding is within DISPATCH_PAD_BYTES, else after an exchange of counts.
+    per_token: the most rows one token may send one rank: its k (a router's top-k are distinct experts, but a hash
+    layer's token-to-expert table may name one twice)."""
     if dist.ep == 1:
         return Dispatch(dist, columns)
-    widths = [_row_bytes(c) for c in columns]
+    widths = [row_bytes(c) for c in columns]
     packed = torch.cat([c.contiguous().view(torch.uint8).reshape(c.shape[0], w) for c, w in zip(columns, widths)],
                        dim=1)
     group = dist.groups.ep
+    capacity = dispatch_capacity(dist, per_token, sum(widths))
     with dist.timed(), record_function(DISPATCH):
+        if capacity is not None:
+            if not is_npu(send_counts) and int(send_counts.max()) > capacity:  # counts on the host: a free check
+                raise ValueError(f"an EP dispatch of {send_counts.tolist()} rows exceeds its blocks' capacity "
+                                 f"{capacity}: the step plan understates this rank's rows")
+            flight = all_to_all_counted(packed, send_counts, capacity, group, async_op=True)
+            return Dispatch(dist, columns, flight, widths)
         received = exchange_counts(send_counts, group)
         # the one host sync: the all-to-all takes its split sizes as lists, both read back at once
         sent, received = torch.stack([send_counts, received]).tolist()
         flight = all_to_all_variable(packed, sent, group, recv_counts=received, async_op=True)
-    return Dispatch(dist, columns, flight, widths, (received, sent))
+    return Dispatch(dist, columns, flight, widths, sent)
+
+
+def dispatch_capacity(dist: Dist, per_token: int, row_bytes: int) -> int | None:
+    """The rows of each block of a counted dispatch this step, or None when the counts must travel first: no step
+    plan, or padded blocks above the device's DISPATCH_PAD_BYTES. Every rank decides alike, from the plan."""
+    most = dist.most_moe_rows()
+    if most is None:
+        return None
+    capacity = most * per_token
+    budget = DISPATCH_PAD_BYTES.get(dist.device.type, DEVICE_LINK_PAD_BYTES)
+    return capacity if dist.ep * (header_rows(row_bytes) + capacity) * row_bytes <= budget else None
 
 
 def ep_combine(dist: Dist, out: torch.Tensor, counts: tuple[list[int], list[int]] | None) -> InFlight:
@@ -158,7 +208,8 @@ def ep_combine(dist: Dist, out: torch.Tensor, counts: tuple[list[int], list[int]
         return all_to_all_variable(out, received, dist.groups.ep, recv_counts=sent, async_op=True)
 
 
-def _row_bytes(t: torch.Tensor) -> int:
+def row_bytes(t: torch.Tensor) -> int:
+    """The bytes one row of t takes on the wire."""
     count = 1
     for dim in t.shape[1:]:
         count *= dim

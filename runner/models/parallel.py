@@ -94,17 +94,33 @@ class ParallelLMHead:
         check_rows("lm_head", head.weight.shape[0], vocab_size, dist.tp, "tp")
         self.head, self.dist = head, dist
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h [rows, hidden] (this rank's own rows; DP ranks differ) -> [rows, vocab]."""
+    def __call__(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """h [rows, hidden] (this rank's own rows; DP ranks differ) -> [rows, vocab]; greedy: -> [rows] each row's
+        argmax (the lowest id among equal maxima), and what returns to a row's rank is each member's best entry of
+        its slice, not the slice. Every member of the group must pass the same `greedy`."""
         head, dist = self.head, self.dist
         if dist.tp == 1:
-            return head(h)
+            return head(h).argmax(dim=-1) if greedy else head(h)
         group = dist.groups.tp
         counts = dist.row_counts(h.shape[0], group, "logit_rows")
         if not any(counts):  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
-            return h.new_empty(0, head.weight.shape[0] * group.size)
+            return h.new_empty(0, dtype=torch.long) if greedy else h.new_empty(0, head.weight.shape[0] * group.size)
         sliced = head(_to_every_member(dist, h, group, counts))  # my vocabulary slice of everyone's rows
+        if greedy:
+            return self._argmax(sliced, group, counts, h.shape[0])
         return _own_columns(_from_every_member(dist, sliced, group, counts, h.shape[0]))
+
+    def _argmax(self, sliced: torch.Tensor, group, counts: list[int], rows: int) -> torch.Tensor:
+        """sliced [sum(counts), vocab / size], my slice of every member's rows -> [rows] the argmax of each of this
+        rank's rows over the whole vocabulary. Each member sends, per row, its slice's first maximum and that
+        token's id ([rows, 2] float64, both exact: a logit widened, an id below 2**53); the first member holding
+        the largest holds the lowest id among equal maxima, as argmax over the whole row picks it."""
+        best, where = sliced.max(dim=-1)  # the first maximum of each row's slice
+        ids = where + group.rank * sliced.shape[1]
+        entries = torch.stack([best.double(), ids.double()], dim=-1)  # [sum(counts), 2]
+        mine = _from_every_member(dist=self.dist, sliced=entries, group=group, counts=counts, rows=rows)
+        first = mine[..., 0].argmax(dim=0)  # [rows]: the member whose entry is largest (the first of equals)
+        return mine[..., 1].gather(0, first[None])[0].long()
 
 
 # The exchanges of the three layers above carry each member's real rows only, its count known to all (learnt once a
