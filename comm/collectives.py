@@ -202,6 +202,61 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def broadcast_bytes(payload: bytes | None, group: Group, source: int, capacity: int) -> bytes:
+    """Member `source`'s (global rank) payload on every member (the others pass None), its length travelling with
+    it: one broadcast of a block of COUNT_BYTES + capacity bytes whose header is the length, and a second of the
+    rest when the payload is longer than capacity (every member reads that from the header). torch's
+    broadcast_object_list sends the length first, in a broadcast of its own, every time."""
+    if group.size == 1:
+        return payload
+    block = torch.zeros(COUNT_BYTES + capacity, dtype=torch.uint8)
+    if group.ranks[group.rank] == source:
+        _write_block(block, payload, capacity)
+    dist.broadcast(block, src=source, group=group.handle)
+    length = _length(block)
+    if length <= capacity:
+        return block[COUNT_BYTES:COUNT_BYTES + length].numpy().tobytes()
+    rest = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if group.ranks[group.rank] == source else \
+        torch.empty(length, dtype=torch.uint8)
+    dist.broadcast(rest, src=source, group=group.handle)
+    return rest.numpy().tobytes()
+
+
+def all_gather_bytes(payload: bytes, group: Group, capacity: int) -> list[bytes]:
+    """Every member's payload on every member, in group-rank order, lengths travelling with them: one all_gather of
+    blocks of COUNT_BYTES + capacity bytes (a header of the length, then the payload), and a second of the payloads
+    longer than capacity, whole, padded to the longest, when any is (every member reads that from the headers).
+    torch's gather_object all-gathers the lengths first, every time."""
+    if group.size == 1:
+        return [payload]
+    block = torch.zeros(COUNT_BYTES + capacity, dtype=torch.uint8)
+    _write_block(block, payload, capacity)
+    blocks = [torch.empty_like(block) for _ in range(group.size)]
+    dist.all_gather(blocks, block, group=group.handle)
+    lengths = [_length(b) for b in blocks]
+    longest = max(lengths)
+    if longest > capacity:  # the long ones again, whole
+        whole = torch.zeros(longest, dtype=torch.uint8)
+        if len(payload) > capacity:
+            whole[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        everyone = [torch.empty_like(whole) for _ in range(group.size)]
+        dist.all_gather(everyone, whole, group=group.handle)
+        blocks = [e if n > capacity else b for e, b, n in zip(everyone, blocks, lengths)]
+    return [(b[:n] if n > capacity else b[COUNT_BYTES:COUNT_BYTES + n]).numpy().tobytes()
+            for b, n in zip(blocks, lengths)]
+
+
+def _write_block(block: torch.Tensor, payload: bytes, capacity: int) -> None:
+    """The payload's length into block's header, and the payload after it if it fits."""
+    block[:COUNT_BYTES] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    if payload and len(payload) <= capacity:
+        block[COUNT_BYTES:COUNT_BYTES + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _length(block: torch.Tensor) -> int:
+    return int(block[:COUNT_BYTES].view(torch.int64)[0])
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.handle)

@@ -31,7 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
+from dsconv.comm.collectives import header_rows  # noqa: E402
 from dsconv.family.layout import Layout  # noqa: E402
+from dsconv.runner.models.moe import DEVICE_LINK_PAD_BYTES, dispatch_columns, row_bytes  # noqa: E402
 from dsconv.scripts.bench_serve import machine, print_machine, shards_for  # noqa: E402
 
 WORDS = ("the forbidden city in beijing was home to emperors for five centuries and its halls hold a "
@@ -64,20 +68,30 @@ def one_run(shards: Path, world: int, overlap: bool, new_tokens: int, words: int
 # --paper: what one decode step of real V3.2 at EP16 exchanges, and what its shared experts can hide --------------
 V32_CONFIG = REPO / "tests" / "data" / "deepseek_v32_exp.config.json"  # DeepSeek-V3.2-Exp's config.json
 EP = 16
-INT8_ROW_EXTRA = 4 + 8  # a W8A8 dispatch row's float32 per-token scale and int64 local expert id (runner/models/moe.py)
 COMBINE_BYTES = 2  # the combine returns BF16 rows
+
+
+def wire_row_bytes(hidden: int) -> int:
+    """A W8A8 dispatch row's bytes: INT8 activations, their float32 scale, the local expert id (models/moe.py)."""
+    rows = torch.ones(1, hidden, dtype=torch.bfloat16)
+    return sum(row_bytes(c) for c in dispatch_columns(rows, torch.zeros(1, dtype=torch.long), True))
 
 
 def paper(config: dict, sequences: int, link_gbps: float, int8_tops: float, hbm_tbps: float) -> dict:
     """Per decode step on one rank of EP16 with `sequences` one-token sequences: the bytes its MoE exchanges send
     (dispatch: INT8 rows with their scale and expert id; combine: BF16 rows), the part that leaves the rank (15 of
     16 experts live elsewhere, with routing spread evenly), their time on the link, and the shared experts' time:
-    their INT8 multiply-adds at the card's peak and the reading of their INT8 weights at its HBM bandwidth."""
+    their INT8 multiply-adds at the card's peak and the reading of their INT8 weights at its HBM bandwidth.
+    The dispatch's form is the one models/moe.py picks on a device link: counted (one all-to-all, every peer's block
+    padded to `sequences` x k rows plus its header) while that stays within DEVICE_LINK_PAD_BYTES, else variable
+    (the counts exchanged first, then only the real rows)."""
     hidden, inter = config["hidden_size"], config["moe_intermediate_size"] * config["n_shared_experts"]
     k = config["num_experts_per_tok"]
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
-    rows = sequences * k
-    dispatch = rows * (hidden + INT8_ROW_EXTRA)
+    rows, width = sequences * k, wire_row_bytes(hidden)
+    padded = EP * (header_rows(width) + rows) * width  # the counted form's blocks: capacity = sequences x k
+    counted = padded <= DEVICE_LINK_PAD_BYTES
+    dispatch = padded if counted else rows * width
     combine = rows * hidden * COMBINE_BYTES
     leaving = (dispatch + combine) * (EP - 1) / EP
     link_s = leaving / (link_gbps * 1e9 / 8)
@@ -85,11 +99,12 @@ def paper(config: dict, sequences: int, link_gbps: float, int8_tops: float, hbm_
     shared_weights = 3 * hidden * inter  # INT8 bytes
     compute_s, weights_s = shared_ops / (int8_tops * 1e12), shared_weights / (hbm_tbps * 1e12)
     per_layer = {"dispatch_bytes": dispatch, "combine_bytes": combine, "leaving_bytes": leaving, "link_us": 1e6 * link_s,
-                 "shared_ops": shared_ops, "shared_compute_us": 1e6 * compute_s,
+                 "exchanges": 2 if counted else 3, "shared_ops": shared_ops, "shared_compute_us": 1e6 * compute_s,
                  "shared_weight_read_us": 1e6 * weights_s,
                  "shared_us": 1e6 * max(compute_s, weights_s)}
-    return {"moe_layers": moe_layers, "sequences": sequences, "per_layer": per_layer,
-            "per_step": {name: value * moe_layers for name, value in per_layer.items()},
+    return {"moe_layers": moe_layers, "sequences": sequences, "row_bytes": width, "bf16_row_bytes": 2 * hidden + 8,
+            "dispatch_form": "counted" if counted else "variable", "counted_padded_bytes": padded,
+            "per_layer": per_layer, "per_step": {name: value * moe_layers for name, value in per_layer.items()},
             "hidden_fraction": min(1.0, max(compute_s, weights_s) / link_s)}
 
 
@@ -97,6 +112,10 @@ def print_paper(estimate: dict, link_gbps: float, int8_tops: float, hbm_tbps: fl
     layer, step = estimate["per_layer"], estimate["per_step"]
     print(f"real V3.2 at EP16, one decode step with {estimate['sequences']} sequences per rank, "
           f"{estimate['moe_layers']} MoE layers; link {link_gbps:g} Gb/s, INT8 {int8_tops:g} TOPS, HBM {hbm_tbps:g} TB/s")
+    print(f"  dispatch rows: {estimate['row_bytes']} B (INT8 with scale and expert id) against "
+          f"{estimate['bf16_row_bytes']} B in BF16 ({estimate['row_bytes'] / estimate['bf16_row_bytes']:.3f}x); "
+          f"form: {estimate['dispatch_form']}, {layer['exchanges']} exchanges a layer (counted blocks would be "
+          f"{estimate['counted_padded_bytes'] / 1e6:.2f} MB)")
     print(f"  per layer: dispatch {layer['dispatch_bytes'] / 1e6:.2f} MB + combine {layer['combine_bytes'] / 1e6:.2f} MB, "
           f"{layer['leaving_bytes'] / 1e6:.2f} MB leave the rank: {layer['link_us']:.0f} us on the link")
     print(f"  shared expert per layer: {layer['shared_ops'] / 1e9:.2f} G INT8 ops, {layer['shared_compute_us']:.1f} us "

@@ -106,6 +106,23 @@ def dispatch_padding(then, pad_bytes: int, **kwargs):
     return then(**kwargs)
 
 
+def quantize_on_arrival(then, **kwargs):
+    """then(**kwargs) with the MoE's W8A8 dispatch sending each row in the compute dtype and its receiver quantizing
+    it (models/moe.py's dispatch quantizes before sending)."""
+    from dsconv.runner.models import moe
+
+    columns, run_local = moe.dispatch_columns, moe._run_local
+
+    def arriving(received, local, dist, out_dtype):
+        if local.int8:  # [rows, local ids] -> [INT8 rows, their scales, local ids]
+            received = [*moe.quantize_activations(received[0]), received[1]]
+        return run_local(received, local, dist, out_dtype)
+
+    moe.dispatch_columns = lambda rows, local_ids, int8: columns(rows, local_ids, False)
+    moe._run_local = arriving
+    return then(**kwargs)
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsconv.comm.collectives import (all_gather_cat, all_reduce_sum, all_to_all_counted, all_to_all_variable,
-                                     barrier)
+from dsconv.comm.collectives import (all_gather_bytes, all_gather_cat, all_reduce_sum, all_to_all_counted,
+                                     all_to_all_variable, barrier, broadcast_bytes)
 from dsconv.comm.groups import Group, make_groups
 from dsconv.comm.launch import backend_for, launch
 from dsconv.errors import InputError
@@ -56,6 +56,7 @@ def _check_sixteen_ranks() -> None:
             _check_all_to_all(groups.ep, rank, dtype, row_shape, zero_senders={5}, zero_receivers={7})
     _check_all_to_all(groups.attn_dp, rank, torch.int8, (4,), zero_senders=set(), zero_receivers=set())
     _check_all_to_all(groups.ep, rank, torch.float32, (4,), zero_senders=set(range(16)), zero_receivers=set())
+    _check_bytes(groups, rank)
     with pytest.raises(IndexError):  # a row past its block: refused before anything is sent
         all_to_all_counted(torch.zeros(3, 2), torch.tensor([3] + [0] * 15), 2, groups.ep)
     barrier(groups.attn_tp)
@@ -80,6 +81,23 @@ def _check_reused_and_trivial_groups(rank: int) -> None:
     # Gather within a subgroup, in group-rank order: [0..7] on ranks 0..7, [8..15] on ranks 8..15.
     gathered = all_gather_cat(torch.tensor([rank]), shared.attn_tp, dim=0)
     assert gathered.tolist() == list(shared.attn_tp.ranks)
+
+
+def _payload(rank: int, length: int) -> bytes:
+    return bytes((rank + i) % 256 for i in range(length))
+
+
+def _check_bytes(groups, rank: int) -> None:
+    """Payloads with their lengths in the blocks' headers: empty, within the capacity, at it, and past it (a second
+    collective, which every member enters from the headers alone)."""
+    for length in (0, 5, 16, 40):
+        source = groups.world.ranks[3]
+        got = broadcast_bytes(_payload(3, length) if rank == source else None, groups.world, source, 16)
+        assert got == _payload(3, length), (length, got)
+    lengths = [rank % 3 * 9 for rank in range(16)]  # 0, 9 and 18 bytes against a capacity of 16
+    assert all_gather_bytes(_payload(rank, lengths[rank]), groups.world, 16) == \
+        [_payload(r, n) for r, n in enumerate(lengths)]
+    assert all_gather_bytes(_payload(rank, 4), groups.attn_tp, 16) == [_payload(r, 4) for r in groups.attn_tp.ranks]
 
 
 def _check_membership(groups, rank: int) -> None:

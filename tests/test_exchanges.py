@@ -17,8 +17,8 @@ from dsconv.family.layout import Layout
 from dsconv.runner.entrypoints.generate import generate
 from dsconv.runner.models.moe import dispatch_columns, row_bytes
 from dsconv.runner.models.weights import load_manifest
-from tests.helpers import PROMPTS, run_ranks, shard
-from tests.rank_entries import counted, dispatch_padding
+from tests.helpers import PROMPTS, generate_ranks, run_ranks, shard
+from tests.rank_entries import counted, dispatch_padding, quantize_on_arrival
 
 pytestmark = pytest.mark.slow  # 16 ranks
 
@@ -127,3 +127,16 @@ def test_counts_sent_first_give_the_same_tokens(tiny_source, tmp_path, family):
     assert variable == tokens
     for rank, step in _decode_steps(ranks):
         assert len(_calls(step, "all_to_all_single", "ep_dispatch")) == 2 * _moe_layers(shards), (rank, step)
+
+
+def test_int8_on_the_wire_gives_the_logits_of_quantizing_after_the_exchange(w8a8_source, tmp_path):
+    """W8A8 V3.2 at EP2: the rows quantized by their sender (as dsrun sends them) and the rows sent in float32 and
+    quantized by the expert's rank give bit-identical logits (quantization is per row: every new token's logprob and
+    its top 8 are equal as floats) and tokens."""
+    shards = tmp_path / "shards"
+    shard(w8a8_source("deepseek_v32"), shards, Layout(2, 2, 2, 1))
+    sent = generate_ranks(shards, tmp_path / "int8-sent", PROMPTS, logprobs=8)
+    after = generate_ranks(shards, tmp_path / "quantized-after", PROMPTS, entry=quantize_on_arrival, then=generate,
+                           logprobs=8)
+    assert sent["generated"] == after["generated"]
+    assert sent["logprobs"] == after["logprobs"]

@@ -18,6 +18,7 @@ door exists before the engine does (a server answers 503 while the model loads);
 
 from __future__ import annotations
 
+import pickle
 import queue
 import sys
 import threading
@@ -28,6 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from dsconv.comm.collectives import all_gather_bytes, broadcast_bytes
 from dsconv.runner.engine.config import RunConfig, SchedulerConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
@@ -101,6 +103,14 @@ class EngineClient:
     def next_command(self, timeout: float | None) -> tuple:
         """The next command, waiting up to `timeout` seconds (queue.Empty after that)."""
         return self._commands.get(timeout=timeout)
+
+
+# The step plan and the results travel pickled, in blocks of these many bytes with their length in a header: one
+# collective each per step (comm.collectives: broadcast_bytes, all_gather_bytes), a second only for a longer one.
+# A decode step's plan for 16 DP indices of 16 sequences, with block tables of a few thousand tokens, fits; a rank's
+# results are a few hundred bytes a sequence (more with logprobs).
+PLAN_BYTES = 64 * 2**10
+RESULT_BYTES = 8 * 2**10
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,7 @@ class EngineCore:
     @property
     def _host(self):
         """The process group the step plan and results travel over: the world over gloo (comm.groups)."""
-        return self.worker.dist.groups.host.handle
+        return self.worker.dist.groups.host
 
     @property
     def leads(self) -> bool:
@@ -266,26 +276,26 @@ class EngineCore:
         if self.world_size == 1:
             return [self.worker.execute(batches[0])]
         self._send(Plan(batches))
-        mine = self.worker.execute(batches[self.worker.dp_index], batches)
-        everyone = [None] * self.world_size
-        torch.distributed.gather_object(mine, everyone, dst=0, group=self._host)
+        everyone = self._gather(self.worker.execute(batches[self.worker.dp_index], batches))
         return [everyone[dp_index * self.attn_tp] for dp_index in range(len(batches))]  # each index's reporter
 
     def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
-            torch.distributed.broadcast_object_list([plan], src=0, group=self._host)
+            broadcast_bytes(pickle.dumps(plan), self._host, 0, PLAN_BYTES)
+
+    def _gather(self, mine: list[SeqResult] | None) -> list[list[SeqResult] | None]:
+        """Every rank's results of the step, in rank order (on every rank: an all-gather of small blocks costs one
+        collective, where a gather to rank 0 would need the lengths first)."""
+        return [pickle.loads(part) for part in all_gather_bytes(pickle.dumps(mine), self._host, RESULT_BYTES)]
 
     def _follow(self) -> None:
         while True:
-            message = [None]
-            torch.distributed.broadcast_object_list(message, src=0, group=self._host)
-            plan: Plan = message[0]
+            plan: Plan = pickle.loads(broadcast_bytes(None, self._host, 0, PLAN_BYTES))
             if plan.stop:
                 return
             if plan.batches is None:  # keep-alive
                 continue
-            mine = self.worker.execute(plan.batches[self.worker.dp_index], plan.batches)
-            torch.distributed.gather_object(mine, None, dst=0, group=self._host)
+            self._gather(self.worker.execute(plan.batches[self.worker.dp_index], plan.batches))
 
     # -- metrics -----------------------------------------------------------------------------------------------
 

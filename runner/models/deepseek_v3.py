@@ -354,8 +354,15 @@ class DecoderLayer:
         self.attn = Attention(cfg, w, f"{p}.self_attn", dist, dtype)
         self.mlp_norm = RMSNorm(w, f"{p}.post_attention_layernorm.weight", cfg.rms_norm_eps, dtype)
         self.mlp = MoE(cfg, w, f"{p}.mlp", dist, dtype) if cfg.is_moe_layer(layer) else mlp(w, f"{p}.mlp", dtype)
+        # attention enters no collective (no attention TP, o_proj TP or context-parallel group): a rank with no rows
+        # skips it and the norms, whose hundreds of zero-row ops a step its peers would wait for at the exchange
+        self.alone = dist.attn_tp == 1 and dist.oproj_tp == 1 and dist.cp == 1
 
     def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
+        if x.shape[0] == 0 and self.alone:  # an idle rank (on CPU): only the MoE's exchange has peers to meet
+            if isinstance(self.mlp, MoE):
+                self.mlp(x)
+            return x
         x = x + self.attn(self.attn_norm(x), step_rope, cache, layer, meta, scale)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -487,7 +487,12 @@ class Block:
 
     def __call__(self, streams, tokens, meta: StepMeta, pool: LayerPool) -> torch.Tensor:
         """Attention's keys come from each sequence's own rows and cache (none sees another's); everything else,
-        the MoE's EP exchange included, runs once over all rows."""
+        the MoE's EP exchange included, runs once over all rows. A rank with no rows this step (an idle one, on CPU)
+        only takes part in the exchange: nothing else of the layer has a row to compute or a collective to enter,
+        and at world 16 the idle ranks' hundreds of zero-row ops a step were most of what their peers waited for."""
+        if streams.shape[0] == 0:
+            self.ffn(streams[:, 0], tokens)
+            return streams
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
         streams = HyperConnection.merge(streams, post, comb, self.attn(x, meta.positions, meta.v4, pool))
