@@ -222,28 +222,35 @@ def broadcast_bytes(payload: bytes | None, group: Group, source: int, capacity: 
     return rest.numpy().tobytes()
 
 
-def all_gather_bytes(payload: bytes, group: Group, capacity: int) -> list[bytes]:
-    """Every member's payload on every member, in group-rank order, lengths travelling with them: one all_gather of
-    blocks of COUNT_BYTES + capacity bytes (a header of the length, then the payload), and a second of the payloads
-    longer than capacity, whole, padded to the longest, when any is (every member reads that from the headers).
-    torch's gather_object all-gathers the lengths first, every time."""
+def gather_bytes(payload: bytes, group: Group, dest: int, capacity: int) -> list[bytes] | None:
+    """Every member's payload on member `dest` (global rank), in group-rank order (None on the others), lengths
+    travelling with them: one gather of blocks of COUNT_BYTES + capacity bytes (a header of the length, then the
+    payload); a member whose payload is longer sends it whole after the gather, point to point, and `dest` receives
+    it from each member whose header says so. torch's gather_object all-gathers the lengths first, every time, and
+    gloo's all-gather is a ring of size - 1 hops where its gather is one message from each member."""
     if group.size == 1:
         return [payload]
     block = torch.zeros(COUNT_BYTES + capacity, dtype=torch.uint8)
     _write_block(block, payload, capacity)
-    blocks = [torch.empty_like(block) for _ in range(group.size)]
-    dist.all_gather(blocks, block, group=group.handle)
-    lengths = [_length(b) for b in blocks]
-    longest = max(lengths)
-    if longest > capacity:  # the long ones again, whole
-        whole = torch.zeros(longest, dtype=torch.uint8)
+    mine = group.ranks[group.rank] == dest
+    blocks = [torch.empty_like(block) for _ in range(group.size)] if mine else None
+    dist.gather(block, blocks, dst=dest, group=group.handle)
+    if not mine:
         if len(payload) > capacity:
-            whole[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        everyone = [torch.empty_like(whole) for _ in range(group.size)]
-        dist.all_gather(everyone, whole, group=group.handle)
-        blocks = [e if n > capacity else b for e, b, n in zip(everyone, blocks, lengths)]
-    return [(b[:n] if n > capacity else b[COUNT_BYTES:COUNT_BYTES + n]).numpy().tobytes()
-            for b, n in zip(blocks, lengths)]
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dest, group=group.handle)
+        return None
+    out = []
+    for source, b in zip(group.ranks, blocks):
+        length = _length(b)
+        if length <= capacity:
+            out.append(b[COUNT_BYTES:COUNT_BYTES + length].numpy().tobytes())
+        elif source == dest:
+            out.append(payload)
+        else:
+            whole = torch.empty(length, dtype=torch.uint8)
+            dist.recv(whole, src=source, group=group.handle)
+            out.append(whole.numpy().tobytes())
+    return out
 
 
 def _write_block(block: torch.Tensor, payload: bytes, capacity: int) -> None:

@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsconv.comm.collectives import (all_gather_bytes, all_gather_cat, all_reduce_sum, all_to_all_counted,
-                                     all_to_all_variable, barrier, broadcast_bytes)
+from dsconv.comm.collectives import (all_gather_cat, all_reduce_sum, all_to_all_counted,
+                                     all_to_all_variable, barrier, broadcast_bytes,
+                                     gather_bytes)
 from dsconv.comm.groups import Group, make_groups
 from dsconv.comm.launch import backend_for, launch
 from dsconv.errors import InputError
@@ -94,10 +95,13 @@ def _check_bytes(groups, rank: int) -> None:
         source = groups.world.ranks[3]
         got = broadcast_bytes(_payload(3, length) if rank == source else None, groups.world, source, 16)
         assert got == _payload(3, length), (length, got)
-    lengths = [rank % 3 * 9 for rank in range(16)]  # 0, 9 and 18 bytes against a capacity of 16
-    assert all_gather_bytes(_payload(rank, lengths[rank]), groups.world, 16) == \
-        [_payload(r, n) for r, n in enumerate(lengths)]
-    assert all_gather_bytes(_payload(rank, 4), groups.attn_tp, 16) == [_payload(r, 4) for r in groups.attn_tp.ranks]
+    lengths = [rank % 3 * 9 for rank in range(16)]  # 0, 9 and 18 bytes against a capacity of 16 (rank 2's too)
+    for dest in (0, 2):
+        got = gather_bytes(_payload(rank, lengths[rank]), groups.world, dest, 16)
+        assert got == ([_payload(r, n) for r, n in enumerate(lengths)] if rank == dest else None), (dest, got)
+    dest = groups.attn_tp.ranks[1]
+    got = gather_bytes(_payload(rank, 20), groups.attn_tp, dest, 16)
+    assert got == ([_payload(r, 20) for r in groups.attn_tp.ranks] if rank == dest else None)
 
 
 def _check_membership(groups, rank: int) -> None:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from dsconv.comm.collectives import all_gather_bytes, broadcast_bytes
+from dsconv.comm.collectives import broadcast_bytes, gather_bytes
 from dsconv.runner.engine.config import RunConfig, SchedulerConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
@@ -106,7 +106,7 @@ class EngineClient:
 
 
 # The step plan and the results travel pickled, in blocks of these many bytes with their length in a header: one
-# collective each per step (comm.collectives: broadcast_bytes, all_gather_bytes), a second only for a longer one.
+# collective each per step (comm.collectives: broadcast_bytes, gather_bytes), a second only for a longer one.
 # A decode step's plan for 16 DP indices of 16 sequences, with block tables of a few thousand tokens, fits; a rank's
 # results are a few hundred bytes a sequence (more with logprobs).
 PLAN_BYTES = 64 * 2**10
@@ -283,10 +283,10 @@ class EngineCore:
         if self.world_size > 1:
             broadcast_bytes(pickle.dumps(plan), self._host, 0, PLAN_BYTES)
 
-    def _gather(self, mine: list[SeqResult] | None) -> list[list[SeqResult] | None]:
-        """Every rank's results of the step, in rank order (on every rank: an all-gather of small blocks costs one
-        collective, where a gather to rank 0 would need the lengths first)."""
-        return [pickle.loads(part) for part in all_gather_bytes(pickle.dumps(mine), self._host, RESULT_BYTES)]
+    def _gather(self, mine: list[SeqResult] | None) -> list[list[SeqResult] | None] | None:
+        """Every rank's results of the step, in rank order, on rank 0 (None on the others)."""
+        parts = gather_bytes(pickle.dumps(mine), self._host, 0, RESULT_BYTES)
+        return None if parts is None else [pickle.loads(part) for part in parts]
 
     def _follow(self) -> None:
         while True:

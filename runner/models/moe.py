@@ -15,11 +15,11 @@ Two exchanges per MoE layer in decode: the dispatch carries its counts. Every ra
 rows each rank routes (Dist.most_moe_rows), and a token sends at most k rows, so no rank sends any other more than
 capacity = most rows x k rows. The dispatch then sends every peer one block of that capacity with its count in a
 header (comm.collectives.all_to_all_counted, as DeepEP's low-latency mode and MC2 carry theirs): one all-to-all, no
-exchange of counts before it. The combine returns each peer's real rows only, both sides'
-counts being known by then. The padding costs bytes: the counted form is taken while a rank's padded send stays
-within its device's DISPATCH_PAD_BYTES (decode steps, short chunks); past it (long prefill chunks, whose blocks
-would be mostly padding) and without a step plan, the counts travel first (exchange_counts) and the rows follow in
-a variable-size all-to-all, three exchanges.
+exchange of counts before it. The combine returns each peer's real rows only, both sides' counts being known by
+then. The padding costs bytes: the counted form is taken while a rank's padded send stays within its device's
+DISPATCH_PAD_BYTES (decode steps, short chunks); past it (long prefill chunks, whose blocks would be mostly padding)
+and without a step plan, the counts travel first (exchange_counts) and the rows follow in a variable-size
+all-to-all, three exchanges.
 
 Host syncs per MoE layer on an accelerator: one at EP > 1 (the counted dispatch's received headers, read when it
 is waited for; the variable one's counts, read back before its rows are sent), none at EP 1. Counting uses
@@ -174,7 +174,8 @@ def ep_dispatch(dist: Dist, columns: list[torch.Tensor], send_counts: torch.Tens
     capacity = dispatch_capacity(dist, per_token, sum(widths))
     with dist.timed(), record_function(DISPATCH):
         if capacity is not None:
-            if not is_npu(send_counts) and int(send_counts.max()) > capacity:  # counts on the host: a free check
+            on_host = send_counts.device.type == "cpu" and not is_npu(send_counts)
+            if on_host and int(send_counts.max()) > capacity:  # a free check where the counts are on the host
                 raise ValueError(f"an EP dispatch of {send_counts.tolist()} rows exceeds its blocks' capacity "
                                  f"{capacity}: the step plan understates this rank's rows")
             flight = all_to_all_counted(packed, send_counts, capacity, group, async_op=True)
@@ -186,15 +187,16 @@ def ep_dispatch(dist: Dist, columns: list[torch.Tensor], send_counts: torch.Tens
     return Dispatch(dist, columns, flight, widths, sent)
 
 
-def dispatch_capacity(dist: Dist, per_token: int, row_bytes: int) -> int | None:
-    """The rows of each block of a counted dispatch this step, or None when the counts must travel first: no step
-    plan, or padded blocks above the device's DISPATCH_PAD_BYTES. Every rank decides alike, from the plan."""
+def dispatch_capacity(dist: Dist, per_token: int, width: int) -> int | None:
+    """The rows of each block of a counted dispatch this step (rows of `width` bytes), or None when the counts must
+    travel first: no step plan, or padded blocks above the device's DISPATCH_PAD_BYTES. Every rank decides alike,
+    from the plan."""
     most = dist.most_moe_rows()
     if most is None:
         return None
     capacity = most * per_token
     budget = DISPATCH_PAD_BYTES.get(dist.device.type, DEVICE_LINK_PAD_BYTES)
-    return capacity if dist.ep * (header_rows(row_bytes) + capacity) * row_bytes <= budget else None
+    return capacity if dist.ep * (header_rows(width) + capacity) * width <= budget else None
 
 
 def ep_combine(dist: Dist, out: torch.Tensor, counts: tuple[list[int], list[int]] | None) -> InFlight:
