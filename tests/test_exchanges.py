@@ -1,7 +1,7 @@
 """What a 16-rank decode step sends, counted on every rank (tests/rank_entries.counted wraps torch.distributed's
 collectives and names the function of the package that made each call):
 - each MoE layer makes two all-to-alls, the dispatch (its counts in its blocks' headers) and the combine;
-- a greedy step's lm_head (TP16) sends each rank its rows' best token per vocabulary slice, 16 bytes a row, never a
+- a greedy step's lm_head (TP16) sends each rank its rows' best token per vocabulary slice, 8 bytes a row, never a
   [rows, vocab / 16] slice of logits;
 - under W8A8 the dispatch carries INT8 rows with their float32 scales: at DeepSeek's hidden size (7168) at most 0.55x
   the bytes of BF16 rows, from the wire format, and on the tiny models in the ratio their hidden size gives.
@@ -23,7 +23,7 @@ from tests.rank_entries import counted, dispatch_padding, quantize_on_arrival
 pytestmark = pytest.mark.slow  # 16 ranks
 
 NEW_TOKENS = 4
-ARGMAX_ENTRY_BYTES = 16  # per row and member: its slice's best logit and that token's id, float64 each
+ARGMAX_ENTRY_BYTES = 8  # per row and member: its slice's best logit and that token's id, float32 each
 W8A8_BOUND = 0.55
 REAL_CONFIGS = ("deepseek_v32_exp.config.json", "deepseek_v4_flash.config.json")  # the hub's, in tests/data
 

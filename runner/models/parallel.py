@@ -85,6 +85,9 @@ class OutputSplitLinear:
         return _own_columns(_from_every_member(dist, sliced, group, counts, x.shape[0]))
 
 
+EXACT_FLOAT32_IDS = 2**24  # every integer up to it is a float32
+
+
 class ParallelLMHead:
     """lm_head with its vocabulary rows split over the lm_head-TP group: every rank's rows go to every member, each
     computes its vocabulary slice for all of them, and a second exchange hands each rank the slices of its own
@@ -92,6 +95,9 @@ class ParallelLMHead:
 
     def __init__(self, head: Proj, vocab_size: int, dist: Dist):
         check_rows("lm_head", head.weight.shape[0], vocab_size, dist.tp, "tp")
+        if vocab_size > EXACT_FLOAT32_IDS:
+            raise InputError(f"vocab_size={vocab_size}: greedy steps send token ids as float32, exact only below "
+                             f"{EXACT_FLOAT32_IDS}")
         self.head, self.dist = head, dist
 
     def __call__(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
@@ -113,12 +119,13 @@ class ParallelLMHead:
     def _argmax(self, sliced: torch.Tensor, group, counts: list[int], rows: int) -> torch.Tensor:
         """sliced [sum(counts), vocab / size], my slice of every member's rows -> [rows] the argmax of each of this
         rank's rows over the whole vocabulary. Each member sends, per row, its slice's first maximum and that
-        token's id ([rows, 2] float64, both exact: a logit widened, an id below 2**53); the first member holding
-        the largest holds the lowest id among equal maxima, as argmax over the whole row picks it."""
+        token's id as [rows, 2] float32 (8 bytes a row, both exact: a BF16 or float32 logit, an id below
+        EXACT_FLOAT32_IDS; float32, not float64, which Ascend's kernels mostly lack); the first member holding the
+        largest holds the lowest id among equal maxima, as argmax over the whole row picks it."""
         best, where = sliced.max(dim=-1)  # the first maximum of each row's slice
         ids = where + group.rank * sliced.shape[1]
-        entries = torch.stack([best.double(), ids.double()], dim=-1)  # [sum(counts), 2]
-        mine = _from_every_member(dist=self.dist, sliced=entries, group=group, counts=counts, rows=rows)
+        entries = torch.stack([best.float(), ids.float()], dim=-1)  # [sum(counts), 2]
+        mine = _from_every_member(self.dist, entries, group, counts, rows)  # [size, rows, 2]
         first = mine[..., 0].argmax(dim=0)  # [rows]: the member whose entry is largest (the first of equals)
         return mine[..., 1].gather(0, first[None])[0].long()
 
@@ -173,14 +180,16 @@ def attention_tp_share(dist: Dist, x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_tp_unshare(dist: Dist, share: torch.Tensor, rows: int) -> torch.Tensor:
-    """The group's shares of `rows` rows gathered back into all of them (each padded to an equal size for
-    the gather only; a throwaway share lands past `rows` and is dropped)."""
+    """The group's shares of `rows` rows gathered back into all of them: each member's share to every member in
+    one all-to-all, the sizes known to all from `rows` (gloo's all-gather is a ring of size - 1 hops, an all-to-all
+    one round of messages); a throwaway share (attention_tp_share) lands past `rows` and is dropped."""
     if dist.attn_tp == 1:
         return share
     per = -(-rows // dist.attn_tp)
-    with dist.timed():
-        padded = F.pad(share, (0, 0, 0, per - share.shape[0])).contiguous()
-        return all_gather_cat(padded, dist.groups.attn_tp, dim=0)[:rows]
+    throwaway = 1 if rows and takes_npu_path(share.device) else 0  # an empty share's stand-in row
+    counts = [min(per, rows - start) if start < rows else throwaway
+              for start in range(0, per * dist.attn_tp, per)] if per else [0] * dist.attn_tp
+    return _to_every_member(dist, share.contiguous(), dist.groups.attn_tp, counts)[:rows]
 
 
 def cp_broadcast(dist: Dist, x: torch.Tensor, owner: int) -> torch.Tensor:
