@@ -3,8 +3,9 @@ collectives and names the function of the package that made each call):
 - each MoE layer makes two all-to-alls, the dispatch (its counts in its blocks' headers) and the combine;
 - a greedy step's lm_head (TP16) sends each rank its rows' best token per vocabulary slice, 8 bytes a row, never a
   [rows, vocab / 16] slice of logits;
-- under W8A8 the dispatch carries INT8 rows with their float32 scales: at DeepSeek's hidden size (7168) at most 0.55x
-  the bytes of BF16 rows, from the wire format, and on the tiny models in the ratio their hidden size gives.
+- under W8A8 the dispatch carries INT8 rows with their float32 scales: at the real hidden sizes (V3.2's 7168,
+  V4-Flash's 4096) at most 0.55x the bytes of BF16 rows, from the wire format, and on the tiny models in the ratio
+  their hidden size gives.
 The greedy tokens of the same layouts equal transformers' in tests/test_runner_dist.py and test_skewed_routing.py."""
 
 import json
