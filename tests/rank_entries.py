@@ -28,18 +28,19 @@ def profiled(inner, trace_dir: str, **kwargs):
     return result
 
 
-# torch.distributed's calls the runner makes, counted by `counted` (the point-to-point ones it never makes)
+# torch.distributed's calls the runner makes, counted by `counted` (send and recv: a payload longer than its block
+# after comm.collectives.gather_bytes' gather)
 COUNTED_COLLECTIVES = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
-                       "reduce_scatter_tensor", "barrier", "broadcast_object_list", "gather_object",
-                       "all_gather_object", "scatter_object_list")
+                       "gather", "reduce_scatter_tensor", "barrier", "send", "recv", "broadcast_object_list",
+                       "gather_object", "all_gather_object", "scatter_object_list")
 
 
 def counted(inner, record_dir: str, **kwargs):
     """inner(**kwargs) with every torch.distributed collective this rank calls counted, by step: this rank's steps to
     record_dir/rank{R}.json as [{"decode": every DP index's batch is one token per sequence (and some sequence
-    runs), "logit_rows": per DP index, "calls": [[collective, site, bytes sent], ...]}, ...]. A step's calls run from its Worker.execute to the
-    next one's (its results' gather and the next plan's broadcast among them); those before the first step are
-    dropped. site: the qualified name of the innermost function of the package, outside comm/collectives.py, that
+    runs), "logit_rows": per DP index, "calls": [[collective, site, bytes sent], ...]}, ...]. A step's calls run
+    from its Worker.execute to the next one's (its results' gather and the next plan's broadcast among them); those
+    before the first step are dropped. site: the qualified name of the innermost function of the package, outside comm/collectives.py, that
     made the call (e.g. "ep_dispatch", "ParallelLMHead.__call__"); bytes: the tensors this rank hands the call (0
     for the object collectives, which pickle)."""
     import sys

@@ -436,7 +436,7 @@ class DeepseekV3:
         h = self.norm(x)
         if self.mtp is not None:
             self.hidden = h
-        logits = self.head(h if rows is None else h[rows], greedy)
+        logits = self.logits(h if rows is None else h[rows], greedy)
         if self.observe is not None:
             self.observe("logits", logits)
         return logits
@@ -444,8 +444,8 @@ class DeepseekV3:
     def step_rope(self, positions: torch.Tensor) -> StepRope:
         return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(h)  # [T, vocab]: lm_head TP, gathered to full vocabulary
+    def logits(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        return self.head(h, greedy)  # [T, vocab]: lm_head TP, gathered to full vocabulary (greedy: [T] argmax)
 
 
 def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:
