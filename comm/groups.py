@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from dsconv.family.layout import Layout
@@ -40,6 +41,10 @@ class Groups:
     embed_tp: Group
     cp: Group
     host: Group  # the world over gloo, whatever the device: what travels between hosts (the engine's step plan)
+    # the EP members again, in a communicator of their own, for Ascend's MC2 dispatch and combine
+    # (npu_moe_distribute_dispatch_v2 / combine_v2), whose documentation allows no other op in their communicator;
+    # made only for the NPU path (make_groups' mc2) and EP > 1, else None
+    mc2: Group | None = None
 
 
 def cp_members(layout: Layout, cp_size: int) -> list[list[int]]:
@@ -53,8 +58,9 @@ def cp_members(layout: Layout, cp_size: int) -> list[list[int]]:
     return [list(range(first, first + cp_size)) for first in range(0, layout.dp, cp_size)]
 
 
-def make_groups(layout: Layout | dict, cp_size: int = 1) -> Groups:
-    """Call on every rank, after init_process_group, with the same layout (the manifest's) and cp_size."""
+def make_groups(layout: Layout | dict, cp_size: int = 1, mc2: bool = False) -> Groups:
+    """Call on every rank, after init_process_group, with the same layout (the manifest's), cp_size and mc2 (a
+    communicator of its own for the MC2 ops, Groups.mc2)."""
     layout = _as_layout(layout)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size != layout.world_size:
@@ -82,7 +88,20 @@ def make_groups(layout: Layout | dict, cp_size: int = 1) -> Groups:
     host = world
     if world_size > 1 and dist.get_backend() != dist.Backend.GLOO:
         host = Group("host", world_ranks, rank, dist.new_group(list(world_ranks), backend=dist.Backend.GLOO))
-    return Groups(world=world, host=host, **{name: mine[name] for name in (*GROUP_NAMES, "cp")})
+    mc2_group = None
+    if mc2 and layout.ep > 1:  # one more new_group per EP group, in the same order on every rank (see above)
+        for members in map(tuple, layout.groups()["ep"]):
+            handle = dist.new_group(list(members))
+            if rank in members:
+                mc2_group = Group("mc2", members, members.index(rank), handle)
+    return Groups(world=world, host=host, mc2=mc2_group, **{name: mine[name] for name in (*GROUP_NAMES, "cp")})
+
+
+def hccl_comm_name(group: Group, device: torch.device) -> str:
+    """The name HCCL knows the group's communicator by, which torch_npu's MC2 ops take as their group (got as
+    torch_npu's own examples and vllm-ascend get it: the group's backend for the device, asked with this process's
+    global rank)."""
+    return group.handle._get_backend(device).get_hccl_comm_name(group.ranks[group.rank])
 
 
 def _as_layout(layout: Layout | dict) -> Layout:

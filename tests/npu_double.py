@@ -22,6 +22,9 @@ real API refuses fails a test here instead of on an Ascend server.
     [usage]   vllm-ascend's W8A8_DYNAMIC MoE (vllm_ascend/quantization/w8a8_dynamic.py: experts transposed to
               [E, k, n], made contiguous and cast to FRACTAL_NZ with npu_format_cast_ at load; apply_mlp's
               npu_grouped_matmul with scale [E, n] and per_token_scale, output_dtype the scale's dtype)
+    [mc2]     torch_npu's documentation of npu_moe_distribute_dispatch_v2 and npu_moe_distribute_combine_v2
+              (op-plugin docs/context/, Atlas A3 rows: the wheel carries no docstring for them); they communicate,
+              so the double runs them over the gloo group behind their communicator's name
     [assumed] a conservative choice the documentation does not state
 
 What it does not model is refused too (NotImplementedError), never guessed: other group_list_types, bias,
@@ -34,6 +37,7 @@ ranks started by comm.launch install it through the rank entry `generate_on_doub
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from collections import Counter
@@ -344,7 +348,236 @@ def _format_cast(self, acl_format, *, customize_dtype=None, input_dtype=None):
     return out
 
 
-MODELLED = {"npu_dynamic_quant": _dynamic_quant, "npu_quant_matmul": _quant_matmul,
+# --- MC2: npu_moe_distribute_dispatch_v2 / combine_v2 (A3 rows of [mc2]) ---------------------------------------------
+MC2_MAX_BS = 512  # [mc2] 0 < BS <= 512
+MC2_MAX_K = 16  # [mc2] 0 < K <= 16
+MC2_DISPATCH_H, MC2_COMBINE_H = (1024, 8192), (1024, 7168)  # [mc2] H, each op's range
+MC2_DISPATCH_EXPERTS, MC2_COMBINE_EXPERTS = 1024, 512  # [mc2] moe_expert_num upper bounds
+MC2_DISPATCH_EP, MC2_COMBINE_EP = (2, 768), (2, 384)  # [mc2] ep_world_size ranges
+MC2_COMBINE_SLOTS = 1280  # [mc2] combine: moe_expert_num / ep_world_size x ep_world_size <= 1280
+MC2_ASSIST_WIDTH = 128  # [mc2] assist_info_for_combine is [A * 128]
+MC2_BUFFSIZE_DEFAULT_MB = 200  # [mc2] HCCL_BUFFSIZE's default
+COMM_NAME_PREFIX = "npu-double-hccl:"
+_mc2_groups: dict[str, object] = {}  # a communicator's name (hccl_comm_name) -> its gloo ProcessGroup
+_mc2_dispatched: dict[str, dict] = {}  # per communicator, its last dispatch_v2, which its combine_v2 must match
+
+
+def _comm_name(backend, rank: int) -> str:
+    """ProcessGroupGloo.get_hccl_comm_name while the double is installed: a name for the group whose backend this
+    is, registered so that the MC2 kernels find the group to communicate on."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    for group, name in _world.pg_names.items():
+        if group._get_backend(torch.device("cpu")) is backend:
+            _require(rank in dist.get_process_group_ranks(group),
+                     f"get_hccl_comm_name({rank}): rank {rank} is not a member of group {name} [assumed]")
+            _mc2_groups[COMM_NAME_PREFIX + name] = group
+            return COMM_NAME_PREFIX + name
+    raise ContractError("get_hccl_comm_name: a backend of no process group [assumed]")
+
+
+def _mc2_group(name: str):
+    _require(1 <= len(name) < 128, f"MC2: group_ep's length must be in [1, 128), got {len(name)} [mc2]")
+    _require(name in _mc2_groups, f"MC2: {name!r} names no communicator (take it from get_hccl_comm_name) [mc2]")
+    return _mc2_groups[name]
+
+
+def _align(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def _mc2_common(op, ep_world_size, ep_rank_id, moe_expert_num, ep_range, max_experts, group_tp, tp_world_size,
+                expert_shard_type, shared_expert_rank_num, comm_alg, special) -> None:
+    if group_tp or tp_world_size > 1 or expert_shard_type or shared_expert_rank_num or any(special) \
+            or comm_alg not in ("", "fullmesh_v1"):
+        raise NotImplementedError(f"the double models {op} without TP, shared-expert ranks or special experts, "
+                                  "with the default algorithm")
+    _require(ep_range[0] <= ep_world_size <= ep_range[1],
+             f"{op}: ep_world_size {ep_world_size} outside {list(ep_range)} [mc2]")
+    _require(0 <= ep_rank_id < ep_world_size, f"{op}: ep_rank_id {ep_rank_id} outside [0, {ep_world_size}) [mc2]")
+    _require(1 <= moe_expert_num <= max_experts and moe_expert_num % ep_world_size == 0,
+             f"{op}: moe_expert_num {moe_expert_num} must be in [1, {max_experts}] and divisible by "
+             f"ep_world_size {ep_world_size} [mc2]")
+
+
+def _mc2_mask(op, x_active_mask, bs: int) -> torch.Tensor:
+    """The active tokens as a bool [BS] (all when no mask)."""
+    if x_active_mask is None:
+        return torch.ones(bs, dtype=torch.bool)
+    _require(x_active_mask.dtype == torch.bool and tuple(x_active_mask.shape) == (bs,),
+             f"{op}: x_active_mask must be bool ({bs},) (its 2-D form is not modelled), got {x_active_mask.dtype} "
+             f"{tuple(x_active_mask.shape)} [mc2]")
+    n = int(x_active_mask.sum())
+    _require(bool(x_active_mask[:n].all()), f"{op}: x_active_mask's True entries must come before its False ones, "
+                                            f"got {x_active_mask.tolist()} [mc2]")
+    return x_active_mask.clone()
+
+
+def _dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None,
+                 x_active_mask=None, expert_scales=None, elastic_info=None, performance_info=None, group_tp="",
+                 tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0,
+                 quant_mode=0, global_bs=0, expert_token_nums_type=1, comm_alg="", zero_expert_num=0,
+                 copy_expert_num=0, const_expert_num=0, y_dtype=None, x_dtype=None, scales_dtype=None):
+    import os
+
+    import torch.distributed as dist
+
+    op = "npu_moe_distribute_dispatch_v2"
+    _count(op)
+    if any(a is not None for a in (scales, expert_scales, elastic_info, performance_info, y_dtype, x_dtype,
+                                   scales_dtype)):
+        raise NotImplementedError(f"the double models {op} without scales, expert_scales, elastic or performance "
+                                  "info and dtype overrides")
+    _mc2_common(op, ep_world_size, ep_rank_id, moe_expert_num, MC2_DISPATCH_EP, MC2_DISPATCH_EXPERTS, group_tp,
+                tp_world_size, expert_shard_type, shared_expert_rank_num, comm_alg,
+                (zero_expert_num, copy_expert_num, const_expert_num))
+    _require(x.dim() == 2 and x.dtype in HALF, f"{op}: x must be 2-D bfloat16 or float16, got {x.dtype} "
+                                              f"{tuple(x.shape)} [mc2]")
+    bs, h = x.shape
+    _require(0 < bs <= MC2_MAX_BS, f"{op}: BS {bs} outside (0, {MC2_MAX_BS}] [mc2]")
+    _require(MC2_DISPATCH_H[0] <= h <= MC2_DISPATCH_H[1], f"{op}: H {h} outside {list(MC2_DISPATCH_H)} [mc2]")
+    _require(expert_ids.dtype == torch.int32 and expert_ids.dim() == 2 and expert_ids.shape[0] == bs,
+             f"{op}: expert_ids must be int32 ({bs}, K), got {expert_ids.dtype} {tuple(expert_ids.shape)} [mc2]")
+    k = expert_ids.shape[1]
+    _require(0 < k <= min(MC2_MAX_K, moe_expert_num), f"{op}: K {k} outside (0, {MC2_MAX_K}] [mc2]")
+    ids = expert_ids.to(torch.int64)
+    _require(bool(((ids >= 0) & (ids < moe_expert_num)).all()), f"{op}: expert_ids outside [0, {moe_expert_num}) "
+                                                                 "[mc2]")
+    _require(bool((ids.sort(dim=1).values.diff(dim=1) != 0).all()), f"{op}: a row of expert_ids names an expert "
+                                                                     "twice [mc2]")
+    _require(0 <= shared_expert_num <= 4, f"{op}: shared_expert_num {shared_expert_num} outside [0, 4] [mc2]")
+    _require(quant_mode in (0, 2), f"{op}: quant_mode must be 0 or 2, got {quant_mode} [mc2]")
+    _require(expert_token_nums_type in (0, 1), f"{op}: expert_token_nums_type must be 0 or 1 [mc2]")
+    active = _mc2_mask(op, x_active_mask, bs)
+    group = _mc2_group(group_ep)
+    _require(dist.get_world_size(group) == ep_world_size and dist.get_rank(group) == ep_rank_id,
+             f"{op}: ep_world_size {ep_world_size} / ep_rank_id {ep_rank_id} disagree with the communicator [mc2]")
+    local = moe_expert_num // ep_world_size
+    # [mc2] dynamic quantization: x_fp32 = x (no scales); s = 127 / max|x|; int8(x_fp32 * s); the scale out is 1 / s
+    rows = x.to(torch.float32)
+    if quant_mode == 2:
+        amax = rows[active].abs().amax(dim=1, keepdim=True) if bool(active.any()) else rows[:0, :1]
+        _require(bool((amax > 0).all()), f"{op}: an all-zero active row has no quantization scale (127 / 0) "
+                                         "[assumed]")
+        inverse = torch.zeros(bs, 1)
+        inverse[active] = 127.0 / amax
+        payload = torch.clamp(torch.round(rows * inverse), -127, 127).to(torch.int8)
+        row_scale = (1.0 / inverse[:, 0])
+    else:
+        payload, row_scale = x, torch.zeros(bs)
+    # every rank's parameters and outgoing rows; each takes what its experts are sent
+    outgoing = [[] for _ in range(ep_world_size)]
+    for t in range(bs):
+        if active[t]:
+            for e in ids[t].tolist():
+                outgoing[e // local].append((e % local, t, payload[t].clone(), float(row_scale[t])))
+    mine = dict(bs=bs, h=h, k=k, dtype=x.dtype, experts=moe_expert_num, global_bs=global_bs, quant=quant_mode,
+                shared=shared_expert_num, masked=not bool(active.all()), rows=outgoing)
+    peers = [None] * ep_world_size
+    dist.all_gather_object(peers, mine, group=group)
+    for name in ("h", "k", "dtype", "experts", "global_bs", "quant", "shared"):
+        _require(len({str(p[name]) for p in peers}) == 1, f"{op}: the ranks disagree on {name}: "
+                                                          f"{[p[name] for p in peers]} [mc2]")
+    sizes = [p["bs"] for p in peers]
+    _require(not any(p["masked"] for p in peers) or len(set(sizes)) == 1,
+             f"{op}: an x_active_mask with False entries while the ranks' BS differ ({sizes}) [mc2]")
+    _require(global_bs == max(sizes) * ep_world_size or (global_bs == 0 and len(set(sizes)) == 1),
+             f"{op}: global_bs {global_bs} must be max BS x ep_world_size ({max(sizes) * ep_world_size}), or 0 when "
+             f"every BS is equal [mc2]")
+    max_bs = max(sizes)
+    need = 2 * (local * max_bs * ep_world_size * _align(_align(2 * h, 32) + 64, 512)
+                + (k + shared_expert_num) * max_bs * _align(2 * h, 512))
+    have = int(os.environ.get("HCCL_BUFFSIZE", MC2_BUFFSIZE_DEFAULT_MB)) * 2**20
+    _require(need <= have, f"{op}: HCCL_BUFFSIZE {have >> 20} MB below the {need} bytes this call needs [mc2]")
+    arrived = sorted((e, source, t, row, scale) for source, p in enumerate(peers)
+                     for e, t, row, scale in p["rows"][ep_rank_id])
+    a = (global_bs or bs * ep_world_size) * min(local, k)  # [mc2] A, the most rows this rank may receive
+    expand_x = torch.zeros(a, h, dtype=torch.int8) if quant_mode == 2 else torch.full((a, h), math.nan,
+                                                                                       dtype=x.dtype)
+    dynamic_scales = torch.full((a,), math.nan) if quant_mode == 2 else torch.empty(0)
+    assist = torch.full((a * MC2_ASSIST_WIDTH,), -1, dtype=torch.int32)
+    counts = torch.zeros(local, dtype=torch.int64)
+    per_source = torch.zeros(local, ep_world_size, dtype=torch.int32)
+    for i, (e, source, t, row, scale) in enumerate(arrived):
+        expand_x[i] = row
+        if quant_mode == 2:
+            dynamic_scales[i] = scale
+        assist[3 * i:3 * i + 3] = torch.tensor([source, t, e], dtype=torch.int32)
+        counts[e] += 1
+        per_source[e, source] += 1
+    ep_recv_counts = per_source.flatten().cumsum(0).to(torch.int32)  # [mc2] A3: ep_world_size x local, running sums
+    _mc2_dispatched[group_ep] = dict(ids=expert_ids.clone(), active=active, a=a, h=h, bs=bs, dtype=x.dtype,
+                                     assist=assist.clone(), ep_counts=ep_recv_counts.clone(), global_bs=global_bs,
+                                     experts=moe_expert_num)
+    expert_token_nums = counts if expert_token_nums_type == 1 else counts.cumsum(0)
+    tp_recv_counts = torch.zeros(0, dtype=torch.int32)  # [mc2] shape (tp_world_size,): no TP domain
+    expand_scales = torch.empty(0)  # [mc2] A3 returns none
+    return expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales
+
+
+def _combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep, ep_world_size,
+                ep_rank_id, moe_expert_num, *, tp_send_counts=None, x_active_mask=None, expand_scales=None,
+                shared_expert_x=None, elastic_info=None, ori_x=None, const_expert_alpha_1=None,
+                const_expert_alpha_2=None, const_expert_v=None, performance_info=None, group_tp="", tp_world_size=0,
+                tp_rank_id=0, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0, global_bs=0,
+                comm_quant_mode=0, comm_alg="", zero_expert_num=0, copy_expert_num=0, const_expert_num=0):
+    import torch.distributed as dist
+
+    op = "npu_moe_distribute_combine_v2"
+    _count(op)
+    if any(a is not None for a in (expand_scales, shared_expert_x, elastic_info, ori_x, const_expert_alpha_1,
+                                   const_expert_alpha_2, const_expert_v, performance_info)) or comm_quant_mode:
+        raise NotImplementedError(f"the double models {op} without expand_scales, shared_expert_x, elastic, "
+                                  "special-expert or performance inputs and without communication quantization")
+    _mc2_common(op, ep_world_size, ep_rank_id, moe_expert_num, MC2_COMBINE_EP, MC2_COMBINE_EXPERTS, group_tp,
+                tp_world_size, expert_shard_type, shared_expert_rank_num, comm_alg,
+                (zero_expert_num, copy_expert_num, const_expert_num))
+    _require(moe_expert_num <= MC2_COMBINE_SLOTS, f"{op}: moe_expert_num {moe_expert_num} above "
+                                                  f"{MC2_COMBINE_SLOTS} [mc2]")
+    _require(group_ep in _mc2_dispatched, f"{op}: no npu_moe_distribute_dispatch_v2 on {group_ep!r} to combine: the "
+                                          "two are used together [mc2]")
+    sent = _mc2_dispatched.pop(group_ep)
+    _require(expand_x.dtype in HALF, f"{op}: expand_x must be bfloat16 or float16, got {expand_x.dtype} [mc2]")
+    _require(tuple(expand_x.shape) == (sent["a"], sent["h"]),
+             f"{op}: expand_x must be [A, H] = {(sent['a'], sent['h'])} as dispatched, got {tuple(expand_x.shape)} "
+             "[mc2]")
+    _require(MC2_COMBINE_H[0] <= sent["h"] <= MC2_COMBINE_H[1], f"{op}: H {sent['h']} outside "
+                                                                f"{list(MC2_COMBINE_H)} [mc2]")
+    _require(torch.equal(expert_ids, sent["ids"]), f"{op}: expert_ids differ from the dispatch's [mc2]")
+    _require(torch.equal(assist_info_for_combine, sent["assist"]) and torch.equal(ep_send_counts, sent["ep_counts"]),
+             f"{op}: assist_info_for_combine and ep_send_counts must be the dispatch's outputs [mc2]")
+    _require(global_bs == sent["global_bs"] and moe_expert_num == sent["experts"],
+             f"{op}: global_bs and moe_expert_num must be the dispatch's [mc2]")
+    bs, k = sent["bs"], sent["ids"].shape[1]
+    _require(expert_scales.dtype == torch.float32 and tuple(expert_scales.shape) == (bs, k),
+             f"{op}: expert_scales must be float32 ({bs}, {k}), got {expert_scales.dtype} "
+             f"{tuple(expert_scales.shape)} [mc2]")
+    active = _mc2_mask(op, x_active_mask, bs)
+    _require(torch.equal(active, sent["active"]), f"{op}: x_active_mask differs from the dispatch's [mc2]")
+    _require(tp_send_counts is None or tp_send_counts.numel() == 0, f"{op}: tp_send_counts without a TP domain")
+    group = _mc2_group(group_ep)
+    used = int(ep_send_counts[-1])
+    back = [[] for _ in range(ep_world_size)]
+    for i in range(used):  # each row returns to the token that sent it
+        source, t, e = assist_info_for_combine[3 * i:3 * i + 3].tolist()
+        back[source].append((t, ep_rank_id * (moe_expert_num // ep_world_size) + e, expand_x[i].clone()))
+    peers = [None] * ep_world_size
+    dist.all_gather_object(peers, back, group=group)
+    combined = torch.zeros(bs, k, expand_x.shape[1], dtype=expand_x.dtype)
+    for p in peers:
+        for t, expert, row in p[ep_rank_id]:
+            j = sent["ids"][t].tolist().index(expert)
+            combined[t, j] = row
+    n = int(active.sum())
+    out = torch.zeros(bs, expand_x.shape[1], dtype=expand_x.dtype)
+    # the routing-weighted sum in float32 over each token's k rows (the all-to-all path's formula)
+    out[:n] = torch.bmm(expert_scales[:n, None], combined[:n].float())[:, 0].to(expand_x.dtype)
+    return out
+
+
+MODELLED = {"npu_moe_distribute_dispatch_v2": _dispatch_v2, "npu_moe_distribute_combine_v2": _combine_v2,
+            "npu_dynamic_quant": _dynamic_quant, "npu_quant_matmul": _quant_matmul,
             "npu_grouped_matmul": _grouped_matmul, "npu_grouped_matmul.List": _grouped_matmul_list,
             "npu_format_cast": _format_cast}
 
@@ -410,8 +643,12 @@ def install() -> TorchNpuDouble:
     """A fresh double, made the module the NPU branches call, with CPU tensors routed to them."""
     from dsconv.kernels.device import route_to_npu_path
 
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
     double = TorchNpuDouble()
     route_to_npu_path("cpu", double)
+    # comm.groups.hccl_comm_name asks the group's backend for its HCCL name: gloo's answers with the double's
+    ProcessGroupGloo.get_hccl_comm_name = _comm_name
     return double
 
 

@@ -76,6 +76,11 @@ def _check_reused_and_trivial_groups(rank: int) -> None:
     recv, recv_counts = all_to_all_variable(torch.arange(3), [3], v4.attn_tp)
     assert recv.tolist() == [0, 1, 2] and recv_counts == [3]
     barrier(v4.attn_tp)
+    assert v4.mc2 is None  # made for the NPU path only
+    # MC2's ops allow no other op in their communicator: the EP members again, in a group of their own
+    npu = make_groups(Layout(16, ep=16, tp=16, attn_tp=1), mc2=True)
+    assert npu.mc2.ranks == npu.ep.ranks and npu.mc2.rank == npu.ep.rank
+    assert all(npu.mc2.handle is not getattr(npu, name).handle for name in ("world", "ep", "tp", "attn_dp", "host"))
     # Identical member lists share one process group.
     shared = make_groups(Layout(16, ep=8, tp=8, attn_tp=8))
     assert shared.ep.handle is shared.attn_tp.handle is shared.tp.handle

@@ -18,6 +18,7 @@ from dsconv.kernels.device import reset_npu_path
 from dsconv.kernels.streams import STREAM_API, SideStream
 from dsconv.kernels.linear import quantize_activations, w8a8_linear
 from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp, token_mlp
+from dsconv.runner.models import mc2
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
 from tests.helpers import greedy
@@ -31,6 +32,7 @@ from tests.npu_schemas import TORCH_NPU_VERSION, SchemasUnavailable, registered,
 PACKAGE = Path(__file__).resolve().parent.parent
 
 HIDDEN, INTER = 48, 64
+DISPATCH_V2 = "npu_moe_distribute_dispatch_v2"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -454,6 +456,9 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
     assert all(c["npu_quant_matmul"] > 0 for c in calls), calls
     assert sum(c.get("npu_grouped_matmul", 0) for c in calls) > 0  # expert owners ran their groups there
     config = load_manifest(shards)["model"]["config"]
+    # the tiny models' hidden size is below MC2's 1024 (runner/models/mc2.py): their layers take the all-to-all
+    # path, whose ops are counted below; tests/test_mc2.py runs MC2 at EP16
+    assert config["hidden_size"] < mc2.HIDDEN[0] and not any(DISPATCH_V2 in c for c in calls)
     moe_layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)  # V4: every layer
     steps = len(json.loads((tmp_path / "npu" / SYNCS_NAME.format(rank=0)).read_text()))
     # V3.2: each layer's indexer prolog (its keys) beside the MLA prolog

@@ -417,7 +417,8 @@ class MoE:
         share = attention_tp_share(self.dist, x)  # attention-TP ranks hold the same rows: each routes its share
         share_tokens = attention_tp_share(self.dist, tokens[:, None])[:, 0]
         experts, weights = self.route(share, share_tokens)
-        out = expert_parallel(share, experts, weights, self.experts, self.dist, self.shared)  # routed + shared
+        out = expert_parallel(share, experts, weights, self.experts, self.dist, self.shared,  # routed + shared
+                              distinct=self.tid2eid is None)
         return attention_tp_unshare(self.dist, out, x.shape[0])
 
 

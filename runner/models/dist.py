@@ -16,6 +16,7 @@ import torch
 
 from dsconv.comm.collectives import all_gather_cat
 from dsconv.family.layout import Layout
+from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.streams import SideStream
 
 
@@ -51,7 +52,8 @@ class Dist:
         prefill's group size (called on every rank)."""
         from dsconv.comm.groups import make_groups
 
-        groups = make_groups(layout, cp_size)
+        # MC2's communicator only where its ops may run: the NPU path (models/mc2.py)
+        groups = make_groups(layout, cp_size, mc2=takes_npu_path(device))
         return cls(rank=groups.world.rank, attn_tp=groups.attn_tp.size, attn_tp_rank=groups.attn_tp.rank,
                    ep=groups.ep.size, ep_rank=groups.ep.rank, tp=groups.tp.size, oproj_tp=groups.oproj_tp.size,
                    embed_tp=groups.embed_tp.size, cp=groups.cp.size, device=device, groups=groups,

@@ -39,6 +39,7 @@ from torch.profiler import record_function
 from dsconv.comm.collectives import InFlight, all_to_all_counted, all_to_all_variable, exchange_counts, header_rows
 from dsconv.kernels.device import is_npu
 from dsconv.kernels.linear import quantize_activations
+from dsconv.runner.models import mc2
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.layers import RoutedExperts
 from dsconv.family.placement import expert_owner
@@ -59,11 +60,12 @@ DEVICE_LINK_PAD_BYTES = 2**20
 
 
 def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local: RoutedExperts,
-                    dist: Dist, shared: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    dist: Dist, shared: Callable[[torch.Tensor], torch.Tensor], distinct: bool = True) -> torch.Tensor:
     """x [T, H]; experts, weights [T, k] from the router (global expert ids); local: this rank's experts; shared:
-    the shared expert -> routed + shared(x), [T, H]."""
+    the shared expert -> routed + shared(x), [T, H]. distinct: each token's k experts are distinct (a router's
+    top-k; a hash layer's table may repeat one), which MC2 requires (models/mc2.py)."""
     if not dist.overlap_shared_experts:
-        routed = _routed(x, experts, weights, local, dist, None)
+        routed = _routed(x, experts, weights, local, dist, None, distinct)
         with record_function(SHARED_EXPERT):
             return routed + shared(x)
     side, out = dist.side_stream, []
@@ -72,15 +74,17 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         with side.beside(), record_function(SHARED_EXPERT):
             out.append(shared(x))
 
-    routed = _routed(x, experts, weights, local, dist, shared_beside)
+    routed = _routed(x, experts, weights, local, dist, shared_beside, distinct)
     side.join()
     return routed + out[0]
 
 
 def _routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local: RoutedExperts, dist: Dist,
-            during_dispatch: Callable[[], None] | None) -> torch.Tensor:
+            during_dispatch: Callable[[], None] | None, distinct: bool) -> torch.Tensor:
     """The routed experts' weighted sum [T, H]; during_dispatch (if given) runs once, while the dispatch travels
-    (at EP 1, where nothing travels, first)."""
+    (at EP 1, where nothing travels, first). On the NPU path within MC2's limits, MC2's two ops (models/mc2.py)."""
+    if mc2.fits(x, experts.shape[1], local, dist, distinct):
+        return mc2.routed(x, experts, weights, local, dist, during_dispatch)
     if dist.ep == 1 and x.shape[0] == 1 and not is_npu(x):  # on NPU the grouped call costs no host sync
         if during_dispatch is not None:
             during_dispatch()
