@@ -129,6 +129,12 @@ def generate(
     logprobs: Annotated[Optional[int], typer.Option(
         help="With --json: each new token's logprob and this many most likely tokens' (vLLM's "
              "SamplingParams.logprobs; the server's top_logprobs limit applies).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 (the default) is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens only; 0: all.")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample from the smallest set of most likely tokens whose "
+                                              "probability reaches top_p; 1: all.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the sampled tokens (prompt i draws with seed + i): "
+                                                     "the same seed gives the same text at any world size.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a collective may wait before the job fails.")] = 300.0,
     record_shapes: Annotated[Optional[Path], typer.Option(help=RECORD_SHAPES_HELP)] = None,
     overlap_shared_experts: Annotated[bool, typer.Option("--overlap-shared-experts/--no-overlap-shared-experts",
@@ -137,11 +143,12 @@ def generate(
                                                         help=PREFIX_CACHING_HELP)] = True,
     speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_HELP)] = None,
 ) -> None:
-    """Generate greedily from PROMPT on every rank of the shard set and print the text on rank 0."""
+    """Generate from PROMPT on every rank of the shard set (greedily unless --temperature is given) and print the
+    text on rank 0."""
     _import_torch()
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
-    from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, check_prompt, resolve_max_model_len
+    from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, SamplingParams, check_prompt, resolve_max_model_len
     from dsconv.runner.engine.speculative import SpeculativeConfig
     from dsconv.runner.entrypoints.generate import rank_main
     from dsconv.runner.models.kv_cache import cache_blocks
@@ -158,6 +165,8 @@ def generate(
             raise InputError(f"--logprobs {logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
         if logprobs is not None and not json_output:
             raise InputError("--logprobs goes with --json (the text output has no place for them)")
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        SamplingParams(max_tokens=max_new_tokens, **sampling)  # its checks, before any rank starts
         if shards is None:
             from dsconv.shard.demo import demo_shards
 
@@ -192,7 +201,7 @@ def generate(
         run = replace(run, max_model_len=model_len, scheduler=replace(
             run.scheduler, max_num_batched_tokens=sum(map(len, prompts))))
         _launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": max_new_tokens, "logprobs": logprobs,
-                            "json_output": json_output, "started_at": started}, run, timeout)
+                            "json_output": json_output, "started_at": started, "sampling": sampling}, run, timeout)
     except InputError as exc:
         fail(str(exc))
 

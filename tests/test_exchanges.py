@@ -86,6 +86,28 @@ def test_a_decode_step_makes_two_exchanges_per_moe_layer(tiny_source, tmp_path, 
     _check_decode_steps(ranks, _moe_layers(shards), attn_tp)
 
 
+SAMPLING = {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "seed": 7}  # a plain sampled request (models/draw.py)
+
+
+@pytest.mark.parametrize("family, attn_tp", [("deepseek_v32", 8), ("deepseek_v4", 1)], ids=["v32-dp2xtp8", "v4-dp16"])
+def test_sampled_steps_send_candidates_and_draw_the_world_1_tokens(tiny_source, tmp_path, family, attn_tp):
+    """Sampled requests (temperature 0.8, top_k 20, seeded) at world 16: lm_head sends each rank, per row and
+    member, its slice's 20 largest logits with their ids (8 bytes each), never a slice of the logits, and the tokens
+    drawn from those candidates equal the world-1 run's, which draws from whole rows."""
+    shards, single = tmp_path / "shards", tmp_path / "single"
+    shard(tiny_source(family), shards, Layout(16, 16, 16, attn_tp))
+    shard(tiny_source(family), single, Layout(1, 1, 1, 1))
+    prompts = PROMPTS[:4]
+    tokens, ranks = _generate_counted(shards, tmp_path, prompts, sampling=SAMPLING, inner=generate)
+    assert tokens == run_ranks(single, tmp_path, prompts, new_tokens=NEW_TOKENS, sampling=SAMPLING)
+    for rank, step in _decode_steps(ranks):
+        head = _calls(step, "all_to_all_single", "ParallelLMHead.__call__")
+        group_rows, own = attn_tp * sum(step["logit_rows"]), step["logit_rows"][rank // attn_tp]
+        assert head[1] == SAMPLING["top_k"] * ARGMAX_ENTRY_BYTES * (group_rows + (not group_rows or not own)), \
+            (rank, step)
+        assert not [call for call in step["calls"] if call[0].startswith("all_gather")], (rank, step)
+
+
 def test_w8a8_dispatch_sends_int8_rows_at_batch_one(tiny_source, w8a8_source, tmp_path):
     """V3.2 at attention DP16, one prompt (fifteen idle ranks), BF16 and W8A8 shards: two exchanges per MoE layer in
     both, and the W8A8 dispatch's bytes against BF16's in the ratio of their rows on the wire."""

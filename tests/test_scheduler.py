@@ -16,7 +16,8 @@ from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
-from dsconv.runner.engine.sampler import sample, step_results, uniform
+from dsconv.runner.engine.sampler import sample, step_results
+from dsconv.runner.models.draw import gumbel
 from dsconv.runner.engine.scheduler import Scheduler
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
@@ -417,19 +418,19 @@ def test_sampling_depends_on_seed_and_index_only():
 # -- batched sampling against the per-row reference ------------------------------------------------------------
 
 def reference_sample(logits, spec):
-    """One row at a time, as the engine sampled before its sampling was batched: logits [vocab] -> token id."""
+    """One row at a time: logits [vocab] -> token id. Greedy: the argmax. Sampled: the kept tokens (the top_k largest
+    logits, ties by id, cut to the smallest prefix whose float32 probability mass reaches top_p), then the Gumbel-max
+    rule over them: the largest float32 logit / temperature + G(seed, index, id), the lowest id among equals."""
     if spec.temperature == 0.0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / spec.temperature, dim=-1)
-    probs, ids = probs.sort(descending=True, stable=True)
+    values, ids = logits.float().sort(descending=True, stable=True)
+    probs = torch.softmax(values / spec.temperature, dim=-1)
     keep = probs.shape[0] if spec.top_k == 0 else min(spec.top_k, probs.shape[0])
     if spec.top_p < 1.0:
         before = probs.cumsum(0) - probs
         keep = min(keep, max(1, int((before < spec.top_p).sum())))
-    probs, ids = probs[:keep].double(), ids[:keep]
-    cdf = probs.cumsum(0) / probs.sum()
-    pick = int(torch.searchsorted(cdf, torch.tensor([uniform(spec.seed, spec.index)], dtype=cdf.dtype), right=True))
-    return int(ids[min(pick, keep - 1)])
+    score = values[:keep] / torch.tensor(spec.temperature) + gumbel(spec.seed, spec.index, ids[:keep])
+    return int(ids[:keep][score == score.max()].min())
 
 
 def reference_token_logprob(row_log_probs, token, top):
@@ -515,13 +516,16 @@ def test_step_results_equal_the_per_sequence_reference(vocab):
 
 def test_top_p_is_compared_in_float32_as_the_reference_does():
     """An edge row: the mass before the second token is float32(0.9) exactly, which is below top_p = 0.9 only in
-    float64. The reference compares in float32 and keeps one token; a draw past 0.9 shows which was kept."""
+    float64. The reference compares in float32 and keeps one token: no seed draws the second, which 10% of draws
+    would if it were kept."""
     logits = torch.tensor([[2.1972243785858154, 0.0]])
     probs = torch.softmax(logits[0], dim=-1)
     assert (probs.cumsum(0) - probs)[1] == torch.tensor(0.9)
-    spec = SampleSpec(1.0, 0.9, 0, seed=10, index=0, logprobs=None)
-    assert uniform(spec.seed, spec.index) > 0.95
-    assert reference_sample(logits[0], spec) == 0 and sample(logits, [spec]).tolist() == [0]
+    specs = [SampleSpec(1.0, 0.9, 0, seed=seed, index=0, logprobs=None) for seed in range(200)]
+    assert {reference_sample(logits[0], spec) for spec in specs} == {0}
+    assert set(sample(logits.expand(200, -1), specs).tolist()) == {0}
+    kept_both = [SampleSpec(1.0, 1.0, 0, seed=seed, index=0, logprobs=None) for seed in range(200)]
+    assert set(sample(logits.expand(200, -1), kept_both).tolist()) == {0, 1}
 
 
 def test_samples_not_yet_forked_count_against_max_num_seqs():

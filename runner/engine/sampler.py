@@ -2,11 +2,12 @@
 and one logprob call for all of the step's sequences.
 
 A sampled token depends only on the row's logits and (seed, index), the token's position in the request's
-output: the uniform number each draw inverts comes from a generator seeded with both, so the same seed gives
-the same tokens whatever else shares the batch, whatever the world size, and after a preempted request is
-recomputed. The draw inverts the cumulative distribution over tokens sorted by probability (ties by id), so
-float noise in the logits moves a choice only when the number falls on a boundary. Rows are batched along the
-first dimension and every reduction runs along the vocabulary, so no row's result depends on the other rows.
+output: the draw is the Gumbel-max rule of models/draw.py, each token's noise fixed by (seed, index, token id), so
+the same seed gives the same tokens whatever else shares the batch, whatever the world size, after a preempted
+request is recomputed, and whether lm_head TP sends the row's candidates (a step of plain draws, `plain_draws`) or
+the whole row (any other step, sampled here). Top-k keeps the k largest logits (ties: the lowest id), top-p the
+smallest prefix of them, in that order, whose probability reaches top_p. Rows are batched along the first dimension
+and every reduction runs along the vocabulary, so no row's result depends on the other rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult, TokenLogprob
 from dsconv.runner.engine.speculative import accept_greedy
 from dsconv.runner.models.batch import Batch, SampleSpec
+from dsconv.runner.models.draw import Draw, gumbel, pick_among
 
 
 def constrain(batch: Batch, logits: torch.Tensor, grammars: Grammars) -> None:
@@ -41,20 +43,25 @@ def constrain(batch: Batch, logits: torch.Tensor, grammars: Grammars) -> None:
         grammars.constrain(logits, rows)
 
 
-def greedy_only(batch: Batch) -> bool:
-    """Whether every row of the batch's logits is a plain greedy draw, which needs its argmax alone (the rule by
-    which lm_head TP sends each rank its rows' best tokens instead of their whole rows, parallel.ParallelLMHead):
-    no prompt logprobs, and every sampling sequence at temperature 0 with no logprobs, logit_bias, grammar, further
-    samples (n > 1) or drafts to verify. Anything else needs the full row."""
+def plain_draws(batch: Batch) -> list[Draw] | None:
+    """The batch's logits rows as plain draws, one per sampling sequence in order, or None when some row needs the
+    whole row of logits. The rule by which lm_head TP sends each rank its rows' candidates instead of their rows
+    (parallel.ParallelLMHead, models/draw.py): no prompt logprobs, and every sampling sequence greedy or sampled at
+    a temperature over the whole vocabulary or its top_k, with top_p 1 and no logprobs, logit_bias, grammar,
+    further samples (n > 1) or drafts to verify. Anything else (top_p below 1 among them: its nucleus has no size
+    known before the row is seen) gathers the row."""
     batch = batch.for_sampler()
-    return all(scores is None for scores in batch.scores) and all(
-        spec is None or (spec.temperature == 0.0 and spec.logprobs is None and not spec.logit_bias
-                         and spec.grammar is None and not spec.siblings and not spec.drafts)
-        for spec in batch.samples)
+    if any(scores is not None for scores in batch.scores):
+        return None
+    specs = [spec for spec in batch.samples if spec is not None]
+    if not all(spec.top_p >= 1.0 and spec.logprobs is None and not spec.logit_bias and spec.grammar is None
+               and not spec.siblings and not spec.drafts for spec in specs):
+        return None
+    return [Draw(spec.temperature, spec.top_k, spec.seed, spec.index) for spec in specs]
 
 
-def greedy_results(batch: Batch, tokens: list[int]) -> list[SeqResult]:
-    """A `greedy_only` batch's results from its sampling rows' argmax tokens (one per sampling sequence, in order):
+def drawn_results(batch: Batch, tokens: list[int]) -> list[SeqResult]:
+    """A batch of `plain_draws`' results from its sampling rows' drawn tokens (one per sampling sequence, in order):
     what step_results gives from their logits."""
     drawn = iter(tokens)
     return [SeqResult(None if spec is None else next(drawn), None) for spec in batch.samples]
@@ -139,7 +146,7 @@ def verify(logits: torch.Tensor, spec: SampleSpec) -> list[int]:
     one-hot draft distribution: the MTP layer's drafts are its argmax): draft j is accepted with probability p_j(d_j),
     p_j the target's distribution at its row after temperature, top-k and top-p, by the uniform number
     `accept_uniform(seed, index)`; at the first rejection the token is drawn from p_j without d_j (renormalized) by
-    the row's usual uniform(seed, index); after k acceptances the bonus token is drawn from p_k as any draw. Each
+    the row's Gumbel noise at (seed, index); after k acceptances the bonus token is drawn from p_k as any draw. Each
     emitted token is then distributed as p at its position, whatever the drafts: P(x) = p(d) [x = d] + (1 - p(d))
     p(x) / (1 - p(d)) [x != d] = p(x). `index` is the token's position in the request's output, so the numbers
     depend only on (seed, index), as without speculation."""
@@ -153,9 +160,9 @@ def verify(logits: torch.Tensor, spec: SampleSpec) -> list[int]:
         if accept_uniform(spec.seed, spec.index + j) < probs[j, draft].item():
             emitted.append(draft)
             continue
-        emitted.append(invert(without(probs[j], draft)[None], [uniform(spec.seed, spec.index + j)])[0])
+        emitted.append(gumbel_pick(without(probs[j], draft), spec.seed, spec.index + j))
         return emitted
-    return emitted + [invert(probs[k:], [uniform(spec.seed, spec.index + k)])[0]]
+    return emitted + draw(logits[k:], specs[k:]).tolist()  # the bonus token: drawn as any draw at its index
 
 
 def without(probs: torch.Tensor, token: int) -> torch.Tensor:
@@ -171,27 +178,25 @@ def filtered_probs(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tenso
     top_k and top_p nucleus and renormalized, in vocabulary order (what `draw` samples from)."""
     device = logits.device
     temperature = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32, device=device)
-    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
-    sorted_probs, ids = probs.sort(dim=-1, descending=True, stable=True)
-    in_keep = torch.arange(probs.shape[-1], device=device) < kept(sorted_probs, specs)[:, None]
+    values, ids = logits.float().sort(dim=-1, descending=True, stable=True)  # `draw`'s order
+    sorted_probs = torch.softmax(values / temperature[:, None], dim=-1)
+    in_keep = torch.arange(values.shape[-1], device=device) < kept(sorted_probs, specs)[:, None]
     mass = torch.where(in_keep, sorted_probs, 0.0).double()
     mass = mass / mass.sum(dim=-1, keepdim=True)
     return torch.zeros_like(mass).scatter_(-1, ids, mass)
 
 
-def invert(probs: torch.Tensor, u: list[float]) -> list[int]:
-    """probs [rows, vocab] (any non-negative weights, float64) -> per row the token whose cumulative share, in
-    descending order of probability (ties by id), first passes u."""
-    ordered, ids = probs.sort(dim=-1, descending=True, stable=True)
-    cdf = ordered.cumsum(dim=-1)
-    cdf = cdf / cdf[:, -1:]
-    pick = torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64, device=probs.device)[:, None], right=True)
-    return ids.gather(-1, pick.clamp(max=probs.shape[-1] - 1)).squeeze(-1).tolist()
+def gumbel_pick(probs: torch.Tensor, seed: int, index: int) -> int:
+    """probs [vocab] (non-negative weights) -> the token of largest log(weight) + G(seed, index, token), a sample of
+    the weights renormalized (the Gumbel-max rule of models/draw.py on log-probabilities)."""
+    kept_ids = torch.nonzero(probs > 0)[:, 0]
+    score = probs[kept_ids].log() + gumbel(seed, index, kept_ids).double()
+    return int(kept_ids[score == score.max()].min())
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """logits [rows, vocab], one spec per row -> [rows] token ids: the argmax where the temperature is 0, else a
-    draw from the distribution at the row's temperature restricted to its top_k most likely tokens and its top_p
+    draw from the distribution at the row's temperature restricted to its top_k largest logits and its top_p
     nucleus."""
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, spec in enumerate(specs) if spec.temperature != 0.0]
@@ -202,20 +207,16 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 
 def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-    """logits [rows, vocab] -> [rows] token ids, each row's cumulative distribution inverted at its uniform(seed,
-    index)."""
+    """logits [rows, vocab] -> [rows] token ids: each row's kept tokens (its top_k largest logits, ties by id, cut to
+    its top_p nucleus) as candidates of models/draw.py's rule, which lm_head TP's plain draws also follow."""
     device = logits.device
     temperature = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32, device=device)
-    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
-    # descending by probability, ties by token id (a stable sort of ids in order), so the order is exact
-    probs, ids = probs.sort(dim=-1, descending=True, stable=True)
-    keep = kept(probs, specs)
-    in_keep = torch.arange(probs.shape[-1], device=device) < keep[:, None]
-    mass = torch.where(in_keep, probs, 0.0).double().cumsum(dim=-1)  # [rows, vocab], flat after the kept tokens
-    cdf = mass / mass[:, -1:]  # 1.0 exactly from the last kept token on: a number in [0, 1) picks a kept token
-    u = torch.tensor([uniform(spec.seed, spec.index) for spec in specs], dtype=torch.float64, device=device)
-    pick = torch.searchsorted(cdf, u[:, None], right=True)  # [rows, 1]
-    return ids.gather(-1, pick).squeeze(-1)
+    values, ids = logits.float().sort(dim=-1, descending=True, stable=True)  # ties: the lowest id first
+    probs = torch.softmax(values / temperature[:, None], dim=-1)  # descending too: softmax keeps the order
+    keep = kept(probs, specs).tolist()
+    return torch.tensor([pick_among(values[row, :n], ids[row, :n], Draw(spec.temperature, spec.top_k, spec.seed,
+                                                                        spec.index))
+                         for row, (n, spec) in enumerate(zip(keep, specs))], dtype=torch.long, device=device)
 
 
 def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
@@ -231,17 +232,12 @@ def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return torch.minimum(top_k, nucleus)
 
 
-def uniform(seed: int, index: int) -> float:
-    """A number in [0, 1) fixed by (seed, index): numpy's SeedSequence mixes the pair into the generator state."""
-    return float(np.random.default_rng([seed % 2**64, index]).random())
-
-
 ACCEPT_STREAM = 1  # a third word in the seed sequence: speculative acceptance's numbers, apart from the draws'
 
 
 def accept_uniform(seed: int, index: int) -> float:
     """The number speculative sampling accepts the draft at output position `index` by: fixed by (seed, index) and
-    independent of `uniform(seed, index)`, which draws the token when the draft is rejected."""
+    independent of the Gumbel noise at (seed, index), which draws the token when the draft is rejected."""
     return float(np.random.default_rng([seed % 2**64, index, ACCEPT_STREAM]).random())
 
 

@@ -15,7 +15,7 @@ import torch
 from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
-from dsconv.runner.engine.sampler import constrain, greedy_only, greedy_results, step_results, verify
+from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
@@ -209,12 +209,14 @@ class Worker:
         self.steps += 1
         if plan is not None:
             self.dist.plan_step([self.inputs.step_rows(b) for b in plan])
-        # a step whose every logits row, on every DP index, is a plain greedy draw takes only the rows' argmax from
-        # lm_head (every rank decides alike, from the plan)
-        greedy = self.speculative is None and all(map(greedy_only, plan if plan is not None else [batch]))
+        # a step whose every logits row, on every DP index, is a plain draw takes only the rows' tokens from lm_head,
+        # which sends candidates instead of rows (every rank decides alike, from the plan)
+        draws = None if self.speculative is not None else [plain_draws(b) for b in (plan or [batch])]
+        if draws is not None and None in draws:
+            draws = None
         drafts = None
         try:
-            out = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows, greedy=greedy)
+            out = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows, draws=draws)
             # the sampling rows of requests with a grammar masked: where they are sampled, and on every rank where
             # the MTP drafts and their verification read them (a rank that samples nothing replays a request's
             # output into its matcher when it next masks for it)
@@ -229,8 +231,8 @@ class Worker:
             return [] if self.reports else None
         if not self.reports:
             return None
-        if greedy:  # out: the rows' tokens
-            return greedy_results(batch.for_sampler(), out.tolist())
+        if draws is not None:  # out: the rows' tokens
+            return drawn_results(batch.for_sampler(), out.tolist())
         results = step_results(batch.for_sampler(), out, self.grammars)
         for result, proposed in zip(results, drafts or ()):
             result.drafts.extend(proposed)

@@ -35,8 +35,9 @@ class Generated:
 
 
 def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None,
-             logprobs: int | None = None) -> Generated | None:
-    """Every rank: the prompts through the engine -> rank 0's account (None on the other ranks). on_token(index,
+             logprobs: int | None = None, sampling: dict | None = None) -> Generated | None:
+    """Every rank: the prompts through the engine -> rank 0's account (None on the other ranks). sampling:
+    SamplingParams' temperature, top_p, top_k and seed (default greedy); prompt i draws with seed + i. on_token(index,
     token) is called on rank 0 as each token comes; logprobs: also each new token's logprob and this many top
     entries."""
     engine = start_engine(run)
@@ -62,7 +63,7 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
 
         started = time.perf_counter()
         for index, prompt in enumerate(prompts):
-            door.submit(prompt, SamplingParams(max_tokens=max_new_tokens, logprobs=logprobs), partial(on_output, index),
+            door.submit(prompt, _params(max_new_tokens, logprobs, sampling, index), partial(on_output, index),
                         dp_rank=index % run.layout.dp)
         engine.run(door, until_idle=True)
         first = stamps[0] if stamps else started
@@ -93,8 +94,16 @@ def gather_to_rank0(record: dict) -> list[dict] | None:
     return everyone
 
 
+def _params(max_new_tokens: int, logprobs: int | None, sampling: dict | None, index: int) -> SamplingParams:
+    """Prompt `index`'s SamplingParams: a given seed shifted by the prompt's index, so that equal prompts differ."""
+    sampling = dict(sampling or {})
+    if sampling.get("seed") is not None:
+        sampling["seed"] += index
+    return SamplingParams(max_tokens=max_new_tokens, logprobs=logprobs, **sampling)
+
+
 def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, json_output: bool,
-              started_at: float, logprobs: int | None = None) -> None:
+              started_at: float, logprobs: int | None = None, sampling: dict | None = None) -> None:
     """`dsrun generate`'s ranks (started_at: the command's start, time.time())."""
     tokenizer = printer = None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -109,7 +118,7 @@ def rank_main(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, jso
             printer.add(token)
 
     result = generate(run, prompts, max_new_tokens, on_token=None if printer is None else stream_first,
-                      logprobs=logprobs)
+                      logprobs=logprobs, sampling=sampling)
     if result is None:
         return
     if printer is not None:

@@ -25,6 +25,7 @@ from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.kv_cache import LatentCache
 from dsconv.runner.models.step import DECODE_GATHER_ROWS, DecodeRows, StepMeta, query_chunks
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.draw import Draw
 from dsconv.runner.models.layers import GatedMLP, Proj, RMSNorm, Rope, RoutedExperts, StepRope
 from dsconv.runner.models.moe import expert_parallel
 from dsconv.runner.models.parallel import (OutputSplitLinear, ParallelLMHead, VocabParallelEmbedding,
@@ -423,9 +424,10 @@ class DeepseekV3:
         self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor:
-        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP); greedy: -> those
-        rows' argmax tokens [len(rows) or T] (ParallelLMHead: no slice of the vocabulary travels)."""
+                draws: list[list[Draw]] | None = None) -> torch.Tensor:
+        """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP); draws (per
+        attention-DP index, one per row): -> those rows' drawn tokens [len(rows) or T] (ParallelLMHead: candidates,
+        not slices of the vocabulary, travel)."""
         self.dist.start_step(tokens.shape[0])
         x = cast(self.embed(tokens), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer
@@ -436,7 +438,7 @@ class DeepseekV3:
         h = self.norm(x)
         if self.mtp is not None:
             self.hidden = h
-        logits = self.logits(h if rows is None else h[rows], greedy)
+        logits = self.logits(h if rows is None else h[rows], draws)
         if self.observe is not None:
             self.observe("logits", logits)
         return logits
@@ -444,8 +446,8 @@ class DeepseekV3:
     def step_rope(self, positions: torch.Tensor) -> StepRope:
         return StepRope.at(self.rope, positions, self.dtype, self.cfg.index_head_dim if self.cfg.has_indexer else None)
 
-    def logits(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        return self.head(h, greedy)  # [T, vocab]: lm_head TP, gathered to full vocabulary (greedy: [T] argmax)
+    def logits(self, h: torch.Tensor, draws: list[list[Draw]] | None = None) -> torch.Tensor:
+        return self.head(h, draws)  # [T, vocab]: lm_head TP, gathered to full vocabulary (draws: [T] tokens)
 
 
 def mlp(w: RankWeights, prefix: str, dtype: torch.dtype) -> GatedMLP:

@@ -37,6 +37,7 @@ from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4StateWrites, V4Step, query_chunks
 from dsconv.runner.models.v4_cache import CompressorPool, LayerPool, V4Cache
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.draw import Draw
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.models.moe import expert_parallel
 from dsconv.runner.models.parallel import (ParallelLMHead, VocabParallelEmbedding, attention_tp_share,
@@ -559,10 +560,11 @@ class DeepseekV4:
         self.observe: Callable[[int | str, torch.Tensor], None] | None = None
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor:
+                draws: list[list[Draw]] | None = None) -> torch.Tensor:
         """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
         says, each sequence continuing what `cache` holds for it -> logits [len(rows) or T, vocab] of those rows;
-        greedy: their argmax tokens [len(rows) or T] (ParallelLMHead: no slice of the vocabulary travels).
+        draws (per attention-DP index, one per row): their drawn tokens [len(rows) or T] (ParallelLMHead: candidates,
+        not slices of the vocabulary, travel).
 
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
@@ -578,7 +580,7 @@ class DeepseekV4:
         if rows is not None:
             streams = streams[rows]  # the rest of the head is per row
         h = self.norm(self.hc_head(streams))
-        logits = self.head(h, greedy)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
+        logits = self.head(h, draws)  # [rows, vocab]: lm_head TP, gathered to full vocabulary
         if self.observe is not None:
             self.observe("logits", logits)
         return logits

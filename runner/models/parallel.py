@@ -20,6 +20,7 @@ from dsconv.errors import InputError
 from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.linear import quantize_activations
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.draw import Draw, merge, pick_full, slice_entries, width
 from dsconv.runner.models.layers import Proj
 
 
@@ -91,43 +92,51 @@ EXACT_FLOAT32_IDS = 2**24  # every integer up to it is a float32
 class ParallelLMHead:
     """lm_head with its vocabulary rows split over the lm_head-TP group: every rank's rows go to every member, each
     computes its vocabulary slice for all of them, and a second exchange hands each rank the slices of its own
-    rows: the full logits of its rows."""
+    rows: the full logits of its rows. A step whose rows are all plain draws (models/draw.py: greedy, or sampled at
+    a temperature over the whole vocabulary or its top k) takes each member's candidates instead: per row its best
+    entry, or its k largest logits, 8 bytes each."""
 
     def __init__(self, head: Proj, vocab_size: int, dist: Dist):
         check_rows("lm_head", head.weight.shape[0], vocab_size, dist.tp, "tp")
         if vocab_size > EXACT_FLOAT32_IDS:
-            raise InputError(f"vocab_size={vocab_size}: greedy steps send token ids as float32, exact only below "
+            raise InputError(f"vocab_size={vocab_size}: drawn steps send token ids as float32, exact only below "
                              f"{EXACT_FLOAT32_IDS}")
         self.head, self.dist = head, dist
 
-    def __call__(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        """h [rows, hidden] (this rank's own rows; DP ranks differ) -> [rows, vocab]; greedy: -> [rows] each row's
-        argmax (the lowest id among equal maxima), and what returns to a row's rank is each member's best entry of
-        its slice, not the slice. Every member of the group must pass the same `greedy`."""
+    def __call__(self, h: torch.Tensor, draws: list[list[Draw]] | None = None) -> torch.Tensor:
+        """h [rows, hidden] (this rank's own rows; DP ranks differ) -> [rows, vocab]; draws (per attention-DP index,
+        one Draw per logits row, from the step plan every rank holds): -> [rows] the drawn tokens, and what returns to
+        a row's rank is each member's candidates, not its slice. Every member of the group must pass the same."""
         head, dist = self.head, self.dist
+        mine = None if draws is None else draws[dist.rank // dist.attn_tp]
+        if mine is not None and len(mine) != h.shape[0]:
+            raise ValueError(f"{len(mine)} draws for {h.shape[0]} logits rows")
         if dist.tp == 1:
-            return head(h).argmax(dim=-1) if greedy else head(h)
+            return head(h) if draws is None else pick_full(head(h), mine)
         group = dist.groups.tp
         counts = dist.row_counts(h.shape[0], group, "logit_rows")
         if not any(counts):  # no rank wants logits this step (e.g. every sequence is mid-prompt): all skip alike
-            return h.new_empty(0, dtype=torch.long) if greedy else h.new_empty(0, head.weight.shape[0] * group.size)
+            return h.new_empty(0, dtype=torch.long) if draws is not None else \
+                h.new_empty(0, head.weight.shape[0] * group.size)
         sliced = head(_to_every_member(dist, h, group, counts))  # my vocabulary slice of everyone's rows
-        if greedy:
-            return self._argmax(sliced, group, counts, h.shape[0])
-        return _own_columns(_from_every_member(dist, sliced, group, counts, h.shape[0]))
+        if draws is not None:
+            everyone = [d for member in group.ranks for d in draws[member // dist.attn_tp]]
+            entries = width(everyone)
+            if entries < sliced.shape[1]:  # candidates smaller than the slice: they travel instead
+                return self._drawn(sliced, group, counts, everyone, entries, mine)
+        logits = _own_columns(_from_every_member(dist, sliced, group, counts, h.shape[0]))
+        return logits if draws is None else pick_full(logits, mine)
 
-    def _argmax(self, sliced: torch.Tensor, group, counts: list[int], rows: int) -> torch.Tensor:
-        """sliced [sum(counts), vocab / size], my slice of every member's rows -> [rows] the argmax of each of this
-        rank's rows over the whole vocabulary. Each member sends, per row, its slice's first maximum and that
-        token's id as [rows, 2] float32 (8 bytes a row, both exact: a BF16 or float32 logit, an id below
-        EXACT_FLOAT32_IDS; float32, not float64, which Ascend's kernels mostly lack); the first member holding the
-        largest holds the lowest id among equal maxima, as argmax over the whole row picks it."""
-        best, where = sliced.max(dim=-1)  # the first maximum of each row's slice
-        ids = where + group.rank * sliced.shape[1]
-        entries = torch.stack([best.float(), ids.float()], dim=-1)  # [sum(counts), 2]
-        mine = _from_every_member(self.dist, entries, group, counts, rows)  # [size, rows, 2]
-        first = mine[..., 0].argmax(dim=0)  # [rows]: the member whose entry is largest (the first of equals)
-        return mine[..., 1].gather(0, first[None])[0].long()
+    def _drawn(self, sliced: torch.Tensor, group, counts: list[int], everyone: list[Draw], entries: int,
+               mine: list[Draw]) -> torch.Tensor:
+        """sliced [sum(counts), vocab / size], my slice of every member's rows -> [rows] this rank's rows' tokens.
+        Each member sends, per row, its slice's candidates (draw.slice_entries: [entries, 2] float32, [value, id]);
+        draw.merge picks each row's token from all members' candidates, as from the whole row."""
+        if len(everyone) != sum(counts):
+            raise ValueError(f"{len(everyone)} draws for the group's {sum(counts)} logits rows")
+        candidates = slice_entries(sliced, group.rank * sliced.shape[1], everyone, entries)
+        parts = _from_every_member(self.dist, candidates.view(sum(counts), -1), group, counts, len(mine))
+        return merge(parts.view(group.size, len(mine), entries, 2), mine)
 
 
 # The exchanges of the three layers above carry each member's real rows only, its count known to all (learnt once a
