@@ -75,15 +75,16 @@ def slice_entries(sliced: torch.Tensor, first_id: int, draws: list[Draw], entrie
     out[..., 0] = -torch.inf
     values = sliced.float()
     ids = torch.arange(first_id, first_id + n, device=sliced.device)
+    best_of = [row for row, d in enumerate(draws) if not d.temperature or not d.top_k]  # one entry: the best
+    if best_of:
+        scores = values[best_of]  # a copy (indexing by a list)
+        for i, row in enumerate(best_of):
+            if draws[row].temperature:  # sampled over the whole vocabulary: its scores, not its logits
+                scores[i] = _scores(values[row], ids, draws[row])
+        best, at = scores.max(dim=-1)  # the first maximum of each row
+        out[best_of, 0] = torch.stack([best, (at + first_id).float()], dim=-1)
     for row, d in enumerate(draws):
-        if not d.temperature:
-            best, at = values[row].max(dim=0)  # the first maximum
-            out[row, 0] = torch.stack([best, (at + first_id).float()])
-        elif not d.top_k:
-            score = _scores(values[row], ids, d)
-            best, at = score.max(dim=0)
-            out[row, 0] = torch.stack([best, (at + first_id).float()])
-        else:
+        if d.temperature and d.top_k:
             top, at = values[row].sort(descending=True, stable=True)  # ties: the lowest id first
             k = min(d.top_k, n)
             out[row, :k, 0], out[row, :k, 1] = top[:k], (at[:k] + first_id).float()
@@ -93,18 +94,19 @@ def slice_entries(sliced: torch.Tensor, first_id: int, draws: list[Draw], entrie
 def merge(parts: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     """parts [slices, rows, entries, 2], every slice's entries for the rows in slice order -> [rows] the drawn
     tokens (long)."""
-    tokens = []
+    tokens = torch.empty(len(draws), dtype=torch.long, device=parts.device)
+    best_of = [row for row, d in enumerate(draws) if not d.temperature or not d.top_k]
+    if best_of:  # each slice's best: the largest, the first slice among equals
+        firsts = parts[:, best_of, 0]  # [slices, rows, 2]
+        first = firsts[..., 0].argmax(dim=0)  # [rows]
+        tokens[best_of] = firsts[..., 1].gather(0, first[None])[0].long()
     for row, d in enumerate(draws):
-        entries = parts[:, row]  # [slices, entries, 2]
-        if not d.temperature or not d.top_k:  # each slice's best: the largest, the first slice among equals
-            first = entries[:, 0, 0].argmax()
-            tokens.append(int(entries[first, 0, 1]))
-            continue
-        flat = entries.reshape(-1, 2)
-        flat = flat[flat[:, 1] != PAD_ID]
-        order = flat[:, 0].sort(descending=True, stable=True).indices[:d.top_k]  # slice order keeps ids ascending
-        tokens.append(pick_among(flat[order, 0], flat[order, 1].long(), d))
-    return torch.tensor(tokens, dtype=torch.long, device=parts.device)
+        if d.temperature and d.top_k:
+            flat = parts[:, row].reshape(-1, 2)
+            flat = flat[flat[:, 1] != PAD_ID]
+            order = flat[:, 0].sort(descending=True, stable=True).indices[:d.top_k]  # slice order: ids ascending
+            tokens[row] = pick_among(flat[order, 0], flat[order, 1].long(), d)
+    return tokens
 
 
 def pick_among(values: torch.Tensor, ids: torch.Tensor, d: Draw) -> int:
