@@ -304,6 +304,10 @@ def serve(
                                                    "least work, queued and running tokens plus the request's prompt "
                                                    "less what that rank's prefix cache holds), least-loaded (queued "
                                                    "and running tokens) or round-robin.")] = "cache-aware",
+    scheduling_policy: Annotated[str, typer.Option(help="Which waiting request runs first: fcfs (by arrival) or "
+                                                        "priority (the request's `priority`, lower first, ties by "
+                                                        "arrival; preemption takes the highest value first), as in "
+                                                        "vLLM.")] = "fcfs",
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the "
                                                                   "shards directory's name).")] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Ranks to start; must equal the manifest's.")] = None,
@@ -331,13 +335,16 @@ def serve(
     _import_torch()
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import resolve_max_model_len
-    from dsconv.runner.engine.scheduler import BALANCING
+    from dsconv.runner.engine.scheduler import BALANCING, SCHEDULING_POLICIES
     from dsconv.runner.engine.speculative import SpeculativeConfig
     from dsconv.runner.entrypoints.serve import rank_main
 
     try:
         if dp_balancing not in BALANCING:
             raise InputError(f"--dp-balancing {dp_balancing!r} is not one of {', '.join(BALANCING)}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise InputError(f"--scheduling-policy {scheduling_policy!r} is not one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if not 0 <= port < 65536:
             raise InputError(f"--port {port} is not a port number")
         if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
@@ -355,7 +362,7 @@ def serve(
                              cache=CacheConfig(cache_tokens, kv_cache_memory_bytes, kv_cache_dtype, block_size),
                              scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, dp_balancing,
                                                        prefill_context_parallel_size, prefill_cp_min_tokens,
-                                                       enable_prefix_caching),
+                                                       enable_prefix_caching, scheduling_policy),
                              max_model_len=max_model_len, drain_timeout_s=drain_timeout,
                              record_shapes=_record_path(record_shapes),
                              overlap_shared_experts=overlap_shared_experts,

@@ -74,11 +74,12 @@ def prompts(family, tiny_source):
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def expected_tokens(model, ids, n=NEW_TOKENS):
-    """transformers' greedy tokens, each from a whole forward of the sequence so far (use_cache=False)."""
+def expected_tokens(model, ids, n=NEW_TOKENS, **generate):
+    """transformers' greedy tokens, each from a whole forward of the sequence so far (use_cache=False); generate:
+    further generation arguments (e.g. repetition_penalty)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, use_cache=False)
+                             pad_token_id=0, use_cache=False, **generate)
     return out[0, len(ids):].tolist()
 
 
@@ -108,6 +109,17 @@ def test_greedy_completions_equal_transformers_generate(case, reference):
     _, family, server, ps = case
     got = complete(server, ps[:3])  # one request, three prompts: choices by index
     assert got == [expected_tokens(reference(family), p) for p in ps[:3]]
+
+
+def test_repetition_penalty_equals_transformers_generate(case, reference):
+    """vLLM's repetition_penalty against transformers' generate with the same penalty (its
+    RepetitionPenaltyLogitsProcessor over the prompt and the output so far), greedy: the same tokens, which differ
+    from the unpenalized ones."""
+    _, family, server, ps = case
+    penalty = 1.8
+    got = complete(server, ps[:2], extra_body={"repetition_penalty": penalty})
+    want = [expected_tokens(reference(family), p, repetition_penalty=penalty) for p in ps[:2]]
+    assert got == want and want != [expected_tokens(reference(family), p) for p in ps[:2]]
 
 
 def test_staggered_requests_each_give_their_tokens_alone(case):
@@ -300,6 +312,25 @@ def malformed(vocab: int, model: str, max_model_len: int, cache_tokens: int
         "stream_options": [("x", "stream_options: Input should be a valid dictionary or instance of StreamOptions"),
                            ({"include_usage": "x"}, f"stream_options.include_usage: {boolean}")],
         "ignore_eos": [("x", f"ignore_eos: {boolean}"), ([], f"ignore_eos: {boolean}")],
+        # vLLM's extensions
+        "repetition_penalty": [(0, "repetition_penalty must be in (0, 2.0], got 0.0"),
+                               (2.5, "repetition_penalty must be in (0, 2.0], got 2.5"),
+                               ("x", f"repetition_penalty: {number}")],
+        "min_p": [(1.5, "min_p must be in [0, 1], got 1.5"), (-1, "min_p must be in [0, 1], got -1.0"),
+                  ([], f"min_p: {number}")],
+        "min_tokens": [(5, "min_tokens must be between 0 and max_tokens (4), got 5"),
+                       (-1, "min_tokens must be between 0 and max_tokens (4), got -1"), (1.5, f"min_tokens: {integer}")],
+        "use_beam_search": [(True, "use_beam_search=true is not supported: this server has no beam search"),
+                            ("x", f"use_beam_search: {boolean}")],
+        "truncate_prompt_tokens": [
+            (0, "truncate_prompt_tokens must be -1 (the last max_model_len tokens) or at least 1, got 0"),
+            (-5, "truncate_prompt_tokens must be -1 (the last max_model_len tokens) or at least 1, got -5"),
+            ("x", f"truncate_prompt_tokens: {integer}")],
+        "priority": [(1, "priority=1 needs --scheduling-policy priority (this server runs fcfs)"),
+                     (1.5, f"priority: {integer}")],
+        "skip_special_tokens": [("x", f"skip_special_tokens: {boolean}")],
+        "include_stop_str_in_output": [(1, f"include_stop_str_in_output: {boolean}")],
+        "add_special_tokens": [([], f"add_special_tokens: {boolean}")],
     }
     for field, values in wrong_values.items():
         for value, message in values:

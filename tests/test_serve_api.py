@@ -600,7 +600,12 @@ WRONG_TYPES = {"max_tokens": ["2", 2.5, True, [2], {}], "temperature": ["0", Tru
                "top_k": [1.5, "1", True], "seed": ["1", 1.5, True], "stop": [1, [1], {"a": 1}, [None]],
                "stop_token_ids": [1, ["1"], [1.5], [True]], "ignore_eos": ["yes", 1, None], "stream": ["true", 1],
                "stream_options": ["x", {"include_usage": "yes"}, {"other": 1}], "n": ["1", 1.0],
-               "presence_penalty": ["0"], "frequency_penalty": ["0"], "user": [1], "model": [1, ["m"]]}
+               "presence_penalty": ["0"], "frequency_penalty": ["0"], "user": [1], "model": [1, ["m"]],
+               # vLLM's extensions
+               "repetition_penalty": ["1", True, [1.0]], "min_p": ["0.1", True], "min_tokens": [1.5, "1", True, None],
+               "skip_special_tokens": ["no", 1, None], "spaces_between_special_tokens": ["no", 0],
+               "include_stop_str_in_output": ["yes", 1], "truncate_prompt_tokens": [1.5, "2", True],
+               "priority": [1.5, "1", True], "use_beam_search": ["no", 0], "add_special_tokens": ["yes", 1]}
 BAD_COMPLETIONS = [
     *[{**GOOD, field: value} for field, values in WRONG_TYPES.items() for value in values],
     {**GOOD, "prompt": 5}, {**GOOD, "prompt": None}, {**GOOD, "prompt": [1, "a"]}, {**GOOD, "prompt": [[1], "a"]},
@@ -621,6 +626,11 @@ BAD_COMPLETIONS = [
     {**GOOD, "logit_bias": {"5": "1"}}, {**GOOD, "logit_bias": [5]}, {**GOOD, "suffix": "x"},
     {**GOOD, "unknown_field": 1}, {**GOOD, "store": True}, {**GOOD, "reasoning_effort": "low"},
     {**GOOD, "max_tokens": 0, "echo": True},
+    {**GOOD, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
+    {**GOOD, "repetition_penalty": 0}, {**GOOD, "repetition_penalty": -1.0}, {**GOOD, "repetition_penalty": 2.5},
+    {**GOOD, "min_p": -0.1}, {**GOOD, "min_p": 1.5}, {**GOOD, "min_tokens": -1}, {**GOOD, "min_tokens": 3},
+    {**GOOD, "truncate_prompt_tokens": 0}, {**GOOD, "truncate_prompt_tokens": -2}, {**GOOD, "use_beam_search": True},
+    {**GOOD, "beam_width": 2},
 ]
 BAD_CHAT = [
     {"max_tokens": 2}, {**GOOD_CHAT, "messages": []}, {**GOOD_CHAT, "messages": "hi"},
@@ -1098,9 +1108,14 @@ def test_streamed_call_fragments_at_every_cut_concatenate_to_the_whole(dialect):
 
 NEW_FIELDS = ("logit_bias", "reasoning_effort", "modalities", "store", "metadata", "service_tier", "prompt_cache_key",
               "prompt_cache_retention", "safety_identifier", "prediction", "verbosity", "audio", "web_search_options",
-              "functions", "function_call", "parallel_tool_calls", "suffix")
-ODD_VALUES = (None, True, 0, -1, 1.5, "", "x", [], [1], ["text"], {}, {"1": 2}, {"5": "a"}, {"-3": 1}, {"0": 1e9},
-              {"x": None}, [{"name": 5}], {"type": "content"})
+              "functions", "function_call", "parallel_tool_calls", "suffix",
+              # vLLM's extensions (tests/test_vllm_extensions.py)
+              "repetition_penalty", "min_p", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+              "include_stop_str_in_output", "truncate_prompt_tokens", "add_special_tokens", "priority",
+              "use_beam_search", "stream_options")
+ODD_VALUES = (None, True, False, 0, -1, 1.5, 2, 10**6, -10**6, 1e300, "", "x", [], [1], ["text"], {}, {"1": 2},
+              {"5": "a"}, {"-3": 1}, {"0": 1e9}, {"x": None}, [{"name": 5}], {"type": "content"},
+              {"include_usage": True, "continuous_usage_stats": True})
 
 
 def test_odd_values_of_the_new_fields_are_never_a_server_error():
@@ -1109,8 +1124,9 @@ def test_odd_values_of_the_new_fields_are_never_a_server_error():
     for field in NEW_FIELDS:
         for value in ODD_VALUES:
             for path, body in (("/v1/chat/completions", {**GOOD_CHAT, **tools}), ("/v1/completions", GOOD)):
-                response = client.post(path, json={**body, field: value})
-                assert response.status_code in (200, 400), (path, field, value, response.text)
+                for stream in (False, True):
+                    response = client.post(path, json={**body, field: value, "stream": stream})
+                    assert response.status_code in (200, 400), (path, field, value, stream, response.text)
     messages = [{"role": "developer", "content": None}, {"role": "developer", "content": 5, "name": "x"},
                 {"role": "user", "content": "x", "name": None, "refusal": "no"},
                 {"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},

@@ -42,6 +42,7 @@ class SchedulerConfig:
     cp_size: int = 1
     cp_min_tokens: int | None = None
     enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py)
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (scheduler.py)
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,8 @@ def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int,
                      cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens,
                      prefix_caching=s.enable_prefix_caching and cache.prefix_caching,
                      state_blocks=cache.state_blocks, state_start=cache.state_start,
-                     speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0)
+                     speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+                     policy=s.scheduling_policy)
     return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
                       metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
 

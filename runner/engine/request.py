@@ -11,6 +11,7 @@ from dsconv.runner.engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
 MAX_N = 128  # parallel samples a request may ask for (OpenAI's limit for n)
+MAX_REPETITION_PENALTY = 2.0  # vLLM's protocol bound (repetition_penalty in (0, 2])
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): added to the logits before the grammar's
     #                                                 mask and sampling (OpenAI's logit_bias)
     cache_salt: str | None = None  # vLLM's request field: only requests with the same salt share cached blocks
+    # vLLM's extensions (its SamplingParams' names and meanings)
+    repetition_penalty: float = 1.0  # CTRL's rule on every token of the prompt and output: logit / p if > 0, else * p
+    min_p: float = 0.0  # keep tokens whose probability is at least min_p x the largest's (after temperature)
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end the output before this many tokens
+    priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -39,6 +45,12 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InputError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not 1 <= self.n <= MAX_N:
             raise InputError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.n > 1 and self.max_tokens == 0:

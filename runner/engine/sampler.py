@@ -48,14 +48,15 @@ def plain_draws(batch: Batch) -> list[Draw] | None:
     whole row of logits. The rule by which lm_head TP sends each rank its rows' candidates instead of their rows
     (parallel.ParallelLMHead, models/draw.py): no prompt logprobs, and every sampling sequence greedy or sampled at
     a temperature over the whole vocabulary or its top_k, with top_p 1 and no logprobs, logit_bias, grammar,
-    further samples (n > 1) or drafts to verify. Anything else (top_p below 1 among them: its nucleus has no size
+    further samples (n > 1), drafts to verify, repetition penalty, min_p or tokens held back by min_tokens. Anything else (top_p below 1 among them: its nucleus has no size
     known before the row is seen) gathers the row."""
     batch = batch.for_sampler()
     if any(scores is not None for scores in batch.scores):
         return None
     specs = [spec for spec in batch.samples if spec is not None]
     if not all(spec.top_p >= 1.0 and spec.logprobs is None and not spec.logit_bias and spec.grammar is None
-               and not spec.siblings and not spec.drafts for spec in specs):
+               and not spec.siblings and not spec.drafts and spec.repetition_penalty == 1.0 and not spec.banned
+               and not spec.min_p for spec in specs):
         return None
     return [Draw(spec.temperature, spec.top_k, spec.seed, spec.index) for spec in specs]
 
@@ -91,9 +92,7 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     specs = [spec for spec in batch.samples if spec is not None]
     drawing = [seq_id for seq_id, spec in zip(batch.seq_ids, batch.samples) if spec is not None]
     for row, spec in zip(draw_rows, specs):
-        if spec.logit_bias:
-            ids, biases = zip(*spec.logit_bias)
-            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        adjust(logits, row, spec)
     # the siblings' draws follow the sequences' own: (row, spec) per draw
     sibling_draws = [(row, dataclasses.replace(spec, seed=seed, siblings=()))
                      for row, spec in zip(draw_rows, specs) for seed in spec.siblings]
@@ -138,6 +137,23 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
         result.siblings.extend((next(sampled), next(drawn) if spec.logprobs is not None else None)
                                for _ in spec.siblings)
     return results
+
+
+def adjust(logits: torch.Tensor, row: int, spec: SampleSpec) -> None:
+    """A sampling row's logits changed in place by what its request asks, in vLLM's order: logit_bias added; the
+    tokens min_tokens holds back set to -inf; then the repetition penalty (CTRL, Keskar et al. 2019, as vLLM and
+    transformers' RepetitionPenaltyLogitsProcessor apply it) on every distinct token of the prompt and output: a
+    positive logit divided by the penalty, a negative one multiplied."""
+    if spec.logit_bias:
+        ids, biases = zip(*spec.logit_bias)
+        logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    if spec.banned:
+        logits[row, list(spec.banned)] = -torch.inf
+    if spec.repetition_penalty != 1.0 and spec.seen:
+        seen = torch.tensor(spec.seen, device=logits.device)
+        values = logits[row, seen]
+        logits[row, seen] = torch.where(values > 0, values / spec.repetition_penalty,
+                                        values * spec.repetition_penalty)
 
 
 def verify(logits: torch.Tensor, spec: SampleSpec) -> list[int]:
@@ -221,7 +237,8 @@ def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """probs [rows, vocab], each row sorted descending -> [rows] how many of the most likely tokens each row
-    keeps: at most its top_k, and the smallest prefix whose mass reaches its top_p."""
+    keeps: at most its top_k, the smallest prefix whose mass reaches its top_p, and those of at least min_p x the
+    first's probability."""
     device, vocab = probs.device, probs.shape[-1]
     top_k = torch.tensor([min(spec.top_k or vocab, vocab) for spec in specs], device=device)
     # top_p is compared in float32, the probabilities' type; no nucleus (inf) where top_p is 1
@@ -229,7 +246,10 @@ def kept(probs: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
                          device=device)
     before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each token
     nucleus = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # stays while the mass before is below top_p
-    return torch.minimum(top_k, nucleus)
+    # min_p (vLLM's, transformers' MinPLogitsWarper): at least min_p x the most likely token's probability
+    min_p = torch.tensor([spec.min_p for spec in specs], dtype=torch.float32, device=device)
+    likely = (probs >= min_p[:, None] * probs[:, :1]).sum(dim=-1)
+    return torch.minimum(torch.minimum(top_k, nucleus), likely)
 
 
 ACCEPT_STREAM = 1  # a third word in the seed sequence: speculative acceptance's numbers, apart from the draws'

@@ -44,6 +44,9 @@ from dsconv.runner.engine.speculative import SpecCounts
 from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, Restore, SampleSpec
 
 BALANCING = ("cache-aware", "least-loaded", "round-robin")
+# vLLM's --scheduling-policy: fcfs admits by arrival and preempts the newest running request; priority admits by
+# (priority, arrival), lower first, and preempts the running request of the highest (priority, arrival)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
 
 
@@ -107,7 +110,8 @@ class Scheduler:
     def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
                  cp_min_tokens: int | None = None, prefix_caching: bool = False, state_blocks: int = 0,
-                 state_start: Callable[[int], int] | None = None, speculative_tokens: int = 0):
+                 state_start: Callable[[int], int] | None = None, speculative_tokens: int = 0,
+                 policy: str = "fcfs"):
         """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
         group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks;
         state_blocks: the state blocks per DP rank of a cache that needs them for a hit (DeepSeek-V4), and
@@ -115,6 +119,9 @@ class Scheduler:
         the drafts the MTP layer proposes per step for a greedy request (engine/speculative.py; 0: none)."""
         if balancing not in BALANCING:
             raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
+        if policy not in SCHEDULING_POLICIES:
+            raise InputError(f"--scheduling-policy {policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
+        self.policy = policy
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InputError(f"--max-num-seqs {max_num_seqs} and --max-num-batched-tokens {max_num_batched_tokens} "
                              f"must be at least 1")
@@ -156,6 +163,9 @@ class Scheduler:
         if params.n > self.max_num_seqs:
             raise InputError(f"n={params.n} samples run at once as {params.n} sequences; a DP rank runs at most "
                              f"{self.max_num_seqs} (--max-num-seqs)")
+        if params.priority and self.policy != "priority":  # as vLLM refuses it
+            raise InputError(f"priority={params.priority} needs --scheduling-policy priority (this server runs "
+                             f"{self.policy})")
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None = None
             ) -> Request:
@@ -166,7 +176,7 @@ class Scheduler:
         request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank,
                           forked=params.n == 1, hashes=hashes)
         self.requests[request.key] = self.by_seq[request.seq_id] = request
-        self.waiting[rank].append(request)
+        self._enqueue(rank, request)
         return request
 
     def load(self, rank: int, horizon: int) -> int:
@@ -192,6 +202,26 @@ class Scheduler:
             return self.load(rank, horizon) + prompt_len - len(pool.match(usable)) * pool.block_size
 
         return min(range(self.dp), key=lambda r: (cost(r), -self.pools[r].num_free, r))
+
+    def _enqueue(self, rank: int, request: Request, front: bool = False) -> None:
+        """Into a rank's waiting queue: fcfs at the back, or at the front (front: a preempted request, a sample just
+        forked); priority in (priority, arrival) order, wherever it came from."""
+        waiting = self.waiting[rank]
+        if self.policy == "fcfs":
+            waiting.appendleft(request) if front else waiting.append(request)
+            return
+        key = _priority(request)
+        at = next((i for i, other in enumerate(waiting) if _priority(other) > key), len(waiting))
+        waiting.insert(at, request)
+
+    def _victim(self, running: list[Request], scheduled: int) -> Request:
+        """The running request to preempt, among those not scheduled yet this step: fcfs the newest, priority the
+        one of the highest (priority, arrival)."""
+        if self.policy == "fcfs":
+            return running.pop()
+        victim = max(running[scheduled:], key=_priority)
+        running.remove(victim)
+        return victim
 
     def seqs(self, rank: int) -> int:
         """The sequences a DP rank's running requests run as, each request's n samples counted before they fork:
@@ -224,7 +254,7 @@ class Scheduler:
                 request = running[scheduled]
                 n = min(len(request.tokens) + len(self._usable_drafts(request)) - request.num_computed, budget)
                 while pool.missing(request.seq_id, self._room(request, n)) > pool.num_free:
-                    self._preempt(running.pop(), rank, batch)  # the newest: never one already scheduled
+                    self._preempt(self._victim(running, scheduled), rank, batch)  # never one already scheduled
                     preempted[rank] += 1
                     if request not in running:
                         break
@@ -342,15 +372,31 @@ class Scheduler:
         if params.max_tokens == 0:
             return None
         siblings = () if request.forked else tuple(request.seed + i for i in range(1, params.n))
+        penalized = params.repetition_penalty != 1.0
         return SampleSpec(params.temperature, params.top_p, params.top_k, request.seed, len(request.output),
                           params.logprobs, params.grammar, tuple(request.output) if params.grammar else (), siblings,
-                          params.logit_bias, tuple(drafts), self._proposes(request))
+                          params.logit_bias, tuple(drafts), self._proposes(request),
+                          repetition_penalty=params.repetition_penalty,
+                          seen=tuple(sorted(set(request.prompt) | set(request.output))) if penalized else (),
+                          banned=self._banned(request), min_p=params.min_p)
+
+    def _banned(self, request: Request) -> tuple[int, ...]:
+        """The tokens a request may not draw yet: before min_tokens, those that would end it (EOS unless ignored,
+        and its stop tokens), as vLLM's min_tokens holds them back."""
+        params = request.params
+        if len(request.output) >= params.min_tokens:
+            return ()
+        ends = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            ends.add(self.eos_token_id)
+        return tuple(sorted(ends))
 
     def _proposes(self, request: Request) -> int:
         """The drafts the MTP layer proposes for a request after its step (none for a request with a logit_bias, or
         whose n samples are not forked yet; a grammar's masks constrain its drafts and their verification)."""
         params = request.params
-        plain = not params.logit_bias and request.forked
+        plain = not params.logit_bias and request.forked and params.repetition_penalty == 1.0 \
+            and not params.min_p and not params.min_tokens
         return self.speculative_tokens if plain else 0
 
     @staticmethod
@@ -399,7 +445,7 @@ class Scheduler:
         request.num_computed = request.published = 0
         if request.scoring:
             request.prompt_logprobs = []  # a partly scored prompt is scored again from the start
-        self.waiting[rank].appendleft(request)
+        self._enqueue(rank, request, front=True)
 
     # -- results -----------------------------------------------------------------------------------------------
 
@@ -497,7 +543,7 @@ class Scheduler:
             self.requests[child.key] = self.by_seq[child.seq_id] = child
             copies = pool.fork(parent.seq_id, child.seq_id, parent.num_computed)
             if copies is None:
-                self.waiting[rank].appendleft(child)
+                self._enqueue(rank, child, front=True)
                 continue
             child.num_computed = parent.num_computed
             self.forks[rank].append(Fork(parent.seq_id, child.seq_id, tuple(copies)))
@@ -536,3 +582,7 @@ class Scheduler:
         if request.seq_id in self.pools[rank].tables:
             self.pools[rank].release(request.seq_id)
             self.releases[rank].append(request.seq_id)
+
+
+def _priority(request: Request) -> tuple[int, float]:
+    return request.params.priority, request.arrival

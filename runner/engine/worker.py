@@ -16,6 +16,7 @@ from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
+from dsconv.runner.models.draw import Draw
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
@@ -33,6 +34,8 @@ class StepInputs:
     meta: StepMeta  # positions, slots, each sequence's context
     rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
+
+THROWAWAY_DRAW = Draw(temperature=0.0, top_k=0, seed=0, index=0)  # an idle rank's throwaway logits row
 
 
 class InputBuilder:
@@ -214,6 +217,9 @@ class Worker:
         draws = None if self.speculative is not None else [plain_draws(b) for b in (plan or [batch])]
         if draws is not None and None in draws:
             draws = None
+        elif draws is not None:  # an idle rank's throwaway row (on an accelerator) draws greedily, and is dropped
+            draws = [d + [THROWAWAY_DRAW] * (self.inputs.step_rows(b)[1] - len(d))
+                     for d, b in zip(draws, plan or [batch])]
         drafts = None
         try:
             out = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows, draws=draws)

@@ -45,6 +45,11 @@ class SampleSpec:
     # its last len(drafts) + 1 rows (sampler.verify); and how many drafts the MTP layer proposes for the next step
     drafts: tuple[int, ...] = ()
     propose: int = 0
+    # vLLM's extensions, applied to the row before anything reads it (engine/sampler.py, `adjust`)
+    repetition_penalty: float = 1.0
+    seen: tuple[int, ...] = ()  # with a repetition penalty: the distinct tokens of the prompt and output so far
+    banned: tuple[int, ...] = ()  # before min_tokens: EOS and the stop tokens, which may not be drawn yet
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logpr
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.tool_calls import CallStream, Reply, partial_calls, sendable, split_calls
 from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, check_chat_fields, check_common,
-                                                       sampling_params, stop_strings, thinking_flag)
+                                                       sampling_params, stop_strings, thinking_flag, truncate)
 from dsconv.family.text import check_tools
 from dsconv.family.dsml import Dialect
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
@@ -135,6 +135,9 @@ async def chat_completions(engine: Front, request: Request, body: ChatCompletion
         engine.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
     prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools,
                                            body.reasoning_effort)
+    if body.add_special_tokens:  # vLLM's: the tokenizer's own specials (BOS) before the template's text
+        prompt_ids = engine.text.encode_counted("")[0] + prompt_ids
+    prompt_ids = truncate(prompt_ids, body, engine.max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever the context leaves (max_model_len fits one DP rank's cache)
         max_tokens = engine.max_model_len - len(prompt_ids)
@@ -152,7 +155,9 @@ class ChatCompletion(Envelope):
     def __init__(self, engine: Front, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
                  dialect: Dialect | None = None, n: int = 1):
         super().__init__(engine, "chatcmpl", [Choice(i, prompt_ids, stop_strings(body),
-                                                     Detokenizer(engine.tokenizer, skip_special_tokens=True), i)
+                                                     Detokenizer(engine.tokenizer, body.skip_special_tokens), i,
+                                                     include_stop=body.include_stop_str_in_output,
+                                                     min_tokens=body.min_tokens)
                                               for i in range(n)])
         self.body, self.thinking, self.dialect = body, thinking, dialect
         self.call_streams = [CallStream() for _ in self.choices]  # what of each choice's calls has been streamed
@@ -193,12 +198,13 @@ class ChatCompletion(Envelope):
                 "finish_reason": self._finish(choice, reply)}
 
     async def chunks(self, requests: RequestGroup):
+        options = self.body.stream_options
         for choice in self.choices:
-            yield self._chunk(choice, {"role": "assistant", "content": ""}, None, None)
+            yield self.streamed(self._chunk(choice, {"role": "assistant", "content": ""}, None, None), options)
         async for choice in updates(requests, self.choices):
             chunk = self._next_chunk(choice)
             if chunk is not None:
-                yield chunk
+                yield self.streamed(chunk, options)
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield {**self.head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
 

@@ -78,6 +78,8 @@ class Choice:
     sent_text: int = 0  # characters of `text` (or of reasoning + content, for chat) already sent
     sent_reasoning: int = 0
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string kept at the end of the text
+    min_tokens: int = 0  # vLLM's min_tokens: a stop string within the first min_tokens tokens' text is no stop
 
     def consume(self, out: RequestOutput) -> None:
         self.cached_tokens = out.cached_tokens
@@ -92,14 +94,25 @@ class Choice:
         checked = len(self.text)
         self.text = self.detokenizer.text
         start = max(0, checked - max((len(stop) for stop in self.stops), default=0))
-        cuts = [at for at in (self.text.find(stop, start) for stop in self.stops) if at >= 0]
+        cuts = [(at, at + len(stop)) for at, stop in ((self._find(stop, start), stop) for stop in self.stops)
+                if at >= 0]
         if cuts:
-            self.text = self.text[:min(cuts)]
+            at, end = min(cuts)
+            self.text = self.text[:end if self.include_stop else at]
             self.finish_reason, self.done, self.stopped_here = FINISH_STOP, True, not out.finished
         elif out.finished:
             if out.finish_reason == FINISH_ABORT:
                 raise EngineError(out.error or "the engine aborted the request", out.unavailable)
             self.finish_reason, self.done = out.finish_reason, True
+
+    def _find(self, stop: str, start: int) -> int:
+        """Where `stop` first occurs in the text from `start` (-1: it does not). With min_tokens, as vLLM checks: only
+        once more than min_tokens tokens are out, and only a match that ends in the text of those after them."""
+        if self.min_tokens:
+            if len(self.token_offsets) <= self.min_tokens:
+                return -1
+            start = max(start, self.token_offsets[self.min_tokens] - len(stop) + 1)
+        return self.text.find(stop, start)
 
     def ready_text(self) -> str:
         """The text that may be sent now: all of it once done, else without a tail that may start a stop string."""
@@ -167,6 +180,12 @@ class Envelope:
     def __init__(self, engine, id_prefix: str, choices: list[Choice]):
         self.engine, self.choices = engine, choices
         self.id, self.created = f"{id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def streamed(self, chunk: dict, stream_options) -> dict:
+        """A stream chunk as sent: with vLLM's continuous_usage_stats (and include_usage), the usage so far."""
+        if stream_options is not None and stream_options.include_usage and stream_options.continuous_usage_stats:
+            return {**chunk, "usage": self.usage()}
+        return chunk
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}

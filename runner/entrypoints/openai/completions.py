@@ -14,7 +14,7 @@ from dsconv.family.text import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, EngineError, Envelope, completion_logprobs, prompt_offsets
 from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, check_common,
-                                      check_token_id, sampling_params, stop_strings)
+                                      check_token_id, sampling_params, stop_strings, truncate)
 
 if TYPE_CHECKING:
     from dsconv.runner.entrypoints.openai.streaming import Front
@@ -27,12 +27,24 @@ class Prompt:
     added: int  # how many tokens the server put in front of the client's text (BOS)
 
 
-def text_prompt(engine: Front, text: str) -> Prompt:
+def text_prompt(engine: Front, text: str, add_special_tokens: bool = True) -> Prompt:
     ids, added = engine.text.encode_counted(text)  # the one text -> ids rule (family/text.py)
+    if not add_special_tokens:  # vLLM's add_special_tokens=false: the text's own tokens only
+        ids, added = ids[added:], 0
     return Prompt(ids, text, added)
 
 
-def prompts(engine: Front, prompt: str | list) -> list[Prompt]:
+def truncated(engine: Front, prompt: Prompt, body: CompletionRequest) -> Prompt:
+    """truncate_prompt_tokens: the prompt's last tokens, echoed as their text."""
+    ids = truncate(prompt.ids, body, engine.max_model_len)
+    if len(ids) == len(prompt.ids):
+        return prompt
+    cut = len(prompt.ids) - len(ids)
+    added = max(0, prompt.added - cut)
+    return Prompt(ids, engine.tokenizer.decode(ids[added:], skip_special_tokens=False), added)
+
+
+def prompts(engine: Front, prompt: str | list, add_special_tokens: bool = True) -> list[Prompt]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # one prompt: a text, or one list of ids
     if not prompt:
@@ -43,7 +55,7 @@ def prompts(engine: Front, prompt: str | list) -> list[Prompt]:
         if not one:
             raise InputError(f"{name} is empty")
         if isinstance(one, str):
-            out.append(text_prompt(engine, one))
+            out.append(text_prompt(engine, one, add_special_tokens))
             continue
         for token_id in one:
             check_token_id(token_id, engine.vocab_size, name)
@@ -58,7 +70,7 @@ async def completions(engine: Front, request: Request, body: CompletionRequest,
         raise InputError(f"best_of={body.best_of} is not supported: only 1")
     if body.suffix:
         raise InputError("suffix is not supported: this server completes after the prompt, it does not insert")
-    inputs = prompts(engine, body.prompt)
+    inputs = [truncated(engine, p, body) for p in prompts(engine, body.prompt, body.add_special_tokens)]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = sampling_params(body, max_tokens, logprobs=body.logprobs, vocab_size=engine.vocab_size,
                              prompt_logprobs=body.logprobs if body.echo else None)
@@ -70,7 +82,9 @@ async def completions(engine: Front, request: Request, body: CompletionRequest,
 class Completion(Envelope):
     def __init__(self, engine: Front, body: CompletionRequest, inputs: list[Prompt], n: int):
         super().__init__(engine, "cmpl", [Choice(i * n + sample, p.ids, stop_strings(body),
-                                                 Detokenizer(engine.tokenizer, skip_special_tokens=True), sample)
+                                                 Detokenizer(engine.tokenizer, body.skip_special_tokens), sample,
+                                                 include_stop=body.include_stop_str_in_output,
+                                                 min_tokens=body.min_tokens)
                                           for i, p in enumerate(inputs) for sample in range(n)])
         self.body, self.inputs, self.n = body, inputs, n
         self.echo_sent = [False] * len(self.choices)
@@ -107,7 +121,7 @@ class Completion(Envelope):
         async for choice in updates(requests, self.choices):
             chunk = self._chunk(choice)
             if chunk is not None:
-                yield chunk
+                yield self.streamed(chunk, self.body.stream_options)
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield {**self.head("text_completion"), "choices": [], "usage": self.usage()}
 

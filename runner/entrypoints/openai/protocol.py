@@ -59,6 +59,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Sampling(_Body):
@@ -80,10 +81,21 @@ class _Sampling(_Body):
     user: str | None = None  # accepted and ignored, as by OpenAI's API for abuse tracking
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # vLLM's extension: only requests with the same salt share prefix-cache blocks
+    # vLLM's sampling and request extensions, with its names, defaults and meanings (SamplingParams has their rules)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True  # special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # a slow tokenizer's decode option: see `check_common`
+    include_stop_str_in_output: bool = False  # the stop string that ended the text kept at its end
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the last max_model_len)
+    priority: int = 0  # with --scheduling-policy priority: lower first
+    use_beam_search: bool = False  # only false: no beam search here
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS in front of a text prompt, by its rule
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -92,6 +104,7 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Any]
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS again, before the chat template's own
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -181,6 +194,16 @@ def check_common(body: _Sampling, model_name: str, vocab_size: int) -> None:
             raise InputError(f"{name}={getattr(body, name)} is not supported: only 0")
     if body.stream_options is not None and not body.stream:
         raise InputError("stream_options is only allowed with stream=true")
+    if body.use_beam_search:
+        raise APIError(400, "use_beam_search=true is not supported: this server has no beam search",
+                       "use_beam_search")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1 \
+            or body.truncate_prompt_tokens == 0:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 (the last max_model_len tokens) or at least 1, got "
+                            f"{body.truncate_prompt_tokens}", "truncate_prompt_tokens")
+    # spaces_between_special_tokens: accepted either way. vLLM hands it to the tokenizer's decode, where only slow
+    # (Python) tokenizers read it; DeepSeek's are fast (byte-level) ones, whose decode has no such option, so vLLM's
+    # text does not depend on it either (tests/test_serve_api.py checks transformers' decode of the real tokenizer).
     if body.top_k is not None and body.top_k < -1:
         raise InputError(f"top_k must be -1 or 0 (off) or positive, got {body.top_k}")
     if body.seed is not None and not -SEED_LIMIT <= body.seed < SEED_LIMIT:
@@ -232,7 +255,20 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None, voca
         n=1 if body.n is None else body.n,
         logit_bias=logit_bias(body, vocab_size),
         cache_salt=body.cache_salt,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        min_tokens=body.min_tokens,
+        priority=body.priority,
     )
+
+
+def truncate(ids: list[int], body: _Sampling, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the last max_model_len)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
 
 
 def thinking_flag(kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> bool:
