@@ -5,6 +5,7 @@ installed under `dsconv.` they cannot collide. Built and installed as a user wou
 next to PyPI's `comm`, into a fresh virtual environment.
 """
 
+import os
 import re
 import shutil
 import subprocess
@@ -65,3 +66,24 @@ def test_wheel_installs_only_dsconv_next_to_jupyters_comm(tmp_path):
     # and uninstalling takes only what it installed
     _run(sys.executable, "-m", "pip", "--python", python, "uninstall", "-y", "-q", "dsconv")
     assert _run(python, "-c", "import comm; print(callable(comm.create_comm))", cwd=tmp_path).strip() == "True"
+
+
+UNDECLARED = "filelock"  # installed as torch's dependency, declared by nothing here
+
+
+def test_every_import_is_declared(tmp_path):
+    """deptry over the package, its tests and its scripts ([tool.deptry]): every package they import is declared in
+    pyproject.toml. The same check fails on a copy whose tests import a package that is installed only as another's
+    dependency."""
+    done = _deptry(REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "shared"))
+    (copy / "tests" / "test_undeclared_import.py").write_text(f"import {UNDECLARED}\n")
+    broken = _deptry(copy)
+    assert broken.returncode != 0 and f"'{UNDECLARED}' imported but" in broken.stdout + broken.stderr
+
+
+def _deptry(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deptry", "."], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "NO_COLOR": "1"})
