@@ -51,9 +51,13 @@ LOCAL_ADDR = "127.0.0.1"
 # A SIGTERM'd rank normally dies at once (Python installs no SIGTERM handler); the grace only lets a rank
 # that does handle it flush its log before SIGKILL.
 TERMINATE_GRACE_S = 5.0
-# After a rank fails, how long the others may take to show whether one of them was killed: a rank killed by a
-# signal closes its sockets before its parent can see it exit, so a neighbour's connection error may come first
-FAILURE_SETTLE_S = 2.0
+# After a rank fails, how long the others may take to exit before the first failure is named: a rank killed by a
+# signal closes its sockets before its parent can see it exit (a forkserver's child is reaped by the fork server,
+# which reports it through a pipe), so a neighbour's connection error may come first. Its peers fail within seconds
+# once its connections are gone; on 2 busy cores the killed rank's report took over 2 s (a peer's "connection
+# reset" was named instead, once), so the supervisor waits until every rank has exited, one is seen killed, or this
+# long has passed.
+FAILURE_SETTLE_S = 15.0
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a job ended by Ctrl-C (128 + SIGINT)
 USER_ERROR_EXIT = 2  # a rank that refused its input (InputError, such as a flag only a loaded rank can check): the
 #                      job exits 2, as a command does for a user mistake
@@ -325,7 +329,8 @@ def _supervise(procs: list, log_dir: Path) -> int:
 
 
 def _settle(running: dict, procs: list) -> None:
-    """After a failure: the ranks that exit within FAILURE_SETTLE_S joined, until one is seen killed by a signal."""
+    """After a failure: the ranks that exit within FAILURE_SETTLE_S joined, until every rank has exited or one is
+    seen killed by a signal (which names the failure at once: a killed rank is never collateral damage)."""
     deadline = time.monotonic() + FAILURE_SETTLE_S
     while running and not any(proc.exitcode is not None and proc.exitcode < 0 for proc in procs):
         left = deadline - time.monotonic()
