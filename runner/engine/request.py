@@ -46,7 +46,8 @@ class SamplingParams:
         if self.top_k < 0:
             raise InputError(f"top_k must be 0 (off) or positive, got {self.top_k}")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InputError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+            raise InputError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                             f"{self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:

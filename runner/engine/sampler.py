@@ -48,8 +48,8 @@ def plain_draws(batch: Batch) -> list[Draw] | None:
     whole row of logits. The rule by which lm_head TP sends each rank its rows' candidates instead of their rows
     (parallel.ParallelLMHead, models/draw.py): no prompt logprobs, and every sampling sequence greedy or sampled at
     a temperature over the whole vocabulary or its top_k, with top_p 1 and no logprobs, logit_bias, grammar,
-    further samples (n > 1), drafts to verify, repetition penalty, min_p or tokens held back by min_tokens. Anything else (top_p below 1 among them: its nucleus has no size
-    known before the row is seen) gathers the row."""
+    further samples (n > 1), drafts to verify, repetition penalty, min_p or tokens held back by min_tokens. Anything
+    else (top_p below 1 among them: its nucleus has no size known before the row is seen) gathers the row."""
     batch = batch.for_sampler()
     if any(scores is not None for scores in batch.scores):
         return None

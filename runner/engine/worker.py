@@ -16,11 +16,11 @@ from dsconv.kernels.attention import causal_mask
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
-from dsconv.runner.models.draw import Draw
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.draw import Draw
 from dsconv.runner.models.kv_cache import KVCache
 from dsconv.runner.models.step import (CPStep, DecodeRows, SeqStep, StepMeta, concat, gather_groups, lengths_mask,
                                        range_start)
@@ -34,6 +34,7 @@ class StepInputs:
     meta: StepMeta  # positions, slots, each sequence's context
     rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
+
 
 THROWAWAY_DRAW = Draw(temperature=0.0, top_k=0, seed=0, index=0)  # an idle rank's throwaway logits row
 
@@ -210,16 +211,17 @@ class Worker:
             for seq_id in batch.releases:
                 self.grammars.release(seq_id)
         self.steps += 1
+        batches = plan if plan is not None else [batch]
+        step_rows = [self.inputs.step_rows(b) for b in batches]  # (tokens, logit rows) of every DP index
         if plan is not None:
-            self.dist.plan_step([self.inputs.step_rows(b) for b in plan])
+            self.dist.plan_step(step_rows)
         # a step whose every logits row, on every DP index, is a plain draw takes only the rows' tokens from lm_head,
         # which sends candidates instead of rows (every rank decides alike, from the plan)
-        draws = None if self.speculative is not None else [plain_draws(b) for b in (plan or [batch])]
+        draws = None if self.speculative is not None else [plain_draws(b) for b in batches]
         if draws is not None and None in draws:
             draws = None
         elif draws is not None:  # an idle rank's throwaway row (on an accelerator) draws greedily, and is dropped
-            draws = [d + [THROWAWAY_DRAW] * (self.inputs.step_rows(b)[1] - len(d))
-                     for d, b in zip(draws, plan or [batch])]
+            draws = [d + [THROWAWAY_DRAW] * (rows - len(d)) for d, (_, rows) in zip(draws, step_rows)]
         drafts = None
         try:
             out = self.model.forward(inputs.tokens, inputs.meta, self.cache, rows=inputs.rows, draws=draws)

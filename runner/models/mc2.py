@@ -14,7 +14,8 @@ step meets it:
 - expert_ids [BS, K] int32, K <= 16, the K ids of a row distinct: a router's top-k. A hash layer's table may name
   an expert twice, so hash layers take the all-to-all path.
 - H in [1024, 7168] (dispatch takes up to 8192, combine 7168), x BF16 or FP16, at most 512 routed experts
-  (combine's bound), EP size in [2, 384], experts per rank x EP size <= 1280, experts divisible by the EP size.
+  (combine's bound; it also asks experts per rank x EP size <= 1280, which that implies), EP size in
+  [2, 384], experts divisible by the EP size.
 - HCCL_BUFFSIZE (MB, default 200) at least 2 x (local experts x BS x EP x Align512(Align32(2H) + 64)
   + (K + shared experts) x BS x Align512(2H)) bytes; the shared experts stay outside the op here (0).
 - expand_x holds A rows, A >= global_bs x min(local experts, K), grouped by local expert, expert_token_nums rows
@@ -41,7 +42,6 @@ MAX_TOP_K = 16
 HIDDEN = (1024, 7168)  # combine_v2's range on A3, inside dispatch_v2's [1024, 8192]
 MAX_EXPERTS = 512  # combine_v2's moe_expert_num on A3 (dispatch_v2 takes 1024)
 EP_SIZES = (2, 384)  # combine_v2's ep_world_size on A3 (dispatch_v2 takes 768)
-MAX_EXPERT_SLOTS = 1280  # combine_v2 on A3: moe_expert_num / ep_world_size x ep_world_size
 DTYPES = (torch.bfloat16, torch.float16)
 HCCL_BUFFSIZE_ENV, HCCL_BUFFSIZE_DEFAULT_MB = "HCCL_BUFFSIZE", 200
 QUANT_NONE, QUANT_DYNAMIC = 0, 2  # dispatch_v2's quant_mode: rows as they are, or INT8 per token with scales
@@ -79,7 +79,7 @@ def fits(x: torch.Tensor, k: int, local: RoutedExperts, dist: Dist, distinct: bo
         return False
     if not HIDDEN[0] <= hidden <= HIDDEN[1] or not EP_SIZES[0] <= ep <= EP_SIZES[1]:
         return False
-    if experts > MAX_EXPERTS or experts % ep or experts > MAX_EXPERT_SLOTS:
+    if experts > MAX_EXPERTS or experts % ep:
         return False
     return buffer_bytes(experts // ep, most, ep, hidden, k) <= hccl_buffer_bytes()
 
