@@ -44,20 +44,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsconv.comm.forkserver import rank_preload, under_torchrun
 from dsconv.errors import InputError
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCAL_ADDR = "127.0.0.1"
 # A SIGTERM'd rank normally dies at once (Python installs no SIGTERM handler); the grace only lets a rank
 # that does handle it flush its log before SIGKILL.
 TERMINATE_GRACE_S = 5.0
-# After a rank fails, how long the others may take to exit before the first failure is named: a rank killed by a
-# signal closes its sockets before its parent can see it exit (a forkserver's child is reaped by the fork server,
-# which reports it through a pipe), so a neighbour's connection error may come first. Its peers fail within seconds
-# once its connections are gone; on 2 busy cores the killed rank's report took over 2 s (a peer's "connection
-# reset" was named instead, once), so the supervisor waits until every rank has exited, one is seen killed, or this
-# long has passed.
+# After a rank fails, the first failure is named once no other rank is dead without the supervisor knowing: a rank
+# killed by a signal closes its sockets before its parent sees it exit (a forkserver's child is reaped by the fork
+# server, which reports it through a pipe; on 2 busy cores that report took over 2 s), so a neighbour's "connection
+# reset" may arrive first. The kernel marks the killed process a zombie as it dies, before its peers can even see
+# the reset, so the supervisor waits while any rank it believes alive is a zombie in /proc (or gone), at most this
+# long; a rank that raised records its error and time itself, and nothing is waited for when no rank is dead.
 FAILURE_SETTLE_S = 15.0
+SETTLE_POLL_S = 0.05  # how often a dead rank's state is looked at again while its exit is awaited
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a job ended by Ctrl-C (128 + SIGINT)
 USER_ERROR_EXIT = 2  # a rank that refused its input (InputError, such as a flag only a loaded rank can check): the
 #                      job exits 2, as a command does for a user mistake
@@ -82,10 +83,6 @@ def backend_for(device: str) -> str:
     if device == "cpu":
         return "gloo"
     raise ValueError(f"device={device!r} is not one of 'npu', 'cuda', 'cpu'")
-
-
-def under_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_ENV)
 
 
 def launch(entry: Callable, args: tuple | dict = (), *, world_size: int, device: str,
@@ -224,7 +221,8 @@ def _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, si
         # Must come before the first forkserver process starts; the server imports these once for every rank. A
         # rank imports its entry's module to find the entry: 16 ranks importing the runner on 2 cores took 3 to 8
         # s a launch, against 0.3 s for a no-op entry (this process's later launches reuse the first's server).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, *_modules_of(entry, args)])
+        # A command may have started the server already (forkserver.start_rank_server), with this list.
+        ctx.set_forkserver_preload(rank_preload(_modules_of(entry, args)))
     # The ranks meet at a file store in a fresh directory of this job's: no port to pick or race for, and no
     # server to connect to. A TCPStore served from here stalled about one 16-rank start in three on a 2-core
     # machine, one rank's connect taking 5 s with no retransmitted SYN (measured, torch 2.13).
@@ -329,15 +327,27 @@ def _supervise(procs: list, log_dir: Path) -> int:
 
 
 def _settle(running: dict, procs: list) -> None:
-    """After a failure: the ranks that exit within FAILURE_SETTLE_S joined, until every rank has exited or one is
-    seen killed by a signal (which names the failure at once: a killed rank is never collateral damage)."""
+    """After a failure: while a rank not yet seen to exit is dead (_exited_unseen), wait for its exit to be seen,
+    at most FAILURE_SETTLE_S; returns at once when one is seen killed by a signal (which names the failure: a killed
+    rank is never collateral damage) or when every rank not seen to exit is alive."""
     deadline = time.monotonic() + FAILURE_SETTLE_S
     while running and not any(proc.exitcode is not None and proc.exitcode < 0 for proc in procs):
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or not any(_exited_unseen(proc.pid) for proc in running.values()):
             return
-        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=min(left, SETTLE_POLL_S)):
             running.pop(sentinel).join()
+
+
+def _exited_unseen(pid: int) -> bool:
+    """Whether the process `pid` has died though its exit has not reached us: a zombie waiting for its parent (the
+    fork server) to reap it, or reaped already. Linux's /proc/PID/stat gives the state after the command's closing
+    parenthesis; where /proc is missing, any rank may be dead, so the caller waits its full time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no such process any more (reaped), or no /proc
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
 
 
 def _first_failure(failed: list[int], procs: list, log_dir: Path) -> int:

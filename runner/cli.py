@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dsconv.comm.forkserver import start_rank_server
 from dsconv.console import err_console, fail
 from dsconv.errors import InputError
 from dsconv.family.arch import DEFAULT_BLOCK_SIZE
@@ -145,6 +146,7 @@ def generate(
 ) -> None:
     """Generate from PROMPT on every rank of the shard set (greedily unless --temperature is given) and print the
     text on rank 0."""
+    start_rank_server(device, ["dsconv.runner.entrypoints.generate"])  # importing beside this process
     _import_torch()
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
@@ -234,6 +236,7 @@ def perplexity(
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens (BOS in front where the
     tokenizer's config says add_bos_token), in consecutive windows of --context tokens spread over the attention-DP
     ranks."""
+    start_rank_server(device, ["dsconv.runner.entrypoints.perplexity"])  # importing beside this process
     _import_torch()
     from dsconv.family.text import TextTokenizer
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
@@ -332,6 +335,7 @@ def serve(
     reasoning_effort is the thinking switch: none and minimal turn it off; low, medium, high and xhigh on.
     store, metadata, service_tier, prompt_cache_key, safety_identifier, user, prediction, verbosity: ignored.
     A chat request without max_tokens gets --max-model-len minus its prompt."""
+    start_rank_server(device, ["dsconv.runner.entrypoints.serve"])  # importing beside this process
     _import_torch()
     from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
     from dsconv.runner.engine.request import resolve_max_model_len
@@ -405,6 +409,7 @@ def compare(
     """Compare our forward on SHARDS with transformers' forward of the source checkpoint, layer by layer: each
     decoder layer's output cosine and largest difference, the logits' cosine and top-1 agreement, and the first
     layer below --min-cosine. Exit 0 if every layer holds, 1 if one does not, 2 on bad input."""
+    start_rank_server(device, ["dsconv.runner.entrypoints.compare"])  # importing beside this process
     _import_torch()
     import json
     import resource

@@ -1,4 +1,4 @@
-"""Where a CPU's training of the tiny models parts from the recorded bytes (tests/trained.py, TRAINED_SHA256):
+"""Where a CPU's training of the tiny models parts from the shipped bytes (tests/trained.py, SHIPPED_SHA256):
 fingerprints of the training's inputs and of its first dense steps, under PINNED_CPU_ENV, to compare line by line
 with another machine's (docs/benchmarks.md, "Trained tiny models", records an AMD EPYC's).
 

@@ -42,6 +42,7 @@ NEW_TOKENS = 64
 # Processes per gate, one core each, a share of the windows each (the CI machine's 2 cores); the figures are the
 # same bits for any number (figures_of)
 PARTS = 2
+SQRT_FAMILIES = ("deepseek_v4",)  # the families whose forward computes a square root (takes_square_roots)
 
 
 def heldout_ids(tokenizer) -> list[list[int]]:
@@ -162,10 +163,18 @@ def gate_report(name: str, figures: dict) -> str:
             f"({figures['agreement']:.4f})")
 
 
+def takes_square_roots(shards) -> bool:
+    """Whether the shards' model computes aten.sqrt in its forward: V4's router does (sqrtsoftplus); V3.2's forward
+    takes none (tests/test_accuracy_gate.py checks), and is evaluated without IeeeSquareRoot, whose Python dispatch
+    of every op costs about a tenth of a window's time, for the same bits."""
+    return json.loads((Path(shards) / "config.json").read_text())["model_type"] in SQRT_FAMILIES
+
+
 if __name__ == "__main__":
     tokenizer_arg, tokens_arg, base_shards, base_kv, other_shards, other_kv, part_arg, parts_arg = sys.argv[1:]
     # other environments measure the CPU's own arithmetic
-    with IeeeSquareRoot() if not unpinned_settings() else nullcontext():
+    ieee = not unpinned_settings() and any(map(takes_square_roots, (base_shards, other_shards)))
+    with IeeeSquareRoot() if ieee else nullcontext():
         share = gate_share(tokenizer_arg, int(tokens_arg), (base_shards, base_kv), (other_shards, other_kv),
                            int(part_arg), int(parts_arg))
     print(json.dumps(share))

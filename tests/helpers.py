@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from dsconv.comm.launch import launch
 from dsconv.family.arch import DEFAULT_BLOCK_SIZE
@@ -186,6 +185,9 @@ def read_all(directory, index_name):
 
 def source_reference(src):
     """Source tensors decoded to float32 by transformers' dequantization (independent of our decoders)."""
+    # imported here: helpers load in every rank and pinned gate process, which need nothing of transformers (2 s)
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
     raw, _ = read_all(src, "model.safetensors.index.json")
     scale_of = {}  # weight name -> its scale's name
     for name in raw:

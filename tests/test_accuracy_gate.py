@@ -4,25 +4,30 @@ float32 compute on both sides, so the figures measure the INT8 weights and activ
 and indexer recipe gates likewise. And dsrun perplexity on the trained model equals transformers' (float32) of
 the same windows, on one rank and on 16.
 
-Every gate's figures are the same bits on every x86-64 CPU: the trained models are the recorded bytes
-(TRAINED_SHA256, checked first) and the evaluation runs pinned (tests/accuracy_gates.py). Each gate first checks
-that it reproduced its recorded figures (RECORDED), then judges them against its thresholds."""
+Every gate's figures are the same bits on every x86-64 CPU: the trained models are the shipped bytes, derived into
+the hub's layout as recorded (SHIPPED_SHA256 and TRAINED_SHA256, checked first), and the evaluation runs pinned
+(tests/accuracy_gates.py). Each gate first checks that it reproduced its recorded figures (RECORDED), then judges
+them against its thresholds."""
 
 
 import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from tests.trained import FAMILIES, IeeeSquareRoot, ceil_log2, cpu_description, encode_fp4, encode_fp8, power_of_two, \
-    snap, unrecorded_bytes
+from tests.trained import FAMILIES, SHIPPED, SHIPPED_SHA256, IeeeSquareRoot, ceil_log2, cpu_description, \
+    derive_trained, encode_fp4, encode_fp8, power_of_two, snap, unrecorded_bytes, unshipped_bytes
 from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
 from dsconv.runner.entrypoints.perplexity import windows
 from dsconv.family.layout import Layout
-from tests.accuracy_gates import CONTEXT, gate_report, heldout_ids, pinned_gate_figures
-from tests.helpers import quantize, score_ranks, shard, transformers_perplexity
+from tests.accuracy_gates import CONTEXT, PROMPT_TOKENS, gate_report, heldout_ids, pinned_gate_figures, \
+    takes_square_roots
+from tests.helpers import Steps, greedy, quantize, score_ranks, shard, transformers_perplexity
+from dsconv.runner.engine.config import RunConfig
+from dsconv.runner.engine.core import start_rank
 
 EVAL_TOKENS = 4096  # held-out tokens scored by the W8A8 gate (32 windows)
 # Gate thresholds; every figure below is the pinned evaluation's, the same on every CPU (RECORDED), on the trained
@@ -130,6 +135,27 @@ def test_trained_models_are_the_recorded_bytes(trained_source):
     assert not messages, "\n".join(messages)
 
 
+def test_shipped_models_hash_as_recorded():
+    message = unshipped_bytes()
+    if message:
+        pytest.fail(message, pytrace=False)
+
+
+def test_a_changed_shipped_file_fails_in_one_line(tmp_path):
+    for name in SHIPPED_SHA256:
+        (tmp_path / name).symlink_to(SHIPPED / name)
+    changed = tmp_path / "deepseek_v4.safetensors"
+    data = bytearray(changed.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    changed.unlink()
+    changed.write_bytes(bytes(data))
+    message = unshipped_bytes(tmp_path)
+    assert message and "\n" not in message and message.startswith(f"{changed}: sha256 ")
+    with pytest.raises(RuntimeError, match="deepseek_v4.safetensors: sha256"):
+        derive_trained(tmp_path / "derived", "deepseek_v4", root=tmp_path)
+    assert not (tmp_path / "derived").exists()
+
+
 def test_encoders_round_trip():
     w = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 0.05
     w[:128, :128] = 0  # an all-zero block
@@ -186,6 +212,40 @@ def test_gate_figures_do_not_depend_on_how_the_windows_are_shared(recorded_model
     one, three = (pinned_gate_figures(tokenizer, 8 * CONTEXT, (bf16, "auto"), (w8a8, "auto"), parts=parts)
                   for parts in (1, 3))
     assert one == three and one["windows"] == 8
+
+
+DECODE_STEPS = 4  # the gates' greedy continuations decode 64 tokens a prompt, every step the same code
+
+
+class SquareRoots(TorchDispatchMode):
+    """Counts the aten.sqrt calls of the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket in (torch.ops.aten.sqrt, torch.ops.aten.sqrt_)
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_v4_takes_square_roots_where_the_gates_evaluate(recorded_models, gate_shards):
+    """The gates evaluate V3.2 without IeeeSquareRoot (takes_square_roots): its forward as the gates run it (BF16 and
+    W8A8 shards, auto and INT8 caches, a window's prefill and greedy decoding) computes no square root, whose rounding would
+    depend on the CPU; V4's does (its router), and is evaluated under IeeeSquareRoot."""
+    tokenizer = Tokenizer.from_file(str(recorded_models("deepseek_v32") / "tokenizer.json"))
+    window = [0] + heldout_ids(tokenizer)[0][:CONTEXT - 1]
+    for family in FAMILIES:
+        calls = []
+        for shards in gate_shards(family):
+            for kv_cache_dtype in ("auto", "int8"):
+                _, model, new_cache = start_rank(RunConfig.open(shards, dtype="float32"))
+                with SquareRoots() as counted, torch.inference_mode():
+                    Steps(new_cache(CONTEXT, kv_cache_dtype)).forward(model, [(0, window)])
+                    greedy(model, new_cache(CONTEXT, kv_cache_dtype), [window[:PROMPT_TOKENS]], DECODE_STEPS, None)
+                calls.append(counted.calls)
+        assert all(calls) if takes_square_roots(gate_shards(family)[0]) else not any(calls), (family, calls)
+    assert not takes_square_roots(gate_shards("deepseek_v32")[0])
 
 
 def assert_cache_gate(name: str, family: str, trained_source, base: tuple, other: tuple,

@@ -465,3 +465,25 @@ def test_backend_for_npu_without_torch_npu():
 def test_backend_for_cuda_without_cuda():
     with pytest.raises(InputError, match="--device cuda, but torch sees no CUDA device"):
         backend_for("cuda")
+
+
+def test_only_local_cpu_jobs_start_their_fork_server_early(monkeypatch):
+    """dsrun's commands start the fork server first thing (comm/forkserver.py) only where the launch will fork the
+    ranks from it: a local CPU job, not accelerator ranks (spawned) nor a rank under torchrun."""
+    import multiprocessing.forkserver
+
+    from dsconv.comm.forkserver import TORCHRUN_ENV, rank_preload, start_rank_server
+
+    started = []
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: started.append(True))
+    for device in ("npu", "cuda"):
+        start_rank_server(device, ["dsconv.runner.entrypoints.generate"])
+    with monkeypatch.context() as torchrun:
+        for name in TORCHRUN_ENV:
+            torchrun.setenv(name, "0")
+        start_rank_server("cpu", ["dsconv.runner.entrypoints.generate"])
+    assert started == []
+    start_rank_server("cpu", ["dsconv.runner.entrypoints.generate"])
+    assert started == [True]
+    assert rank_preload(["dsconv.runner.entrypoints.generate", "torch"]) == [
+        "torch", "torch.distributed", "dsconv.comm.launch", "dsconv.runner.entrypoints.generate"]

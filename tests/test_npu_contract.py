@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dsconv.comm.launch as launch_module
-from dsconv.comm.launch import TORCHRUN_ENV, launch
+from dsconv.comm.forkserver import TORCHRUN_ENV
+from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.kernels.device import reset_npu_path
 from dsconv.kernels.streams import STREAM_API, SideStream

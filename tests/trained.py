@@ -1,4 +1,4 @@
-"""Tiny DeepSeek checkpoints with trained weights, in the hub's encodings, built once into the cache.
+"""Tiny DeepSeek checkpoints with trained weights, shipped with the repository and derived into the hub's layout.
 
 Random weights give logits with margins so thin that W8A8 against BF16 is a coin toss; a model trained for a
 couple of minutes has real margins, so accuracy figures mean something. The text is the Python standard
@@ -8,13 +8,17 @@ is a 1024-token byte-level BPE trained on the training modules (the tiny configs
 of those rows would never see a gradient in a few minutes. The checkpoint ships its own tokenizer.json.
 
 Training runs transformers' own `DeepseekV32ForCausalLM` / `DeepseekV4ForCausalLM` (float32, CPU, fixed seed,
-starting from the random fixture's weights of the same config), so the model is the reference's; the result is
-written like the hub's (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts with e8m0 scales per 32
-inputs, everything else as shipped) and goes through `dsconv quantize` / `shard` / `dsrun` like a download.
-Training is meant to give the same bytes on every x86-64 CPU (fixed seed and data order, and PINNED_CPU_ENV, which
-says why); TRAINED_SHA256 records them, and unrecorded_bytes says in one line when this CPU wrote others. V3.2
-and V4 train their indexers, which the LM loss cannot reach (tests/indexer_training.py says how); both then train
-their MTP layer, the main model frozen (tests/mtp_training.py).
+starting from the random fixture's weights of the same config), so the model is the reference's. It takes 20 to 26
+minutes a family on one core, so the trained models ship in `tests/data/trained/` (SHIPPED): one safetensors file
+per family holding every tensor as the hub encodes it (FP8 e4m3 with 128x128 block scales, V4's FP4 e2m1 experts
+with e8m0 scales per 32 inputs, everything else as shipped), and the tokenizer both share. SHIPPED_SHA256 records
+their bytes. `trained_source` derives from them, once into the cache, the hub's layout (`fp8/`: config.json, four
+weight files, their index) and the same model decoded (`bf16/`, transformers' reference), with the project's own
+writer; TRAINED_SHA256 records those derived files, so the derivation is checked too. `scripts/train_tiny.py`
+trains again and says whether the bytes are SHIPPED's: training is meant to give the same bytes on every x86-64 CPU
+(fixed seed and data order, and PINNED_CPU_ENV, which says why). V3.2 and V4 train their indexers, which the LM
+loss cannot reach (tests/indexer_training.py says how); both then train their MTP layer, the main model frozen
+(tests/mtp_training.py).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -41,12 +45,10 @@ from dsconv.convert.demo import build_once, cache_dir
 from dsconv.runner.entrypoints.reference import transformers_config
 from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from tests.mtp_training import mtp_layer, train_mtp, v4_mtp_layer
-from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
-    decode_fp8, make_tiny_checkpoint, write_checkpoint
+from dsconv.convert.safetensors_io import OutTensor, StreamingWriter
+from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, SAFETENSORS_METADATA, Stored, \
+    TensorMaker, decode_fp4, decode_fp8, make_tiny_checkpoint, write_checkpoint
 
-# per family: bump when its training or encoding changes, so stale caches are rebuilt (V4's 4 named a checkpoint
-# with its MTP layer before IEEE's sqrt, and 5 one without its MTP layer, which caches may still hold: hence 6)
-TRAINED_VERSIONS = {"deepseek_v32": 5, "deepseek_v4": 6}
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 ENCODINGS = ("fp8", "bf16")
 
@@ -99,11 +101,21 @@ PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "O
 # agreed, AdamW's sqrt did not (scripts/trained_fingerprints.py --ops). Training therefore runs under
 # IeeeSquareRoot, and the encoders' power-of-two scales come from float exponents (frexp), not log2 / exp2.
 
-# sha256 of each trained checkpoint's weight files, as PINNED_CPU_ENV training under IeeeSquareRoot writes them:
-# an Intel Xeon with AVX-512 and AMX wrote these (2026-11-28), and the first dense step's every op, with its weights
-# after it, came out the same bits under qemu emulating an AMD EPYC (docs/benchmarks.md, "Trained tiny models").
-# A CPU that writes other bytes trains another model, whose accuracy figures differ from the ones the gates record.
+# The shipped trained models (the module's docstring says what they hold) and their sha256, as PINNED_CPU_ENV
+# training under IeeeSquareRoot writes them: an Intel Xeon with AVX-512 and AMX trained these bytes (2026-11-28), and
+# an AMD EPYC trained the same (docs/benchmarks.md, "Trained tiny models"). A CPU that trains other bytes trains
+# another model; scripts/trained_fingerprints.py shows where its training parts from the recorded one's.
+SHIPPED = Path(__file__).resolve().parent / "data" / "trained"
+TOKENIZER_FILE = "tokenizer.json"
+SHIPPED_SHA256 = {
+    "deepseek_v32.safetensors": "dcf33e82bc0ea247492301b5599a7ee5249230d5a61f315603abecf6733218ef",
+    "deepseek_v4.safetensors": "f9f6d3207285b9a43b096e83de5eb0f36d0ba075b61bc615de301407897dee9a",
+    TOKENIZER_FILE: "e4a63f2ee399527d89db136a1f49f7c35f8b3d1edbfd095c2e71d6e6e858f30e",
+}
 TRAINED_CORPUS = "e55d54f23f16"  # corpus_digest() of the standard library they were trained on (CPython 3.11)
+# sha256 of the weight files trained_source derives from SHIPPED (the hub's layout, and decoded to BF16). V4's first
+# three BF16 files hold +0.0 where the ones written straight from training held -0.0 (an FP4 code of magnitude 0
+# decoded with its sign; encoding -0.0 gives the code of +0.0): 573,117 zeros, equal values, so the same model.
 TRAINED_SHA256 = {
     "deepseek_v32": {  # with its trained MTP layer
         "bf16/model-00001-of-00004.safetensors": "f1ffd9bf81d352a3d2e0013c067d96f788480ec7e02fb129bf7cc5fbf27672b1",
@@ -116,9 +128,9 @@ TRAINED_SHA256 = {
         "fp8/model-00004-of-00004.safetensors": "1fd55f47b1844f132f9aed7358bf2c95799716f8975dac84dfc7b1195c14fe4f",
     },
     "deepseek_v4": {  # with its trained MTP layer (the main model's tensors are version 5's, unchanged)
-        "bf16/model-00001-of-00004.safetensors": "9a06b55765414e0375be905ffc5067fa9e568b4be136de32a6e507198f13905c",
-        "bf16/model-00002-of-00004.safetensors": "2718fbdce32c3a572b425ed41e0d5190a95e0ab3ebae04d457e1204a82bfffa2",
-        "bf16/model-00003-of-00004.safetensors": "d2fd98f00dece8e0dbbd96d6a315cec4366ff92960c6008f0d051a09a39772b3",
+        "bf16/model-00001-of-00004.safetensors": "4e5c10f52ac8fc2b254bfd50270bdf9ea6c6c188c7215a86627076f2a9e6d1f5",
+        "bf16/model-00002-of-00004.safetensors": "2fa16d1928350cb22f61cff55ae36a63ae37a56702dc810e47a415aae4c5853a",
+        "bf16/model-00003-of-00004.safetensors": "85b1d2db43183bfb8b621eb63efd2dfe8890680fde364fd1772035b2c6330b14",
         "bf16/model-00004-of-00004.safetensors": "4c9bd06254a5b467f41ce5d5609e23024e7d0a2c9dcefbc1a6a870d81ac75d8c",
         "fp8/model-00001-of-00004.safetensors": "dc40beb668732c24f3ec0a86b60f6537b3365e23ed686890a2ed1c1ee5259c2f",
         "fp8/model-00002-of-00004.safetensors": "a528c9a6313cccd94c376d397c58bf8a2087633fe05b0358324bc160428dbca4",
@@ -378,13 +390,13 @@ class TrainedMaker(TensorMaker):
         return scale
 
 
-def build_trained(out: Path, family: str) -> Path:
-    """Train `family`'s tiny model with its MTP layer and write it under `out`: `fp8/` in the hub's encodings and
-    `bf16/`, the same model with every FP8 / FP4 weight decoded to BF16 (a reference for transformers), each with
-    tokenizer.json. Runs in a fresh interpreter with PINNED_CPU_ENV."""
+def train_into(out: Path, family: str) -> Path:
+    """Train `family`'s tiny model with its MTP layer and write it into the directory `out` as SHIPPED holds it
+    (`out/<family>.safetensors`; the tokenizer is `training_tokens()`'s). Runs in a fresh interpreter with
+    PINNED_CPU_ENV; 20 to 26 minutes on one core."""
     subprocess.run([sys.executable, "-m", "tests.trained", family, str(out)],
-                   env={**os.environ, **PINNED_CPU_ENV}, check=True)
-    return out
+                   env={**os.environ, **PINNED_CPU_ENV}, check=True, cwd=Path(__file__).resolve().parents[1])
+    return out / f"{family}.safetensors"
 
 
 def unpinned_settings() -> dict[str, str | None]:
@@ -408,11 +420,39 @@ def training_tokens():
     return tokenizer, torch.tensor([token for text in texts for token in [0] + tokenizer.encode(text).ids])
 
 
+def checkpoint_config(family: str) -> dict:
+    """The trained checkpoint's config: training's, with the MTP layer trained after the main model."""
+    config = dict(training_config(family), num_nextn_predict_layers=1)
+    if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
+        config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
+    return config
+
+
+def hub_items(maker: TensorMaker) -> list[Stored]:
+    """Every tensor of maker's inventory as the hub encodes it (encoding fp8), in inventory order."""
+    return [item for spec in maker.family.inventory(maker.arch) for item in maker.stored(spec, "fp8")]
+
+
+def write_shipped(path: Path, maker: TensorMaker) -> None:
+    """SHIPPED's form of maker's model: every hub-encoded tensor in one safetensors file, widest dtypes first (each
+    tensor's data aligned to its element size), then inventory order."""
+    items = sorted(hub_items(maker), key=lambda item: -item.dtype.itemsize)
+    writer = StreamingWriter(path, [OutTensor(item.name, item.dtype, item.shape) for item in items],
+                             SAFETENSORS_METADATA)
+    try:
+        for item in items:
+            writer.write(item.name, maker.produce(item))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def _train_and_write(family: str, out: Path) -> None:
     require_pinned()
     from dsconv.convert.source import open_checkpoint
 
-    tokenizer, ids = training_tokens()
+    _, ids = training_tokens()
     config = training_config(family)
     torch.use_deterministic_algorithms(True)
     with tempfile.TemporaryDirectory() as scratch, IeeeSquareRoot():
@@ -422,27 +462,85 @@ def _train_and_write(family: str, out: Path) -> None:
         saved = open_checkpoint(work / "saved")  # transformers' tensor names read as the hub's
         weights = {weight.spec.name: weight.value.read() for weight in saved.weights}
         # the MTP layer, after the main model, which it leaves as it was
-        config = dict(config, num_nextn_predict_layers=1)
-        if family == "deepseek_v4":  # the MTP layer's ratio after the decoder layers'
-            config["compress_ratios"] = family_for(config).tiny_config()["compress_ratios"]
+        config = checkpoint_config(family)
         weights.update(train_mtp_layer(family, model, config, ids, work, print))
-    maker = TrainedMaker(family_for(config), config, weights)
+    write_shipped(out / f"{family}.safetensors", TrainedMaker(family_for(config), config, weights))
+
+
+class ShippedMaker(TensorMaker):
+    """Produces the tensors of a SHIPPED file: the hub's encodings as stored, and with encoding="bf16" their decoded
+    values (what TrainedMaker wrote from the float32 weights they encode, bit for bit)."""
+
+    def __init__(self, family, config: dict, path: Path):
+        from safetensors import safe_open
+
+        super().__init__(family, config, SEED)
+        self.path = path
+        self.file = safe_open(str(path), framework="pt")
+        self.items = {item.name: item for item in hub_items(self)}
+        missing = sorted(self.items.keys() - set(self.file.keys()))
+        extra = sorted(set(self.file.keys()) - self.items.keys())
+        if missing or extra:
+            raise ValueError(f"{path}: not the trained {config['model_type']} checkpoint: "
+                             f"{len(missing)} tensors missing (first {missing[:1]}), {len(extra)} unknown "
+                             f"(first {extra[:1]})")
+
+    def _read(self, item: Stored) -> torch.Tensor:
+        tensor = self.file.get_tensor(item.name)
+        if tensor.dtype != item.dtype or tuple(tensor.shape) != item.shape:
+            raise ValueError(f"{self.path}: {item.name} is {tensor.dtype} {tuple(tensor.shape)}, the config's "
+                             f"inventory says {item.dtype} {item.shape}")
+        return tensor
+
+    def produce(self, item: Stored) -> torch.Tensor:
+        if item.part != "decoded":
+            return self._read(item)
+        payload, scale = (self._read(stored) for stored in self.stored(item.spec, "fp8"))
+        if scale.dtype == torch.float8_e8m0fnu:
+            scale = power_of_two(scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS)
+        decode = decode_fp4 if item.spec.encoding == Encoding.FP4 else decode_fp8
+        return decode(payload, scale).to(item.dtype)
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def unshipped_bytes(root: Path = SHIPPED) -> str | None:
+    """None when every SHIPPED file under `root` has its recorded sha256; else one line naming the first that
+    differs or is missing."""
+    for name, want in SHIPPED_SHA256.items():
+        path = root / name
+        got = sha256_of(path) if path.is_file() else "missing"
+        if got != want:
+            return (f"{path}: sha256 {got[:16]}, recorded {want[:16]} (SHIPPED_SHA256 in tests/trained.py); "
+                    f"restore it with git, or retrain with scripts/train_tiny.py and record the new bytes")
+    return None
+
+
+def derive_trained(out: Path, family: str, root: Path = SHIPPED) -> None:
+    """`out/fp8` (the hub's layout: config.json, weight files, their index) and `out/bf16` (the same model decoded)
+    from the family's SHIPPED file, each with the tokenizer; refuses SHIPPED files that are not the recorded bytes."""
+    message = unshipped_bytes(root)
+    if message:
+        raise RuntimeError(message)
+    config = checkpoint_config(family)
+    maker = ShippedMaker(family_for(config), config, root / f"{family}.safetensors")
     for encoding in ENCODINGS:
         (out / encoding).mkdir(parents=True)
         write_checkpoint(out / encoding, config, maker, encoding)
-        tokenizer.save(str(out / encoding / "tokenizer.json"))
+        shutil.copyfile(root / TOKENIZER_FILE, out / encoding / TOKENIZER_FILE)
 
 
 def trained_source(family: str, encoding: str = "fp8") -> Path:
     """The family's trained tiny checkpoint with its trained MTP layer (fp8: the hub's encodings; bf16: the same
-    model decoded), built on first use into the cache, keyed by version and by the standard library's text."""
+    model decoded), derived from SHIPPED on first use into the cache (a second or two), keyed by SHIPPED's bytes."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no trained tiny checkpoint; one of {', '.join(FAMILIES)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
-    name = f"trained-{family}-v{TRAINED_VERSIONS[family]}-{corpus_digest()}"
-    return build_once(cache_dir() / name, lambda out: build_trained(out, family)) / encoding
-
+    name = f"trained-{family}-{SHIPPED_SHA256[f'{family}.safetensors'][:12]}"
+    return build_once(cache_dir() / name, lambda out: derive_trained(out, family)) / encoding
 
 def cpu_description() -> str:
     """This CPU's model name and the instruction-set flags that pick kernels, for messages about rounding."""
@@ -458,34 +556,25 @@ def weight_digests(root: Path) -> dict[str, str]:
 
 
 def unrecorded_bytes(family: str) -> str | None:
-    """None when the family's trained checkpoint is the bytes TRAINED_SHA256 records; else one line saying that
-    this CPU trained another model."""
+    """None when the family's derived checkpoint is the bytes TRAINED_SHA256 records and the held-out text is the
+    one the gates' figures come from; else one line saying which is not."""
     if corpus_digest() != TRAINED_CORPUS:
-        return (f"the trained {family} model was trained on this Python's standard library (digest "
-                f"{corpus_digest()}), not on the one its recorded bytes and figures come from ({TRAINED_CORPUS})")
+        return (f"the held-out text is this Python's standard library (digest {corpus_digest()}), not the one the "
+                f"trained {family} model and its recorded figures come from ({TRAINED_CORPUS})")
     root = trained_source(family).parent
     got, want = weight_digests(root), TRAINED_SHA256[family]
     differ = sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
     if not differ:
         return None
     first = differ[0]
-    return (f"the trained {family} model differs on this CPU ({cpu_description()}): {root.name}/{first} has "
-            f"sha256 {got.get(first, 'missing')[:16]}, recorded {want.get(first, 'none')[:16]} ({len(differ)} of "
-            f"{len(want)} files differ), so its accuracy figures are not the recorded ones; "
-            f"scripts/trained_fingerprints.py shows where its training parts from the recorded one's")
-
-
-def train_missing(families: tuple[str, ...] = FAMILIES) -> None:
-    """Builds every family's trained checkpoint not yet in the cache, all at once: each trains in its own
-    one-thread interpreter (PINNED_CPU_ENV), so a machine with a core per family takes the time of the slowest."""
-    with ThreadPoolExecutor(max_workers=len(families)) as pool:
-        for _ in pool.map(trained_source, families):
-            pass
+    return (f"the trained {family} checkpoint derived from {SHIPPED} differs: {root.name}/{first} has sha256 "
+            f"{got.get(first, 'missing')[:16]}, recorded {want.get(first, 'none')[:16]} ({len(differ)} of "
+            f"{len(want)} files differ): the writer (convert/tiny_checkpoint.py) or the decoding changed")
 
 
 def heldout_texts() -> list[str]:
     return stdlib_text(HELDOUT_MODULES)
 
 
-if __name__ == "__main__":  # build_trained's fresh interpreter
+if __name__ == "__main__":  # train_into's fresh interpreter
     _train_and_write(sys.argv[1], Path(sys.argv[2]))
