@@ -68,7 +68,7 @@ def test_benchmark_clients_against_live_servers(case, tiny_source, tmp_path):
     family, layout = CASES[case]
     shards = tmp_path / case
     shard(tiny_source(family, "fp8", real_vocab=True), shards, layout)
-    server = Server(shards, tmp_path / "server.log", "--dtype", "float32")
+    server = Server(shards, tmp_path / "server.log")  # the default dtype (BF16), as users serve
     try:
         server.model = server.openai().models.list().data[0].id
         ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello"}).json()["tokens"]

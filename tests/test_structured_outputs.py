@@ -73,7 +73,7 @@ def server(request, tiny_source, tmp_path_factory):
     family, layout = CASES[request.param]
     shards = tmp_path_factory.mktemp(request.param) / request.param
     shard(tiny_source(family, "fp8", real_vocab=True), shards, layout)
-    running = Server(shards, shards.parent / "server.log", "--dtype", "float32")
+    running = Server(shards, shards.parent / "server.log")  # the default dtype (BF16), as users serve
     running.model, running.family = request.param, family
     yield running
     assert running.stop() == 0, running.log()
