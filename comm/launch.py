@@ -54,9 +54,10 @@ TERMINATE_GRACE_S = 5.0
 # After a rank fails, the first failure is named once no other rank is dead without the supervisor knowing: a rank
 # killed by a signal closes its sockets before its parent sees it exit (a forkserver's child is reaped by the fork
 # server, which reports it through a pipe; on 2 busy cores that report took over 2 s), so a neighbour's "connection
-# reset" may arrive first. The kernel marks the killed process a zombie as it dies, before its peers can even see
-# the reset, so the supervisor waits while any rank it believes alive is a zombie in /proc (or gone), at most this
-# long; a rank that raised records its error and time itself, and nothing is waited for when no rank is dead.
+# reset" may arrive first. The kernel marks the killed process a zombie as it dies, long before a peer has seen the
+# reset, failed, recorded its error and exited, so the supervisor waits while any rank it believes alive is a zombie
+# in /proc (or gone), at most this long; a rank that raised records its error and time itself, and nothing is waited
+# for when no rank is dead (before, the supervisor waited this long whenever a rank stayed blocked).
 FAILURE_SETTLE_S = 15.0
 SETTLE_POLL_S = 0.05  # how often a dead rank's state is looked at again while its exit is awaited
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a job ended by Ctrl-C (128 + SIGINT)

@@ -469,7 +469,8 @@ def _train_and_write(family: str, out: Path) -> None:
 
 class ShippedMaker(TensorMaker):
     """Produces the tensors of a SHIPPED file: the hub's encodings as stored, and with encoding="bf16" their decoded
-    values (what TrainedMaker wrote from the float32 weights they encode, bit for bit)."""
+    values (the values TrainedMaker snapped the trained weights to; an FP4 zero decodes as +0.0 whatever the sign
+    of the weight it encodes, which the e2m1 code does not keep)."""
 
     def __init__(self, family, config: dict, path: Path):
         from safetensors import safe_open
@@ -477,9 +478,8 @@ class ShippedMaker(TensorMaker):
         super().__init__(family, config, SEED)
         self.path = path
         self.file = safe_open(str(path), framework="pt")
-        self.items = {item.name: item for item in hub_items(self)}
-        missing = sorted(self.items.keys() - set(self.file.keys()))
-        extra = sorted(set(self.file.keys()) - self.items.keys())
+        names = {item.name for item in hub_items(self)}
+        missing, extra = sorted(names - set(self.file.keys())), sorted(set(self.file.keys()) - names)
         if missing or extra:
             raise ValueError(f"{path}: not the trained {config['model_type']} checkpoint: "
                              f"{len(missing)} tensors missing (first {missing[:1]}), {len(extra)} unknown "
@@ -541,6 +541,7 @@ def trained_source(family: str, encoding: str = "fp8") -> Path:
         raise ValueError(f"encoding={encoding!r} must be one of {', '.join(ENCODINGS)}")
     name = f"trained-{family}-{SHIPPED_SHA256[f'{family}.safetensors'][:12]}"
     return build_once(cache_dir() / name, lambda out: derive_trained(out, family)) / encoding
+
 
 def cpu_description() -> str:
     """This CPU's model name and the instruction-set flags that pick kernels, for messages about rounding."""
