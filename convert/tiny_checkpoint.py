@@ -343,6 +343,20 @@ def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: i
     return out
 
 
+def write_file(path: Path, members: list[Stored], maker: TensorMaker) -> None:
+    """`members` as `maker` produces them, in one safetensors file, widest dtypes first (which keeps every tensor's
+    data aligned to its element size), in their given order otherwise."""
+    members = sorted(members, key=lambda item: -item.dtype.itemsize)
+    writer = StreamingWriter(path, [OutTensor(m.name, m.dtype, m.shape) for m in members], SAFETENSORS_METADATA)
+    try:
+        for m in members:
+            writer.write(m.name, maker.produce(m))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def write_checkpoint(out: Path, config: dict, maker: TensorMaker, encoding: str = "fp8",
                      max_file_bytes: int | None = None) -> None:
     """Every tensor of config's inventory, as `maker` produces it, in the hub's files, index and config.json."""
@@ -356,17 +370,7 @@ def write_checkpoint(out: Path, config: dict, maker: TensorMaker, encoding: str 
     weight_map = {}
     for k, members in enumerate(files, start=1):
         path = out / f"model-{k:05d}-of-{len(files):05d}.safetensors"
-        # Widest dtypes first keeps every tensor's data aligned to its element size.
-        members = sorted(members, key=lambda item: -item.dtype.itemsize)
-        writer = StreamingWriter(path, [OutTensor(m.name, m.dtype, m.shape) for m in members],
-                                 SAFETENSORS_METADATA)
-        try:
-            for m in members:
-                writer.write(m.name, maker.produce(m))
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+        write_file(path, members, maker)
         weight_map.update({m.name: path.name for m in members})
 
     weight_map = {item.name: weight_map[item.name] for item in items}  # inventory order, as the hub lists them

@@ -45,9 +45,8 @@ from dsconv.convert.demo import build_once, cache_dir
 from dsconv.runner.entrypoints.reference import transformers_config
 from tests.indexer_training import capture_attention, indexer_parameters, set_index_topk
 from tests.mtp_training import mtp_layer, train_mtp, v4_mtp_layer
-from dsconv.convert.safetensors_io import OutTensor, StreamingWriter
-from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, SAFETENSORS_METADATA, Stored, \
-    TensorMaker, decode_fp4, decode_fp8, make_tiny_checkpoint, write_checkpoint
+from dsconv.convert.tiny_checkpoint import E2M1, E8M0_BIAS, FP4_GROUP, FP8_BLOCK, Stored, TensorMaker, decode_fp4, \
+    decode_fp8, make_tiny_checkpoint, write_checkpoint, write_file
 
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 ENCODINGS = ("fp8", "bf16")
@@ -434,18 +433,8 @@ def hub_items(maker: TensorMaker) -> list[Stored]:
 
 
 def write_shipped(path: Path, maker: TensorMaker) -> None:
-    """SHIPPED's form of maker's model: every hub-encoded tensor in one safetensors file, widest dtypes first (each
-    tensor's data aligned to its element size), then inventory order."""
-    items = sorted(hub_items(maker), key=lambda item: -item.dtype.itemsize)
-    writer = StreamingWriter(path, [OutTensor(item.name, item.dtype, item.shape) for item in items],
-                             SAFETENSORS_METADATA)
-    try:
-        for item in items:
-            writer.write(item.name, maker.produce(item))
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    """SHIPPED's form of maker's model: every hub-encoded tensor in one safetensors file."""
+    write_file(path, hub_items(maker), maker)
 
 
 def _train_and_write(family: str, out: Path) -> None:
