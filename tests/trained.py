@@ -368,8 +368,8 @@ def snap(w: torch.Tensor, encoding: Encoding) -> torch.Tensor:
 
 
 class TrainedMaker(TensorMaker):
-    """Produces trained values (hub names -> float tensors) in the hub's encodings instead of random codes;
-    with encoding="bf16", the decoded values of those encodings, so both forms are one model."""
+    """Produces trained values (hub names -> float tensors) in the hub's encodings instead of random codes: what
+    training writes into SHIPPED (ShippedMaker decodes them for the BF16 form)."""
 
     def __init__(self, family, config: dict, weights: dict[str, torch.Tensor]):
         super().__init__(family, config, SEED)
@@ -379,7 +379,7 @@ class TrainedMaker(TensorMaker):
 
     def produce(self, item: Stored) -> torch.Tensor:
         value = self.weights[item.spec.name]
-        if item.part in ("value", "decoded"):
+        if item.part == "value":
             return value.to(item.dtype)
         payload, scale = (encode_fp4 if item.spec.encoding == Encoding.FP4 else encode_fp8)(value)
         if item.part == "payload":
