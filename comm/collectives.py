@@ -109,13 +109,7 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
     # are on the host), so no kernel sees a zero-size tensor here either.
     pad = group.rank if (sum(send_counts) == 0 or sum(recv_counts) == 0) else None
     send_splits, recv_splits = list(send_counts), list(recv_counts)
-    if send.shape[0] == 0:
-        send_bytes = torch.zeros(1, row_bytes, dtype=torch.uint8, device=send.device)  # the extra row alone
-    else:
-        send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
-        if pad is not None:
-            end = sum(send_counts[:pad + 1])
-            send_bytes = _cat_rows([send_bytes[:end], send_bytes.new_zeros(1, row_bytes), send_bytes[end:]])
+    send_bytes = _send_bytes(send, send_counts, row_bytes, pad)
     if pad is not None:
         send_splits[pad] += 1
         recv_splits[pad] += 1
@@ -133,6 +127,18 @@ def all_to_all_variable(send: torch.Tensor, send_counts: list[int] | torch.Tenso
         return arrived.reshape(-1).view(send.dtype).reshape(sum(recv_counts), *row_shape), list(recv_counts)
 
     return InFlight(work, finish, (send_bytes, recv_bytes)) if async_op else finish()
+
+
+def _send_bytes(send: torch.Tensor, send_counts: list[int], row_bytes: int, pad: int | None) -> torch.Tensor:
+    """`send` as [N, row_bytes] uint8 rows; with `pad` (a group rank), one zero row more after that rank's part:
+    all_to_all_variable's extra row, which a rank sending nothing sends alone."""
+    if send.shape[0] == 0:
+        return torch.zeros(1, row_bytes, dtype=torch.uint8, device=send.device)  # the extra row alone
+    send_bytes = send.contiguous().reshape(-1).view(torch.uint8).reshape(send.shape[0], row_bytes)
+    if pad is None:
+        return send_bytes
+    end = sum(send_counts[:pad + 1])
+    return _cat_rows([send_bytes[:end], send_bytes.new_zeros(1, row_bytes), send_bytes[end:]])
 
 
 COUNT_BYTES = 8  # a block's header: its row count as one int64

@@ -12,7 +12,7 @@ from rich.table import Table
 from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
 from dsconv.errors import InputError
 from dsconv.convert.formats import FORMATS
-from dsconv.family.recipes import recipes_help
+from dsconv.family.arch import recipes_help
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB"

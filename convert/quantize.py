@@ -17,7 +17,7 @@ from dsconv.convert.execute import part_is_complete, write_part
 from dsconv.convert.formats import (ASCEND, ASCEND_FLOAT, ASCEND_INT8, DESCRIPTION_NAME, ascend_description,
                              format_for, is_side_file, output_config)
 from dsconv.convert.plan import TO_INT8, Plan, make_plan
-from dsconv.family.recipes import recipe_for
+from dsconv.family.arch import recipe_for
 from dsconv.convert.safetensors_io import write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import open_checkpoint
 

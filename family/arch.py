@@ -11,91 +11,21 @@ every stage and imports none of them; the runner keeps its own model per model_t
 
 from __future__ import annotations
 
-import enum
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from dsconv.errors import InputError
+from dsconv.family.layout import Layout
+from dsconv.family.recipes import ALL_LINEARS, Recipe
+from dsconv.family.tensors import Encoding, Role, TensorSpec
 
-if TYPE_CHECKING:
-    from dsconv.family.layout import Layout
-    from dsconv.family.recipes import Recipe
+__all__ = ["ArchError", "CacheField", "Encoding", "Family", "Role", "TensorSpec", "family_for", "families",
+           "recipe_for", "recipes_help", "register"]  # Role, Encoding and TensorSpec: family/tensors.py's
 
 
 class ArchError(InputError):
     """A config or tensor name this project cannot place; the message names the value."""
-
-
-class Role(str, enum.Enum):
-    """What a tensor does. Recipes and the placement table are keyed by role, never by name patterns."""
-
-    EMBED = "embed"
-    HEAD = "head"
-    NORM = "norm"  # any RMSNorm / LayerNorm weight
-    # MLA (V3 / V3.2) and V4 attention linears; the V3 and V4 names map onto the same roles where they match
-    ATTN_Q_A = "attn.wq_a"  # q_a_proj / wq_a
-    ATTN_Q_B = "attn.wq_b"  # q_b_proj / wq_b
-    ATTN_KV_A = "attn.wkv_a"  # kv_a_proj_with_mqa
-    ATTN_KV_B = "attn.wkv_b"  # kv_b_proj
-    ATTN_KV = "attn.wkv"  # V4 single-KV-head projection
-    ATTN_O = "attn.wo"  # o_proj
-    ATTN_O_A = "attn.wo_a"  # V4 grouped output projection, per-group part
-    ATTN_O_B = "attn.wo_b"  # V4 grouped output projection, final part
-    ATTN_SINK = "attn.sink"  # V4 attention sinks (a vector)
-    # Lightning indexer (V3.2 on every layer; V4 on CSA layers)
-    INDEXER_Q_B = "indexer.wq_b"
-    INDEXER_K = "indexer.wk"
-    INDEXER_WEIGHTS = "indexer.weights_proj"
-    INDEXER_K_NORM_BIAS = "indexer.k_norm.bias"
-    # V4 compressors (main attention and the indexer's own)
-    COMPRESSOR_KV = "compressor.wkv"
-    COMPRESSOR_GATE = "compressor.wgate"
-    COMPRESSOR_APE = "compressor.ape"
-    # MoE
-    ROUTER = "router"  # gate.weight [n_routed_experts, hidden]
-    ROUTER_BIAS = "router.bias"  # e_score_correction_bias / gate.bias
-    ROUTER_TID2EID = "router.tid2eid"  # V4 hash routing table [vocab, topk]
-    EXPERT_W1 = "expert.w1"  # routed expert gate_proj / w1
-    EXPERT_W2 = "expert.w2"  # routed expert down_proj / w2
-    EXPERT_W3 = "expert.w3"  # routed expert up_proj / w3
-    SHARED_W1 = "shared.w1"
-    SHARED_W2 = "shared.w2"
-    SHARED_W3 = "shared.w3"
-    DENSE_W1 = "dense.w1"  # V3 dense-MLP layers
-    DENSE_W2 = "dense.w2"
-    DENSE_W3 = "dense.w3"
-    # V4 hyper-connections (hc_attn_*, hc_ffn_*, hc_head_*)
-    HC = "hc"
-    # MTP-only linears (V3 eh_proj, V4 e_proj / h_proj)
-    MTP_PROJ = "mtp.proj"
-
-
-class Encoding(str, enum.Enum):
-    """How the hub ships a tensor's values (what the tiny-checkpoint maker writes)."""
-
-    BF16 = "bf16"
-    F32 = "f32"
-    I32 = "i32"  # integer tables
-    I64 = "i64"  # V4 ships tid2eid as int64
-    FP8 = "fp8"  # float8_e4m3fn + 128x128 block scale
-    FP4 = "fp4"  # packed e2m1 + e8m0 scale per 32 inputs
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str  # exactly as stored in the hub checkpoint
-    shape: tuple[int, ...]  # logical (decoded) shape: FP4 weights report [out, in], not [out, in/2]
-    role: Role
-    encoding: Encoding  # as the hub ships it
-    layer: int | None = None  # decoder layer index; MTP layers included
-    expert: int | None = None  # routed expert index
-    mtp: bool = False  # part of a multi-token-prediction layer
-
-    @property
-    def is_linear(self) -> bool:
-        not_linear = (Role.EMBED, Role.ROUTER_TID2EID, Role.HC, Role.COMPRESSOR_APE)  # 2-D tables, not weights
-        return len(self.shape) == 2 and self.role not in not_linear
 
 
 # vLLM's --kv-cache-dtype values dsrun and `dsconv plan` take: "auto" keeps cache entries in the compute dtype
@@ -216,8 +146,6 @@ _FAMILIES: dict[str, Family] = {}
 
 def register(family: Family) -> Family:
     """Adds a family (a built-in module's or one defined elsewhere); a name already taken is refused."""
-    from dsconv.family.recipes import check_recipes  # late: recipes.py imports this module's Role
-
     known = _FAMILIES.get(family.name)
     if known is family:
         return family
@@ -259,3 +187,45 @@ def hub_dtype_key(config: dict) -> dict:
     if "dtype" in config and "torch_dtype" not in config:
         config["torch_dtype"] = config.pop("dtype")
     return config
+
+
+# -- a family's recipes (family/recipes.py defines them) --------------------------------------------------------
+
+def accepted(family: Family) -> tuple[Recipe, ...]:
+    return (*family.recipes, ALL_LINEARS)
+
+
+def check_recipes(family: Family, registered: list[Family]) -> None:
+    """Refuses a family whose recipes would split a fused group, or reuse another family's recipe name."""
+    if not family.recipes:
+        raise ValueError(f"family {family.name} defines no recipe (its first is the default)")
+    for recipe in accepted(family):
+        for group in family.fused:
+            if len({role in recipe.int8_roles for role in group}) != 1:
+                raise ValueError(f"recipe {recipe.name} quantizes some of {[r.value for r in group]} but not all; "
+                                 f"{family.name} fuses them into one matmul")
+    taken = {r.name: r for r in (ALL_LINEARS, *(r for other in registered for r in other.recipes))}
+    for recipe in family.recipes:
+        if recipe.name in taken and taken[recipe.name] is not recipe:
+            raise ValueError(f"recipe name {recipe.name!r} of {family.name} is already taken by another recipe")
+
+
+def recipe_for(name: str | None, family: Family) -> Recipe:
+    by_name = {r.name: r for r in accepted(family)}
+    if name is None:
+        return family.recipes[0]
+    if name in by_name:
+        return by_name[name]
+    owners = [f.name for f in families().values() if any(r.name == name for r in f.recipes)]
+    if owners:
+        raise InputError(f"recipe {name!r} is for {', '.join(owners)}, not {family.name}")
+    raise InputError(f"unknown recipe {name!r}; choose from {', '.join(by_name)}")
+
+
+def recipes_help() -> str:
+    """Every registered family's recipes and all-linears, for --recipe's help."""
+    registered = families().values()
+    recipes = {r.name: r for family in registered for r in family.recipes}
+    lines = [f"{r.name}: {r.help}." for r in (*recipes.values(), ALL_LINEARS)]
+    defaults = ", ".join(f"{family.name} -> {family.recipes[0].name}" for family in registered)
+    return " ".join(lines) + f" Default by model: {defaults}."

@@ -17,6 +17,7 @@ and shard headers; DeepSeek's V4 inference `model.py`; transformers 5.23 `deepse
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -167,6 +168,74 @@ def inventory(cfg: V4Config) -> Iterator[TensorSpec]:
         yield from _mtp_extras(scope, cfg)
 
 
+# The config tiny_config() returns before its overrides, in the hub's spelling and key order
+_TINY = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "expert_dtype": "fp4",
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "index_head_dim": 64,
+    # enough heads that sum_h w_h relu(q_h . k) is rarely exactly 0 for several entries at once (as with
+    # V4-Flash's 64): ties make the top-k choice implementation-defined, so references could disagree
+    "index_n_heads": 16,
+    "index_topk": 8,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 4096,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 16,  # one per rank at 16-way expert parallelism
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 5,
+    "num_hash_layers": 2,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "q_lora_rank": 128,
+    "qk_rope_head_dim": 32,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    # YaRN on the compressed layers' rope; a small original length so it bends frequencies a test reaches
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 256,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 16,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 1024,
+    "compress_rope_theta": 160000,
+    # decoder layers: sliding, sliding, CSA, HCA, CSA; then the MTP layer (sliding), as the hub orders them
+    "compress_ratios": [0, 0, 4, 128, 4, 0],
+}
+
+
 def tiny_config(partial_block: bool = False, **overrides) -> dict:
     """A small config.json in the hub's spelling, for fixtures and demos; `overrides` replace top-level keys.
 
@@ -178,71 +247,7 @@ def tiny_config(partial_block: bool = False, **overrides) -> dict:
     if partial_block:
         # Every FP8 weight of V4-Flash fills whole 128x128 blocks; V3's kv_a_proj_with_mqa is the case to test
         raise ArchError("partial_block=True: deepseek_v4 ships no FP8 weight with a partial scale block")
-    config = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "expert_dtype": "fp4",
-        "hc_eps": 1e-06,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "hidden_size": 256,
-        "index_head_dim": 64,
-        # enough heads that sum_h w_h relu(q_h . k) is rarely exactly 0 for several entries at once (as with
-        # V4-Flash's 64): ties make the top-k choice implementation-defined, so references could disagree
-        "index_n_heads": 16,
-        "index_topk": 8,
-        "initializer_range": 0.02,
-        "max_position_embeddings": 4096,
-        "moe_intermediate_size": 128,
-        "n_routed_experts": 16,  # one per rank at 16-way expert parallelism
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
-        "num_attention_heads": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 5,
-        "num_hash_layers": 2,
-        "num_key_value_heads": 1,
-        "num_nextn_predict_layers": 1,
-        "o_groups": 2,
-        "o_lora_rank": 128,
-        "q_lora_rank": 128,
-        "qk_rope_head_dim": 32,
-        "quantization_config": {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
-        "rms_norm_eps": 1e-06,
-        # YaRN on the compressed layers' rope; a small original length so it bends frequencies a test reaches
-        "rope_scaling": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 16,
-            "original_max_position_embeddings": 256,
-            "type": "yarn",
-        },
-        "rope_theta": 10000,
-        "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus",
-        "sliding_window": 16,
-        "swiglu_limit": 10.0,
-        "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "vocab_size": 1024,
-        "compress_rope_theta": 160000,
-        # decoder layers: sliding, sliding, CSA, HCA, CSA; then the MTP layer (sliding), as the hub orders them
-        "compress_ratios": [0, 0, 4, 128, 4, 0],
-    }
+    config = copy.deepcopy(_TINY)  # fresh lists and dicts: callers edit the config they get
     config.update(overrides)
     parse_config(config)  # an override that breaks the architecture fails here, naming the value
     return config

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from dsconv.errors import ChatError
+
 DSML = "｜DSML｜"
 
 _V32_TOOLS = """## Tools
@@ -181,8 +183,6 @@ def _call(name: str, body: str) -> dict:
 
 def check_arguments(arguments: Any, where: str) -> dict:
     """An assistant message's function.arguments (a JSON object as text) -> the object."""
-    from dsconv.family.text import ChatError  # late: family/text.py imports this module
-
     if not isinstance(arguments, str):
         raise ChatError(f"{where}.function.arguments must be a JSON object as text, got {type(arguments).__name__}")
     try:

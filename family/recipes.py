@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsconv.family.arch import Family, Role, TensorSpec, families
-from dsconv.errors import InputError
+from dsconv.family.tensors import Role, TensorSpec
 
 EXPERTS = frozenset({Role.EXPERT_W1, Role.EXPERT_W2, Role.EXPERT_W3, Role.SHARED_W1, Role.SHARED_W2,
                      Role.SHARED_W3})
@@ -36,42 +35,3 @@ class Recipe:
 ALL_LINEARS = Recipe("all-linears", frozenset(set(Role) - _NEVER),
                      "every projection, kv_b_proj and wo_a/wo_b included (vllm-ascend refuses a quantized "
                      "kv_b_proj: for experiments); router, embed, head, norms and MTP stay float")
-
-
-def accepted(family: Family) -> tuple[Recipe, ...]:
-    return (*family.recipes, ALL_LINEARS)
-
-
-def check_recipes(family: Family, registered: list[Family]) -> None:
-    """Refuses a family whose recipes would split a fused group, or reuse another family's recipe name."""
-    if not family.recipes:
-        raise ValueError(f"family {family.name} defines no recipe (its first is the default)")
-    for recipe in accepted(family):
-        for group in family.fused:
-            if len({role in recipe.int8_roles for role in group}) != 1:
-                raise ValueError(f"recipe {recipe.name} quantizes some of {[r.value for r in group]} but not all; "
-                                 f"{family.name} fuses them into one matmul")
-    taken = {r.name: r for r in (ALL_LINEARS, *(r for other in registered for r in other.recipes))}
-    for recipe in family.recipes:
-        if recipe.name in taken and taken[recipe.name] is not recipe:
-            raise ValueError(f"recipe name {recipe.name!r} of {family.name} is already taken by another recipe")
-
-
-def recipe_for(name: str | None, family: Family) -> Recipe:
-    by_name = {r.name: r for r in accepted(family)}
-    if name is None:
-        return family.recipes[0]
-    if name in by_name:
-        return by_name[name]
-    owners = [f.name for f in families().values() if any(r.name == name for r in f.recipes)]
-    if owners:
-        raise InputError(f"recipe {name!r} is for {', '.join(owners)}, not {family.name}")
-    raise InputError(f"unknown recipe {name!r}; choose from {', '.join(by_name)}")
-
-
-def recipes_help() -> str:
-    registered = families().values()
-    recipes = {r.name: r for family in registered for r in family.recipes}
-    lines = [f"{r.name}: {r.help}." for r in (*recipes.values(), ALL_LINEARS)]
-    defaults = ", ".join(f"{family.name} -> {family.recipes[0].name}" for family in registered)
-    return " ".join(lines) + f" Default by model: {defaults}."

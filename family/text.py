@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsconv.errors import InputError
+from dsconv.errors import ChatError, InputError
 from dsconv.family import dsml
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -54,10 +54,6 @@ _KEYS = {"system": {"role", "content"}, "user": {"role", "content"},
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 Message = Mapping[str, Any]
-
-
-class ChatError(InputError):
-    """A conversation or chat template this project cannot render; the message names the value."""
 
 
 def check_messages(messages: Sequence[Message]) -> None:

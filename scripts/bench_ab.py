@@ -48,79 +48,107 @@ RSS_NEW_TOKENS = 8
 RSS_CHUNK = 4096
 
 
+def current_layout() -> tuple:
+    """This layout's calls: the engine from core.new_engine, fed through its door (in core.py, or in client.py
+    before). (build_model, Dist, load_manifest, BLOCK_SIZE, greedy, generate_batch); ImportError in an older one."""
+    try:
+        from dsconv.runner.engine.core import EngineClient
+        from dsconv.runner.models.registry import build_model
+    except ImportError:
+        from dsconv.runner.engine.client import EngineClient
+        from dsconv.runner.engine.worker import build_model
+    try:
+        from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
+    except ImportError:
+        from dsconv.runner.models.kv_cache import BLOCK_SIZE
+    from dsconv.runner.engine.config import SchedulerConfig
+    from dsconv.runner.engine.core import new_engine
+    from dsconv.runner.engine.request import SamplingParams
+    from dsconv.runner.models.dist import Dist
+    from dsconv.runner.models.weights import load_manifest
+
+    def engine_of(model, cache, eos_id, scheduler):
+        limits = {"vocab_size": model.cfg.vocab_size, "max_model_len": cache.num_blocks * cache.block_size,
+                  "eos_token_id": eos_id, "scheduler": scheduler}
+        try:  # the engine's settings as one typed value (engine/config.py)
+            from dsconv.runner.engine.config import EngineConfig
+        except ImportError:  # as keywords, before
+            return new_engine(model, cache, Dist(), **limits)
+        return new_engine(model, cache, Dist(), EngineConfig(**limits))
+
+    def greedy(model, cache, prompts, max_new_tokens, eos_id, on_token):
+        scheduler = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompts[0]))
+        engine = engine_of(model, cache, eos_id, scheduler)
+        door = EngineClient()
+        door.open(engine)
+        door.submit(prompts[0], SamplingParams(max_tokens=max_new_tokens),
+                    lambda out: [on_token(0, token) for token in out.new_token_ids])
+        engine.run(door, until_idle=True)
+
+    def generate_batch(model, new_cache, prompts, max_new_tokens, on_token, budget) -> None:
+        tokens = len(prompts) * (len(prompts[0]) + max_new_tokens)
+        try:
+            cache = new_cache(tokens, max_seqs=len(prompts))
+        except TypeError:  # a cache without sequence slots
+            cache = new_cache(tokens)
+        scheduler = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget)
+        engine = engine_of(model, cache, None, scheduler)
+        door = EngineClient()
+        door.open(engine)
+        for i, prompt in enumerate(prompts):
+            door.submit(prompt, SamplingParams(max_tokens=max_new_tokens),
+                        lambda out, i=i: [on_token(i, token) for token in out.new_token_ids])
+        engine.run(door, until_idle=True)
+
+    return build_model, Dist, load_manifest, BLOCK_SIZE, greedy, generate_batch
+
+
+def older_layout() -> tuple:
+    """An older layout's calls, as current_layout's; generate_batch is None (no batched door)."""
+    try:  # the engine with its in-process greedy (engine/offline.py)
+        from dsconv.runner.engine.offline import greedy
+        from dsconv.runner.engine.worker import build_model
+        from dsconv.runner.models.dist import Dist
+        from dsconv.runner.models.kv_cache import BLOCK_SIZE
+        from dsconv.runner.models.weights import load_manifest
+    except ImportError:  # the runner as one flat package
+        from dsconv.runner.cache import BLOCK_SIZE
+        from dsconv.runner.dist import Dist
+        from dsconv.runner.engine import build_model
+        from dsconv.runner.generate import greedy
+        from dsconv.runner.weights import load_manifest
+    return build_model, Dist, load_manifest, BLOCK_SIZE, greedy, None
+
+
+def rss_child(model, new_cache, generate_batch, prompt_len: int) -> None:
+    """Prints the peak RSS figures (KiB from ru_maxrss on Linux, printed in MiB) of serving RSS_REQUESTS
+    concurrent prompt_len-token requests, after the model's load and at the end."""
+    import resource
+
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    prompts = [[100 + (7 * i + j) % 500 for j in range(prompt_len)] for i in range(RSS_REQUESTS)]
+    generate_batch(model, new_cache, prompts, RSS_NEW_TOKENS, lambda s, t: None, RSS_CHUNK)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"loaded_mib": loaded / 1024, "peak_mib": peak / 1024}), flush=True)
+
+
 def decode_child(shards: str, new_tokens: int, batch: int = 1, rss_prompt_len: int = 0) -> None:
     """Runs in each side's process: loads the model, then answers every line on stdin with one generation's
     decode tokens/s (of `batch` prompts at once); with rss_prompt_len, prints the peak RSS figures instead and
     ends. Imports whichever layout the side's code has."""
     import torch
 
-    try:  # this layout: the engine from core.new_engine, fed through its door (in core.py, or in client.py before)
-        try:
-            from dsconv.runner.engine.core import EngineClient
-            from dsconv.runner.models.registry import build_model
-        except ImportError:
-            from dsconv.runner.engine.client import EngineClient
-            from dsconv.runner.engine.worker import build_model
-        try:
-            from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
-        except ImportError:
-            from dsconv.runner.models.kv_cache import BLOCK_SIZE
-        from dsconv.runner.engine.config import SchedulerConfig
-        from dsconv.runner.engine.core import new_engine
-        from dsconv.runner.engine.request import SamplingParams
-        from dsconv.runner.models.dist import Dist
-        from dsconv.runner.models.weights import load_manifest
-
-        def greedy(model, cache, prompts, max_new_tokens, eos_id, on_token):
-            engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size,
-                                max_model_len=cache.num_blocks * cache.block_size, eos_token_id=eos_id,
-                                scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompts[0])))
-            door = EngineClient()
-            door.open(engine)
-            door.submit(prompts[0], SamplingParams(max_tokens=max_new_tokens),
-                        lambda out: [on_token(0, token) for token in out.new_token_ids])
-            engine.run(door, until_idle=True)
-
-        def generate_batch(model, new_cache, prompts, max_new_tokens, on_token, budget) -> None:
-            tokens = len(prompts) * (len(prompts[0]) + max_new_tokens)
-            try:
-                cache = new_cache(tokens, max_seqs=len(prompts))
-            except TypeError:  # a cache without sequence slots
-                cache = new_cache(tokens)
-            engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size,
-                                max_model_len=cache.num_blocks * cache.block_size, eos_token_id=None,
-                                scheduler=SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget))
-            door = EngineClient()
-            door.open(engine)
-            for i, prompt in enumerate(prompts):
-                door.submit(prompt, SamplingParams(max_tokens=max_new_tokens),
-                            lambda out, i=i: [on_token(i, token) for token in out.new_token_ids])
-            engine.run(door, until_idle=True)
+    try:
+        calls = current_layout()
     except ImportError:
-        try:  # the engine with its in-process greedy (engine/offline.py)
-            from dsconv.runner.engine.offline import greedy
-            from dsconv.runner.engine.worker import build_model
-            from dsconv.runner.models.dist import Dist
-            from dsconv.runner.models.kv_cache import BLOCK_SIZE
-            from dsconv.runner.models.weights import load_manifest
-        except ImportError:  # the runner as one flat package
-            from dsconv.runner.cache import BLOCK_SIZE
-            from dsconv.runner.dist import Dist
-            from dsconv.runner.engine import build_model
-            from dsconv.runner.generate import greedy
-            from dsconv.runner.weights import load_manifest
+        calls = older_layout()
+    build_model, Dist, load_manifest, BLOCK_SIZE, greedy, generate_batch = calls
     import dsconv
 
     model, _, new_cache = build_model(Path(shards), load_manifest(Path(shards)), 0, Dist(), torch.bfloat16)
     print(json.dumps({"code": str(Path(dsconv.__file__).parent)}), flush=True)
     if rss_prompt_len:
-        import resource
-
-        loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        prompts = [[100 + (7 * i + j) % 500 for j in range(rss_prompt_len)] for i in range(RSS_REQUESTS)]
-        generate_batch(model, new_cache, prompts, RSS_NEW_TOKENS, lambda s, t: None, RSS_CHUNK)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(json.dumps({"loaded_mib": loaded / 1024, "peak_mib": peak / 1024}), flush=True)
+        rss_child(model, new_cache, generate_batch, rss_prompt_len)
         return
     prompts = [list(range(100 + i, 100 + i + PROMPT_LEN)) for i in range(batch)]
     for _ in sys.stdin:
@@ -216,8 +244,7 @@ def world16_ab(sides: list[Side], shards: Path, new_tokens: int, rounds: int, ba
 def serve_ab(sides: list[Side], shards: Path, work: Path, rounds: int) -> dict[str, list[float]]:
     from contextlib import ExitStack
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_serve
+    from dsconv.scripts import bench_serve  # here: each side process runs this file on its own dsconv
 
     requests, arrivals = bench_serve.workload(32, (16, 256), (8, 128), float("inf"), 0)
     results = {side.name: [] for side in sides}
@@ -263,7 +290,7 @@ def report(label: str, unit: str, results: dict[str, list[float]]) -> dict:
     return figures
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", help="the revision to compare against (a git commit or branch)")
     parser.add_argument("--family", default="deepseek_v32", choices=["deepseek_v3", "deepseek_v32", "deepseek_v4"])
@@ -284,49 +311,67 @@ def main() -> int:
                         help=f"also the peak RSS of {RSS_REQUESTS} concurrent requests of this many prompt tokens")
     parser.add_argument("--decode-child", metavar="SHARDS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.decode_child and not args.base:
+        parser.error("--base REV is required")
+    return args
+
+
+def world16_figures(args, sides: list[Side], bench_serve) -> dict:
+    """The world-16 A/Bs (--world16-rounds): one per --world16-encodings and --world16-batch."""
+    from dsconv.family.layout import Layout
+
+    figures = {}
+    for encoding in args.world16_encodings if args.world16_rounds else ():
+        shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True,
+                                          w8a8=encoding == "w8a8")
+        for batch in args.world16_batch:
+            key = "world16" + ("" if (encoding, batch) == ("bf16", 1) else f"_{encoding}_batch{batch}")
+            figures[key] = report(f"decode tokens/s, world 16 (dsrun generate --json), {encoding.upper()} shards, "
+                                  f"{args.new_tokens} tokens, {batch} at once", "tok/s",
+                                  world16_ab(sides, shards16, args.new_tokens, args.world16_rounds, batch))
+    return figures
+
+
+def run_ab(args, tree: Path) -> dict:
+    """Every A/B the arguments ask for, base (checked out at `tree`) against head; returns the figures."""
+    from dsconv.family.layout import Layout
+    from dsconv.scripts import bench_serve  # here: each side process runs this file on its own dsconv
+
+    sides = [Side("base", tree, args.work), Side("head", REPO, args.work)]
+    shards = bench_serve.shards_for(args.work, args.family, Layout(1, 1, 1, 1))
+    info = bench_serve.machine(1)
+    bench_serve.print_machine(info, 1)
+    head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    print(f"base {args.base} vs head {head_rev} (+ uncommitted changes, if any); {args.family}, "
+          f"{args.rounds} alternating rounds", flush=True)
+    figures = {"machine": info, "base": args.base, "head": head_rev}
+    for batch in args.batch:
+        key = "decode" if batch == 1 else f"decode_batch{batch}"
+        figures[key] = report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens, {batch} at once",
+                              "tok/s", decode_ab(sides, shards, args.new_tokens, args.rounds, batch))
+    if args.rss_prompt_len:
+        print(f"peak RSS, {RSS_REQUESTS} concurrent requests of {args.rss_prompt_len} prompt tokens:", flush=True)
+        figures["rss"] = rss_ab(sides, shards, args.rss_prompt_len)
+    figures.update(world16_figures(args, sides, bench_serve))
+    if not args.skip_serve:
+        figures["serve"] = report("dsrun serve output tokens/s, world 1, 32 requests, concurrency 8", "tok/s",
+                                  serve_ab(sides, shards, args.work, args.rounds))
+    return figures
+
+
+def main() -> int:
+    args = parse_args()
     if args.decode_child:
         decode_child(args.decode_child, args.new_tokens, args.batch[0], args.rss_prompt_len)
         return 0
-    if not args.base:
-        parser.error("--base REV is required")
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_serve
-    from dsconv.family.layout import Layout
-
     args.work.mkdir(parents=True, exist_ok=True)
     tree = args.work / "base-tree"
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.base], check=True,
                    capture_output=True)
     try:
-        sides = [Side("base", tree, args.work), Side("head", REPO, args.work)]
-        shards = bench_serve.shards_for(args.work, args.family, Layout(1, 1, 1, 1))
-        info = bench_serve.machine(1)
-        bench_serve.print_machine(info, 1)
-        head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()
-        print(f"base {args.base} vs head {head_rev} (+ uncommitted changes, if any); {args.family}, "
-              f"{args.rounds} alternating rounds", flush=True)
-        figures = {"machine": info, "base": args.base, "head": head_rev}
-        for batch in args.batch:
-            key = "decode" if batch == 1 else f"decode_batch{batch}"
-            figures[key] = report(f"decode tokens/s, world 1, BF16, {args.new_tokens} tokens, {batch} at once",
-                                  "tok/s", decode_ab(sides, shards, args.new_tokens, args.rounds, batch))
-        if args.rss_prompt_len:
-            print(f"peak RSS, {RSS_REQUESTS} concurrent requests of {args.rss_prompt_len} prompt tokens:", flush=True)
-            figures["rss"] = rss_ab(sides, shards, args.rss_prompt_len)
-        for encoding in args.world16_encodings if args.world16_rounds else ():
-            shards16 = bench_serve.shards_for(args.work, args.family, Layout(), real_vocab=True,
-                                              w8a8=encoding == "w8a8")
-            for batch in args.world16_batch:
-                key = "world16" + ("" if (encoding, batch) == ("bf16", 1) else f"_{encoding}_batch{batch}")
-                figures[key] = report(f"decode tokens/s, world 16 (dsrun generate --json), {encoding.upper()} shards, "
-                                      f"{args.new_tokens} tokens, {batch} at once", "tok/s",
-                                      world16_ab(sides, shards16, args.new_tokens, args.world16_rounds, batch))
-        if not args.skip_serve:
-            figures["serve"] = report("dsrun serve output tokens/s, world 1, 32 requests, concurrency 8", "tok/s",
-                                      serve_ab(sides, shards, args.work, args.rounds))
+        figures = run_ab(args, tree)
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
     if args.json:

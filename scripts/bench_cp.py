@@ -15,23 +15,21 @@ import argparse
 import json
 import random
 import resource
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dsconv.comm.launch import launch
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.family.arch import family_for
+from dsconv.family.layout import Layout
+from dsconv.runner.engine import core
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.entrypoints.generate import gather_to_rank0, generate
+from dsconv.runner.models.weights import load_manifest
+from dsconv.scripts.bench_serve import machine, print_machine
+from dsconv.shard.shard import make_shard_plan, run_shard
 
-from dsconv.comm.launch import launch  # noqa: E402
-from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.family.arch import family_for  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.engine import core  # noqa: E402
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
-from dsconv.runner.entrypoints.generate import gather_to_rank0, generate  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
-from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 WORLD = 2
 REAL_CONFIG = REPO / "tests" / "data" / "deepseek_v32_exp.config.json"
@@ -95,7 +93,7 @@ def on_paper() -> None:
 
     step = 64  # sample every 64th position: the sums are smooth in the position
     dp = attention_macs(list(range(1, PAPER_TOKENS + 1, step))) * step
-    from dsconv.runner.models.batch import cp_positions
+    from dsconv.runner.engine.batch import cp_positions
     cp = max(attention_macs([p + 1 for p in cp_positions(PAPER_TOKENS, PAPER_CP, m)][::step]) * step
              for m in range(PAPER_CP))
     row = (lora + rope + cfg.index_head_dim) * ENTRY_BYTES

@@ -24,21 +24,18 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.comm.launch import launch  # noqa: E402
-from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.runner.engine.core import EngineClient, new_engine  # noqa: E402
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig  # noqa: E402
-from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.models.registry import build_model  # noqa: E402
-from dsconv.runner.entrypoints.generate import generate  # noqa: E402
-from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
+from dsconv.comm.launch import launch
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.runner.engine.core import EngineClient, new_engine
+from dsconv.runner.engine.config import CacheConfig, EngineConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.registry import build_model
+from dsconv.runner.entrypoints.generate import generate
+from dsconv.runner.models.dist import Dist
+from dsconv.family.arch import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
+from dsconv.runner.models.weights import load_manifest
+from dsconv.family.layout import Layout
+from dsconv.shard.shard import make_shard_plan, run_shard
 
 PROMPT_LEN = 32
 DECODE_TARGET = 5.0
@@ -62,9 +59,9 @@ def dsrun_decoder(shards: Path, prompt: list[int], new_tokens: int):
 
     def run() -> float:
         stamps = []
-        engine = new_engine(model, new_cache(64 * BLOCK_SIZE), Dist(), vocab_size=model.cfg.vocab_size,
-                            max_model_len=64 * BLOCK_SIZE, eos_token_id=None,
-                            scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt)))
+        engine = new_engine(model, new_cache(64 * BLOCK_SIZE), Dist(), EngineConfig(
+            vocab_size=model.cfg.vocab_size, max_model_len=64 * BLOCK_SIZE,
+            scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt))))
         door = EngineClient()
         door.open(engine)
         door.submit(prompt, SamplingParams(max_tokens=new_tokens),

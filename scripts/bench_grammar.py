@@ -20,18 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
-from dsconv.runner.engine.core import new_engine  # noqa: E402
-from dsconv.runner.engine.grammar import Grammars, json_spec  # noqa: E402
-from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.models.registry import DTYPES, build_model  # noqa: E402
-from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine, shards_for  # noqa: E402
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.grammar import Grammars, json_spec
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.registry import DTYPES, build_model
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.weights import load_manifest
+from dsconv.scripts.bench_serve import machine, print_machine, shards_for
 
 SEQUENCES = 8
 DECODE_STEPS = 40
@@ -43,8 +40,9 @@ SCHEMA = {"type": "array", "minItems": 16, "maxItems": 64, "items": {"type": "ob
 
 def decode_steps(model, new_cache, grammars, prompts, grammar) -> list[float]:
     cache = new_cache(CACHE_TOKENS)
-    core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
-                      eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=SEQUENCES), grammars=grammars)
+    core = new_engine(model, cache, Dist(), EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
+                                                         scheduler=SchedulerConfig(max_num_seqs=SEQUENCES)),
+                      grammars=grammars)
     scheduler = core.scheduler
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, seed=i, ignore_eos=True,

@@ -28,15 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from dsconv.comm.collectives import header_rows
+from dsconv.family.layout import Layout
+from dsconv.runner.models.moe import DEVICE_LINK_PAD_BYTES, dispatch_columns, row_bytes
+from dsconv.scripts.bench_serve import machine, print_machine, shards_for
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from dsconv.comm.collectives import header_rows  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.models.moe import DEVICE_LINK_PAD_BYTES, dispatch_columns, row_bytes  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine, shards_for  # noqa: E402
 
 WORDS = ("the forbidden city in beijing was home to emperors for five centuries and its halls hold a "
          "collection of paintings bronzes ceramics and clocks").split()

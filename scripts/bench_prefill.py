@@ -15,26 +15,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from unittest import mock
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
-from dsconv.runner.engine.core import new_engine  # noqa: E402
-from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.models.registry import DTYPES, build_model  # noqa: E402
-from dsconv.runner.models.deepseek_v3 import Attention  # noqa: E402
-from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
-from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.registry import DTYPES, build_model
+from dsconv.runner.models.deepseek_v3 import Attention
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.weights import load_manifest
+from dsconv.scripts.bench_serve import machine, print_machine
+from dsconv.shard.shard import make_shard_plan, run_shard
 
 REGIMES = (8, 2048)  # index_topk: far below the prompt, and half of it
 
@@ -42,8 +38,9 @@ REGIMES = (8, 2048)  # index_topk: far below the prompt, and half of it
 def prefill_seconds(model, new_cache, prompt: list[int], absorbed: bool) -> float:
     """One step that prefills `prompt` whole (and samples its first token), with the path forced."""
     cache = new_cache(len(prompt) + 16)
-    engine = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=len(prompt) + 16,
-                        eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt)))
+    engine = new_engine(model, cache, Dist(), EngineConfig(
+        vocab_size=model.cfg.vocab_size, max_model_len=len(prompt) + 16,
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(prompt))))
     engine.scheduler.add("p", prompt, SamplingParams(max_tokens=1), None)
     with mock.patch.object(Attention, "absorbed_is_cheaper", lambda self, queries, context: absorbed):
         started = time.perf_counter()

@@ -36,13 +36,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import httpx
 
-import httpx  # noqa: E402
-
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.scripts.bench_serve import TOKEN_IDS, machine, model_id, new_client, print_machine, serving, shards_for  # noqa: E402,E501
+from dsconv.family.layout import Layout
+from dsconv.scripts.bench_serve import (TOKEN_IDS, machine, model_id, new_client, print_machine, serving,
+                                        shards_for)
 
 SYSTEM_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS = 512, 24, 16
 CONVERSATIONS, TURNS = 16, 4

@@ -22,13 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.convert.plan import TO_INT8, TO_BF16  # noqa: E402
-from dsconv.convert.quantize import build_plan  # noqa: E402
-from dsconv.kernels.int8 import quantize_rows_reference  # noqa: E402
-from dsconv.convert.tiny_checkpoint import LARGE_CONFIG, LARGE_FILE_BYTES, make_tiny_checkpoint  # noqa: E402
+from dsconv.convert.plan import TO_INT8, TO_BF16
+from dsconv.convert.quantize import build_plan
+from dsconv.kernels.int8 import quantize_rows_reference
+from dsconv.convert.tiny_checkpoint import LARGE_CONFIG, LARGE_FILE_BYTES, make_tiny_checkpoint
 
 SPEEDUP_TARGET = 4.0  # dsconv vs naive
 COPY_RATIO_TARGET = 2.0  # dsconv time / copy time

@@ -43,16 +43,13 @@ import httpx
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.convert.quantize import build_plan, run_quantize  # noqa: E402
-from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from dsconv.errors import InputError  # noqa: E402
-from dsconv.kernels.device import cpu_model_and_flags  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.shard.shard import make_shard_plan, run_shard  # noqa: E402
+from dsconv.convert.quantize import build_plan, run_quantize
+from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
+from dsconv.errors import InputError
+from dsconv.kernels.device import cpu_model_and_flags
+from dsconv.runner.models.weights import load_manifest
+from dsconv.family.layout import Layout
+from dsconv.shard.shard import make_shard_plan, run_shard
 
 CONTINUOUS_TARGET = 1.5
 TOKEN_IDS = (2, 1000)  # prompt token ids are drawn from here: inside the tiny fixtures' 1024-token vocabulary
@@ -357,7 +354,7 @@ def main() -> int:
         raise SystemExit(f"bench_serve: {exc}") from None
 
 
-def bench() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running server (its model is the first of /v1/models)")
     parser.add_argument("--shards", type=Path, help="shards to serve (default: a tiny checkpoint built in --work)")
@@ -384,7 +381,33 @@ def bench() -> int:
         parser.error("--num-prompts, --max-concurrency, --rounds and --request-rate must be positive")
     if args.url and args.dp_compare:
         parser.error("--dp-compare starts its own servers (one per balancing); it takes --shards, not --url")
+    return args
 
+
+def dp_compare(args, requests, arrivals, flags: list[str], figures: dict) -> None:
+    """(2): a 16-rank server per --dp-balancing, each given the same requests; their figures go into `figures`."""
+    shards = args.shards or shards_for(args.work, args.family, Layout(16, 16, 16, 1))
+    world = load_manifest(shards)["layout"]["world_size"]
+    figures["machine"] = machine(world)
+    print_machine(figures["machine"], world)
+    print(f"{shards} ({world} ranks, {args.dtype}): {args.num_prompts} requests, prompts {args.input_len[0]}-"
+          f"{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, request rate "
+          f"{args.request_rate}, max concurrency {args.max_concurrency}, seed {args.seed}", flush=True)
+    for balancing in ("least-loaded", "round-robin"):
+        with serving(shards, args.work / f"serve-{balancing}.log", *flags, "--dp-balancing", balancing) as url:
+            summary = asyncio.run(dp_run(url, args, requests, arrivals))
+        figures[balancing] = summary
+        print(f"  --dp-balancing {balancing}: mean DP imbalance {summary['dp_imbalance_mean']:.3f} over "
+              f"{summary['busy_steps']:.0f} busy steps; {summary['completed']} completed, {summary['failed']} "
+              f"failed, {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output "
+              f"tok/s", flush=True)
+    ratio = figures["round-robin"]["dp_imbalance_mean"] / figures["least-loaded"]["dp_imbalance_mean"]
+    figures["imbalance_ratio"] = ratio
+    print(f"round-robin / least-loaded mean DP imbalance: {ratio:.2f}x (least-loaded should be lower)")
+
+
+def bench() -> int:
+    args = parse_args()
     requests, arrivals = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                                   args.request_rate, args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -392,28 +415,12 @@ def bench() -> int:
     figures = {"workload": {k: (str(v) if isinstance(v, (Path, float)) else v) for k, v in vars(args).items()}}
 
     if args.dp_compare:
-        shards = args.shards or shards_for(args.work, args.family, Layout(16, 16, 16, 1))
-        world = load_manifest(shards)["layout"]["world_size"]
-        figures["machine"] = machine(world)
-        print_machine(figures["machine"], world)
-        print(f"{shards} ({world} ranks, {args.dtype}): {args.num_prompts} requests, prompts {args.input_len[0]}-"
-              f"{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, request rate "
-              f"{args.request_rate}, max concurrency {args.max_concurrency}, seed {args.seed}", flush=True)
-        for balancing in ("least-loaded", "round-robin"):
-            with serving(shards, args.work / f"serve-{balancing}.log", *flags, "--dp-balancing", balancing) as url:
-                summary = asyncio.run(dp_run(url, args, requests, arrivals))
-            figures[balancing] = summary
-            print(f"  --dp-balancing {balancing}: mean DP imbalance {summary['dp_imbalance_mean']:.3f} over "
-                  f"{summary['busy_steps']:.0f} busy steps; {summary['completed']} completed, {summary['failed']} "
-                  f"failed, {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output "
-                  f"tok/s", flush=True)
-        ratio = figures["round-robin"]["dp_imbalance_mean"] / figures["least-loaded"]["dp_imbalance_mean"]
-        figures["imbalance_ratio"] = ratio
-        print(f"round-robin / least-loaded mean DP imbalance: {ratio:.2f}x (least-loaded should be lower)")
+        dp_compare(args, requests, arrivals, flags, figures)
     elif args.url:
         figures["machine"] = machine(None)
         print_machine(figures["machine"], None)
-        figures.update(report_batching(asyncio.run(compare_batching(args.url, args, requests, arrivals)), args, requests))
+        rounds = asyncio.run(compare_batching(args.url, args, requests, arrivals))
+        figures.update(report_batching(rounds, args, requests))
     else:
         shards = args.shards or shards_for(args.work, args.family, Layout(1, 1, 1, 1))
         world = load_manifest(shards)["layout"]["world_size"]

@@ -26,19 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dsconv.runner.models.dist import Dist  # noqa: E402
-from dsconv.runner.models.registry import DTYPES, build_model  # noqa: E402
-from dsconv.runner.engine.config import SchedulerConfig  # noqa: E402
-from dsconv.runner.engine.core import new_engine  # noqa: E402
-from dsconv.runner.engine.request import SamplingParams  # noqa: E402
-from dsconv.runner.models.weights import load_manifest  # noqa: E402
-from dsconv.scripts.bench_serve import (TOKEN_IDS, machine, print_machine, shards_for, step_bound,  # noqa: E402
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import DTYPES, build_model
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
+from dsconv.runner.engine.core import new_engine
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.weights import load_manifest
+from dsconv.scripts.bench_serve import (TOKEN_IDS, machine, print_machine, shards_for, step_bound,
                                         workload)
-from dsconv.family.layout import Layout  # noqa: E402
+from dsconv.family.layout import Layout
 
 SEQUENCES = (1, 2, 4, 8, 16)
 DECODE_STEPS = 40
@@ -51,8 +47,9 @@ class Engine:
 
     def __init__(self, model, new_cache):
         cache = new_cache(CACHE_TOKENS)
-        self.core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
-                               eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096))
+        self.core = new_engine(model, cache, Dist(), EngineConfig(
+            vocab_size=model.cfg.vocab_size, max_model_len=CACHE_TOKENS,
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096)))
         self.scheduler = self.core.scheduler
         self.added = 0
 

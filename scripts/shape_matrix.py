@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROWS = REPO / "docs" / "shape_matrix.jsonl"
 OUT = REPO / "docs" / "shape_matrix.md"
 NEW_TOKENS = 24
+FILE_BYTES = 1_000_000  # the output files' cap: several files even for these tiny checkpoints
 
 
 def prompt_text(chars: int, offset: int = 0) -> str:
@@ -43,11 +44,24 @@ def dsrun(command: str, shards: Path, rows: Path, *args) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
+def quantize(src: Path, out: Path) -> None:
+    """`dsconv quantize` (the default recipe, ascend format) on two workers."""
+    from dsconv.convert.quantize import build_plan, run_quantize
+
+    run_quantize(build_plan(src, None, "ascend", FILE_BYTES), out, workers=2, on_progress=lambda n: None)
+
+
+def shard(src: Path, out: Path, layout) -> None:
+    """`dsconv shard` for `layout` on two workers."""
+    from dsconv.shard.shard import make_shard_plan, run_shard
+
+    run_shard(make_shard_plan(src, layout, FILE_BYTES), out, 2, lambda n: None)
+
+
 def build_shards(scratch: Path) -> dict[str, Path]:
     from dsconv.convert.tiny_checkpoint import make_tiny_checkpoint
     from dsconv.family.layout import Layout
     from dsconv.shard.demo import demo_shards
-    from tests.helpers import quantize, shard
 
     v32 = make_tiny_checkpoint(scratch / "v32", "deepseek_v32", encoding="fp8", real_vocab=True)
     quantize(v32, scratch / "v32-w8a8")
@@ -117,7 +131,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--render-only", action="store_true", help="render from the existing rows, run nothing")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     if not args.render_only:
         run_matrix(ROWS)

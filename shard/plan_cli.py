@@ -16,10 +16,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dsconv.family.arch import Family, check_kv_cache_dtype, family_for
+from dsconv.family.arch import Family, check_kv_cache_dtype, family_for, recipe_for, recipes_help
 from dsconv.console import console, fail
 from dsconv.errors import InputError
-from dsconv.family.recipes import Recipe, recipe_for, recipes_help
+from dsconv.family.recipes import Recipe
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_WORLD_SIZE, Layout
 from dsconv.family.placement import CATEGORIES, check_layout
 from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
@@ -136,41 +136,57 @@ def _precisions(family: Family, recipe: Optional[str]) -> list[tuple[str, Recipe
     return [("BF16", None), (f"W8A8 (recipe {chosen.name})", chosen)]
 
 
+# -- plan's options ------------------------------------------------------------------------------------------------
+
+ConfigPath = Annotated[Path, typer.Option(
+    help="The model's config.json (or a checkpoint directory holding one); nothing else is read.")]
+Ep = Annotated[int, typer.Option(
+    help="MoE expert-parallel size: each EP rank owns n_routed_experts/ep experts of every layer.")]
+Tp = Annotated[int, typer.Option(help="lm_head vocabulary-parallel size: each rank owns vocab/tp rows.")]
+AttnTp = Annotated[int, typer.Option(help=(
+    "Attention tensor-parallel size (heads split over attn-tp ranks); 1 replicates attention on every rank "
+    "(attention DP = world size). V3.2's usual choice is 8, V4-Flash's is 1."))]
+OprojTp = Annotated[int, typer.Option(
+    help="o_proj tensor-parallel size over attention-DP ranks (needs --attn-tp 1; V3 / V3.2).")]
+EmbedTp = Annotated[int, typer.Option(help="Embedding vocabulary-parallel size.")]
+WorldSize = Annotated[Optional[int], typer.Option(help=(
+    "Number of ranks (cards). Default: the largest of --ep, --tp, --attn-tp, --oproj-tp and --embed-tp, as for "
+    "`dsconv shard`."))]
+CardGb = Annotated[float, typer.Option(
+    help="Memory of one card in GB (10^9 bytes); headroom = card - weights - KV cache.")]
+Batch = Annotated[int, typer.Option(
+    help="Sequences per attention-DP rank (each DP rank holds only its own requests' KV cache).")]
+Seq = Annotated[int, typer.Option(help="Tokens per sequence (prompt + generated).")]
+MaxNumBatchedTokens = Annotated[int, typer.Option(help=(
+    "Tokens one attention-DP rank feeds per step (dsrun's flag): sizes the worst-case MoE exchange, every token of "
+    "every DP rank routed to one rank's experts."))]
+KvCacheDtype = Annotated[str, typer.Option(help=(
+    "KV cache entries: auto (BF16) or int8 (V3 / V3.2: the MLA latent and indexer keys in INT8 with float32 scales, "
+    "the rope key BF16), as dsrun --kv-cache-dtype."))]
+Mtp = Annotated[bool, typer.Option(help=(
+    "Count the MTP layer's weights (the converter writes them; a runner without speculative decoding need not load "
+    "them)."))]
+JsonOutput = Annotated[bool, typer.Option("--json", help=(
+    "Print one JSON object (per-rank weights by category, cache bytes per token by component, headroom, tokens that "
+    "fit) instead of tables."))]
+
 def plan(
-    config: Annotated[Path, typer.Option(
-        help="The model's config.json (or a checkpoint directory holding one); nothing else is read.")],
-    ep: Annotated[int, typer.Option(help="MoE expert-parallel size: each EP rank owns n_routed_experts/ep "
-                                         "experts of every layer.")] = DEFAULT_WORLD_SIZE,
-    tp: Annotated[int, typer.Option(help="lm_head vocabulary-parallel size: each rank owns vocab/tp rows.")]
-    = DEFAULT_WORLD_SIZE,
-    attn_tp: Annotated[int, typer.Option(help="Attention tensor-parallel size (heads split over attn-tp ranks); "
-                                              "1 replicates attention on every rank (attention DP = world "
-                                              "size). V3.2's usual choice is 8, V4-Flash's is 1.")] = 1,
-    oproj_tp: Annotated[int, typer.Option(help="o_proj tensor-parallel size over attention-DP ranks (needs "
-                                               "--attn-tp 1; V3 / V3.2).")] = 1,
-    embed_tp: Annotated[int, typer.Option(help="Embedding vocabulary-parallel size.")] = 1,
-    world_size: Annotated[Optional[int], typer.Option(
-        help="Number of ranks (cards). Default: the largest of --ep, --tp, --attn-tp, --oproj-tp and --embed-tp, "
-             "as for `dsconv shard`.")] = None,
-    card_gb: Annotated[float, typer.Option(help="Memory of one card in GB (10^9 bytes); headroom = card - "
-                                                "weights - KV cache.")] = 64,
-    batch: Annotated[int, typer.Option(help="Sequences per attention-DP rank (each DP rank holds only its own "
-                                            "requests' KV cache).")] = 1,
-    seq: Annotated[int, typer.Option(help="Tokens per sequence (prompt + generated).")] = 4096,
-    max_num_batched_tokens: Annotated[int, typer.Option(
-        help="Tokens one attention-DP rank feeds per step (dsrun's flag): sizes the worst-case MoE exchange, every "
-             "token of every DP rank routed to one rank's experts.")] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache entries: auto (BF16) or int8 (V3 / V3.2: the MLA "
-                                                     "latent and indexer keys in INT8 with float32 scales, the "
-                                                     "rope key BF16), as dsrun --kv-cache-dtype.")] = "auto",
-    recipe: Annotated[Optional[str], typer.Option(
-        help="Recipe of the W8A8 table. " + recipes_help())] = None,
-    mtp: Annotated[bool, typer.Option(help="Count the MTP layer's weights (the converter writes them; a runner "
-                                           "without speculative decoding need not load them).")] = True,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (per-rank weights by "
-                                                             "category, cache bytes per token by component, "
-                                                             "headroom, tokens that fit) instead of tables.")]
-    = False,
+    config: ConfigPath,
+    ep: Ep = DEFAULT_WORLD_SIZE,
+    tp: Tp = DEFAULT_WORLD_SIZE,
+    attn_tp: AttnTp = 1,
+    oproj_tp: OprojTp = 1,
+    embed_tp: EmbedTp = 1,
+    world_size: WorldSize = None,
+    card_gb: CardGb = 64,
+    batch: Batch = 1,
+    seq: Seq = 4096,
+    max_num_batched_tokens: MaxNumBatchedTokens = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    kv_cache_dtype: KvCacheDtype = "auto",
+    # inline, not a module-level alias: recipes_help() lists the families registered when the command is built
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe of the W8A8 table. " + recipes_help())] = None,
+    mtp: Mtp = True,
+    json_output: JsonOutput = False,
 ) -> None:
     """Per-rank memory for a parallel layout, from config.json alone: plan before downloading 160-700 GB.
 
@@ -185,10 +201,8 @@ def plan(
         layout = Layout.sized(world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
         check_layout(family, arch, layout)
         check_kv_cache_dtype(family, kv_cache_dtype)
-        for name, value in (("--batch", batch), ("--seq", seq), ("--card-gb", card_gb),
-                            ("--max-num-batched-tokens", max_num_batched_tokens)):
-            if value <= 0:
-                raise InputError(f"{name} {value} must be positive")
+        _check_positive({"--batch": batch, "--seq": seq, "--card-gb": card_gb,
+                         "--max-num-batched-tokens": max_num_batched_tokens})
         precisions = _precisions(family, recipe)
     except InputError as exc:
         fail(str(exc))
@@ -198,16 +212,28 @@ def plan(
     if json_output:
         print(json.dumps(report, indent=1))
         return
-    kv_bytes = report["kv_cache"]["bytes_for_batch"]
-    fine = "".join(f", {name} {size}" for name, size in (("o_proj TP", oproj_tp), ("embedding TP", embed_tp))
-                   if size > 1)
-    console.print(f"[bold]dsconv plan[/]: {family.name} from {escape(str(config))}; {layout.world_size} ranks: "
+    _print_report(report, arch, layout, config, card_gb)
+
+
+def _check_positive(values: dict[str, float]) -> None:
+    """values: option name -> value; the first that is not positive is an InputError."""
+    for name, value in values.items():
+        if value <= 0:
+            raise InputError(f"{name} {value} must be positive")
+
+
+def _print_report(report: dict, arch: object, layout: Layout, config: Path, card_gb: float) -> None:
+    """The tables `dsconv plan` prints without --json: a weights table per precision, then the KV cache's."""
+    batch, seq, kv = report["batch"], report["seq"], report["kv_cache"]
+    fine = "".join(f", {name} {size}" for name, size in (("o_proj TP", layout.oproj_tp),
+                                                         ("embedding TP", layout.embed_tp)) if size > 1)
+    console.print(f"[bold]dsconv plan[/]: {report['model']} from {escape(str(config))}; {layout.world_size} ranks: "
                   f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}{fine}")
-    mtp_note = "MTP layer included" if mtp else "MTP layer not counted"
+    mtp_note = "MTP layer included" if report["mtp_counted"] else "MTP layer not counted"
     for precision in report["precisions"]:
         title = (f"{precision['label']} weights, GB (10^9 B) per rank ({mtp_note}); KV cache "
-                 f"({kv_cache_dtype}) for {batch} x {seq} tokens; tokens of KV cache that fit beside the weights")
-        console.print(_weights_table(title, precision, kv_bytes, card_gb))
+                 f"({kv['dtype']}) for {batch} x {seq} tokens; tokens of KV cache that fit beside the weights")
+        console.print(_weights_table(title, precision, kv["bytes_for_batch"], card_gb))
         console.print(f"  on disk: {_gb(precision['on_disk_bytes'])} GB in {precision['shard_directories']} shard "
                       f"directories (replicated tensors counted once; file headers and Ascend weight_offset zeros "
                       f"excluded)")

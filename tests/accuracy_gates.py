@@ -39,6 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128  # the training sequence length
 PROMPT_TOKENS = 32  # each prompt: BOS + the first tokens of one held-out module
 NEW_TOKENS = 64
+# How much held-out text each gate reads (tests/test_accuracy_gate.py says why; tests/tools/ evaluates the same)
+EVAL_TOKENS = 4096  # held-out tokens scored by the W8A8 gates (32 windows)
+CACHE_GATE_WINDOWS = 827  # V3.2's cache and recipe gates: every whole 128-token window of the 105,947 held-out tokens
+V4_CACHE_GATE_WINDOWS = 256  # V4's cache gate: the first 256 windows
 # Processes per gate, one core each, a share of the windows each (the CI machine's 2 cores); the figures are the
 # same bits for any number (figures_of)
 PARTS = 2

@@ -16,14 +16,14 @@ from dsconv.convert.quantize import build_plan, run_quantize
 from dsconv.kernels.int8 import quantize_rows_reference
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.engine.block_pool import BlockPool
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import CacheConfig, RunConfig, EngineConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, new_engine
 from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.engine.worker import InputBuilder, StepInputs
 from dsconv.runner.entrypoints.generate import generate
 from dsconv.runner.entrypoints.perplexity import score
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.step import StepMeta
 from dsconv.runner.models.v4_cache import V4Cache
 from dsconv.shard.shard import make_shard_plan, run_shard
@@ -206,10 +206,11 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
     admitted at once and prefilled in one step, then one token per sequence per step, each stopping at EOS (None:
     never) or after max_new_tokens. The finished sequences' room is given back to the cache, which the next call
     may reuse."""
-    engine = new_engine(model, cache, Dist(), vocab_size=vocab_size or model.cfg.vocab_size,
-                        max_model_len=cache.num_blocks * cache.block_size, eos_token_id=eos_id,
-                        scheduler=SchedulerConfig(max_num_seqs=max(1, len(prompts)),
-                                                  max_num_batched_tokens=max(1, sum(map(len, prompts)))))
+    scheduler = SchedulerConfig(max_num_seqs=max(1, len(prompts)),
+                                max_num_batched_tokens=max(1, sum(map(len, prompts))))
+    engine = new_engine(model, cache, Dist(), EngineConfig(vocab_size=vocab_size or model.cfg.vocab_size,
+                                                           max_model_len=cache.num_blocks * cache.block_size,
+                                                           eos_token_id=eos_id, scheduler=scheduler))
     door = EngineClient()
     door.open(engine)
     outputs: list[list[int]] = [[] for _ in prompts]

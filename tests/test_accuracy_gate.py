@@ -23,13 +23,12 @@ from dsconv.family.arch import Encoding
 from dsconv.convert.tiny_checkpoint import decode_fp4, decode_fp8
 from dsconv.runner.entrypoints.perplexity import windows
 from dsconv.family.layout import Layout
-from tests.accuracy_gates import CONTEXT, PROMPT_TOKENS, gate_report, heldout_ids, pinned_gate_figures, \
-    takes_square_roots
+from tests.accuracy_gates import CACHE_GATE_WINDOWS, CONTEXT, EVAL_TOKENS, PROMPT_TOKENS, V4_CACHE_GATE_WINDOWS, \
+    gate_report, heldout_ids, pinned_gate_figures, takes_square_roots
 from tests.helpers import Steps, greedy, quantize, score_ranks, shard, transformers_perplexity
 from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import start_rank
 
-EVAL_TOKENS = 4096  # held-out tokens scored by the W8A8 gate (32 windows)
 # Gate thresholds; every figure below is the pinned evaluation's, the same on every CPU (RECORDED), on the trained
 # models' recorded bytes. V3.2 and V4 (their indexers trained): perplexity +0.140% / +0.110%, cosine 0.99982 /
 # 0.99998, top-1 agreement 0.9953 / 0.9875 (637 / 632 of 640)
@@ -58,7 +57,6 @@ RELATIVE_TOLERANCE = 1e-4  # dsrun perplexity against transformers
 CACHE_PERPLEXITY_RELATIVE = 0.005
 POSITION_COSINE_MIN = 0.999
 CACHE_COSINE_MIN = 0.9997
-CACHE_GATE_WINDOWS = 827  # every whole 128-token window of the 105,947 held-out tokens
 # V4's INT8 (C8) cache on the trained V4 (its indexer trained as V3.2's, index_topk 8 of the window's up to 32
 # compressed entries), over the first 256 windows: its logits move about ten times less than V3.2's under any
 # cache grid, and the bounds above cannot tell INT8 from a 6-bit grid there. Pinned figures, INT8 / 6-bit (amax/31):
@@ -66,7 +64,6 @@ CACHE_GATE_WINDOWS = 827  # every whole 128-token window of the 105,947 held-out
 # cosine over all positions, where 1 - cosine grows with the square of the grid's step: 1.3e-6 / 8.0e-6. V4's gate
 # bounds that mean at 1 - 5e-6, which the 6-bit grid fails, beside the perplexity and per-position bounds
 # (docs/benchmarks.md, "V4's INT8 (C8) cache on the trained V4").
-V4_CACHE_GATE_WINDOWS = 256
 V4_CACHE_COSINE_MIN = 0.999995
 
 # Each gate's figures as PINNED_CPU_ENV evaluation gives them on every CPU (docs/benchmarks.md, "The accuracy gates
@@ -101,7 +98,7 @@ def assert_recorded(name: str, figures: dict) -> None:
     differ += [f"{key} {figures[key]:.{digits}f} (recorded {want[key]:.{digits}f})" for key, digits in DIGITS.items()
                if abs(figures[key] - want[key]) > 0.5 * 10 ** -digits + 1e-12]
     assert not differ, (f"{name}: not the recorded figures on this CPU ({cpu_description()}), or the code now "
-                        f"computes something else (re-measure with scripts/accuracy_gates_cpus.py): "
+                        f"computes something else (re-measure with `python -m tests.tools.accuracy_gates_cpus`): "
                         f"{'; '.join(differ)}")
 
 

@@ -13,8 +13,9 @@ from dsconv.errors import InputError
 from dsconv.family.arch import check_context_parallel, families
 from dsconv.family.layout import Layout
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
-from dsconv.runner.engine.scheduler import Scheduler
-from dsconv.runner.models.batch import cp_positions
+from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.scheduler import PoolShape, Scheduler
+from dsconv.runner.engine.batch import cp_positions
 from tests.helpers import Server, generate_ranks, score_ranks, shard, stable_index_ties
 
 NEW_TOKENS = 6
@@ -44,7 +45,9 @@ def test_split_balances_causal_work():
 # -- the scheduler ---------------------------------------------------------------------------------------------
 
 def scheduler(dp=4, cp_size=2, **kwargs):
-    return Scheduler(dp, 64, 4, 8, 64, None, cp_size=cp_size, cp_min_tokens=MIN_TOKENS, **kwargs)
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, cp_size=cp_size,
+                                     cp_min_tokens=MIN_TOKENS),
+                     PoolShape(dp=dp, num_blocks=64, block_size=4, **kwargs))
 
 
 def test_a_long_prompt_takes_its_groups_step():
@@ -100,7 +103,8 @@ def test_short_prompts_and_recomputed_requests_are_not_split():
 
     # A long prompt prefilled by its group, preempted once it has generated: recomputed (prompt and output) on its
     # own rank alone. 4 blocks of 4 tokens per DP rank hold "first" (3 + 10) or "long" (10 + 3), not both.
-    s = Scheduler(2, 4, 4, 8, 64, None, cp_size=2, cp_min_tokens=MIN_TOKENS)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, cp_size=2, cp_min_tokens=MIN_TOKENS),
+                  PoolShape(dp=2, num_blocks=4, block_size=4))
     s.add("first", [1, 2, 3], SamplingParams(max_tokens=10), None, dp_rank=0)
     step = s.schedule()
     s.update(step, results_of(step))

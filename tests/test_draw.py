@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from dsconv.runner.engine.sampler import plain_draws, sample
-from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
+from dsconv.runner.engine.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.models.draw import Draw, merge, pick_full, slice_entries, width
 from tests.test_scheduler import random_logits, reference_probs
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from dsconv.family.arch import (ArchError, Encoding, Family, Role, TensorSpec, families, family_for, register,
                                  unregister)
 from dsconv.cli import app
-from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe, recipe_for
+from dsconv.family.arch import recipe_for
+from dsconv.family.recipes import EXPERTS, FUSED_PAIRS, Recipe
 from dsconv.convert.safetensors_io import read_header
 from dsconv.errors import InputError
 from dsconv.manifest.verify import verify

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dsconv.family.arch import Encoding, family_for
 from dsconv.cli import app
-from dsconv.family.recipes import recipe_for
+from dsconv.family.arch import recipe_for
 from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES, category, check_layout, place
 from dsconv.shard.sizes import (entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence, kv_cache_bytes_per_token,

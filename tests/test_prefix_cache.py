@@ -16,10 +16,10 @@ from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.weights import load_manifest
 from tests.helpers import launch_ranks, run_config, shard
 from tests.rank_entries import one_after_another
-from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.request import SeqResult
-from dsconv.runner.engine.scheduler import Scheduler
+from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.models.v4_cache import V4Cache, entry_slots
 
 NEW_TOKENS = 6
@@ -27,9 +27,10 @@ NEW_TOKENS = 6
 
 def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True):
     """dsrun's engine on one rank, stepped by the test through its scheduler."""
-    return new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                enable_prefix_caching=prefix_caching))
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                enable_prefix_caching=prefix_caching)
+    return new_engine(model, cache, Dist(), EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
+                                                         scheduler=scheduler))
 
 
 def fake_results(step):
@@ -79,7 +80,8 @@ def test_cache_aware_placement_weighs_the_hit_against_the_load():
     for balancing, caching, salt, extra, want in [("cache-aware", True, None, 30, 0), ("cache-aware", True, None, 50, 1),
                                                   ("cache-aware", True, "b", 30, 1), ("cache-aware", False, None, 30, 1),
                                                   ("least-loaded", True, None, 30, 1)]:
-        s = Scheduler(2, 64, 4, 8, 64, eos_token_id=None, balancing=balancing, prefix_caching=caching)
+        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, balancing=balancing),
+                      PoolShape(dp=2, num_blocks=64, block_size=4, prefix_caching=caching))
         s.add("first", prefix, SamplingParams(max_tokens=1), lambda out: None, dp_rank=0)
         drained(s)
         s.add("load", list(range(extra)), SamplingParams(max_tokens=1), lambda out: None, dp_rank=0)  # queued on rank 0

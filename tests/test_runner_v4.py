@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM
 from dsconv.family.deepseek_v4 import AttnType, parse_config
 from dsconv.errors import InputError
 from dsconv.runner.models import step as step_module
-from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.request import SamplingParams
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.v4_cache import V4Cache
 from dsconv.runner.models.dist import Dist
 from tests.helpers import greedy
@@ -309,8 +309,9 @@ def test_cache_storage_is_allocated_once_and_the_pool_empties(pair):
     cache = V4Cache(cfg, 96, torch.float32, max_seqs=4)
     allocated = {id(t): t.data_ptr() for t in cache.tensors()}
     assert {id(t) for t in _tensors(cache).values()} == set(allocated)
-    core = new_engine(model, cache, Dist(), vocab_size=cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24))
+    core = new_engine(model, cache, Dist(), EngineConfig(
+        vocab_size=cfg.vocab_size, max_model_len=4096,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24)))
     s = core.scheduler
     for i, n in enumerate((21, 30)):
         s.add(str(i), prompt(cfg.vocab_size, n, seed=n), SamplingParams(max_tokens=12, temperature=1.0, seed=i, n=2),
@@ -342,8 +343,9 @@ def test_engine_tokens_equal_transformers(pair, block_size):
         want = [reference.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     cache = V4Cache(cfg, 160, torch.float32, block_size=block_size, max_seqs=5)  # the longest alone fits
-    core = new_engine(model, cache, Dist(), vocab_size=cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=23))
+    core = new_engine(model, cache, Dist(), EngineConfig(
+        vocab_size=cfg.vocab_size, max_model_len=4096,
+        scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=23)))
     s = core.scheduler
     for i, p in enumerate(prompts):
         s.add(str(i), p, SamplingParams(max_tokens=new_tokens, n=3 if i == 0 else 1), None)

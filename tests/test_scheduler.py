@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from dsconv.errors import InputError
-from dsconv.runner.models.batch import Batch, PromptScores, SampleSpec
+from dsconv.runner.engine.batch import Batch, PromptScores, SampleSpec
 from dsconv.runner.models.dist import Dist
-from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.config import EngineConfig, SchedulerConfig
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.engine.request import SamplingParams, SeqResult, TokenLogprob
 from dsconv.runner.engine.sampler import sample, step_results
 from dsconv.runner.models.draw import gumbel
-from dsconv.runner.engine.scheduler import Scheduler
+from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
 from tests.helpers import shard
@@ -27,7 +27,8 @@ VOCAB = 50
 
 
 def scheduler(dp=1, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, balancing="least-loaded"):
-    return Scheduler(dp, num_blocks, block_size, max_num_seqs, budget, eos_token_id=None, balancing=balancing)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, balancing=balancing),
+                     PoolShape(dp=dp, num_blocks=num_blocks, block_size=block_size))
 
 
 def fake_results(step):
@@ -291,9 +292,10 @@ def test_prompt_scoring_without_generation():
 
 def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True):
     """dsrun's engine on one rank, stepped by the test through its scheduler."""
-    return new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                enable_prefix_caching=prefix_caching))
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                enable_prefix_caching=prefix_caching)
+    return new_engine(model, cache, Dist(), EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
+                                                         scheduler=scheduler))
 
 
 # (block size, prompt lengths, a cache too small for both): 21 + 12 and 30 + 12 tokens do not fit together in 4

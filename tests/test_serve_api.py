@@ -8,6 +8,7 @@ import itertools
 import json
 import queue
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -1135,3 +1136,53 @@ def test_odd_values_of_the_new_fields_are_never_a_server_error():
         for tail in ([], [{"role": "user", "content": "y"}]):
             response = client.post("/v1/chat/completions", json={**GOOD_CHAT, "messages": [message] + tail})
             assert response.status_code in (200, 400), (message, response.text)
+
+
+# --- the files a chat request's body passes through ---------------------------------------------------------------
+
+def _entries(run) -> list[tuple[str, str, str]]:
+    """(caller file, callee file, callee function) for each call from one project file into another while `run()`
+    runs, in every thread it starts; a coroutine or generator resumed is not a new call."""
+    root, seen, entries = str(Path(__file__).resolve().parents[1]), set(), []
+
+    def project(code) -> str | None:
+        name = code.co_filename
+        inside = name.startswith(root) and "/tests/" not in name and "/.venv/" not in name
+        return name[len(root) + 1:] if inside else None
+
+    def profile(frame, event, _arg):
+        if event != "call" or frame in seen or project(frame.f_code) is None:
+            return
+        seen.add(frame)
+        caller = frame.f_back
+        while caller is not None and project(caller.f_code) is None:
+            caller = caller.f_back
+        callee = project(frame.f_code)
+        if caller is not None and project(caller.f_code) != callee:
+            entries.append((project(caller.f_code), callee, frame.f_code.co_qualname))
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return entries
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_body_enters_chat_and_protocol_once(stream):
+    """A chat request with tools, followed through its calls: its body is translated once (protocol.parse_chat) and
+    answered once (chat.chat_completions); neither file is entered again except by the response's own methods,
+    which the streaming loop calls back (ChatCompletion's)."""
+    client, _ = chat_client_for("deepseek_v32", "Let me check." + V32.render_calls(CALLS))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+            "max_tokens": 400, "stream": stream}
+    entries = _entries(lambda: client.post("/v1/chat/completions", json=body).raise_for_status())
+    into = {name: [(caller, function) for caller, callee, function in entries if callee.endswith(name)
+                   and not function.startswith("ChatCompletion.")] for name in ("/chat.py", "/protocol.py")}
+    assert into["/chat.py"] == [("runner/entrypoints/openai/app.py", "chat_completions")], into["/chat.py"]
+    assert into["/protocol.py"] == [("runner/entrypoints/openai/app.py", "parse_chat")], into["/protocol.py"]
+    callbacks = {caller for caller, callee, function in entries if function.startswith("ChatCompletion.")}
+    assert callbacks <= {"runner/entrypoints/openai/streaming.py", "runner/entrypoints/openai/choice.py"}, callbacks

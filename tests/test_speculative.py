@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM
 from dsconv.errors import InputError
 from dsconv.family.layout import Layout
 from dsconv.runner.engine import sampler, worker as worker_module
-from dsconv.runner.engine.config import RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import RunConfig, EngineConfig, SchedulerConfig
 from dsconv.runner.engine.grammar import Grammars, json_spec
 from dsconv.runner.engine.core import new_engine
 from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.engine.speculative import SpeculativeConfig, accept_greedy
-from dsconv.runner.models.batch import SampleSpec
+from dsconv.runner.engine.batch import SampleSpec
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.v4_cache import speculative_windows
@@ -78,9 +78,10 @@ def run(model, new_cache, prompts, k, budget=4096, cache_tokens=1024, kv_cache_d
     with `grammars`, if given) -> (tokens per prompt and round, the drafts proposed {(request id, position they
     start at): drafts}, the scheduler)."""
     cache = new_cache(cache_tokens, kv_cache_dtype, block_size=16, max_seqs=max_num_seqs)
-    core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096, eos_token_id=None,
-                      scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                      grammars=grammars, speculative=SpeculativeConfig("mtp", k) if k else None)
+    config = EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+                          speculative=SpeculativeConfig("mtp", k) if k else None)
+    core = new_engine(model, cache, Dist(), config, grammars=grammars)
     s, tokens, drafts = core.scheduler, {}, {}
     for round_ in range(repeat):
         for i, prompt in enumerate(prompts):
@@ -252,9 +253,9 @@ def test_forked_samples_draft_and_keep_their_tokens(each_family, oracle):
         if drafter == "oracle":
             oracle({f"0-{i}": prompts[i] + base[i] for i in range(len(prompts))}, 1)
         cache = new_cache(1024, "auto", block_size=16, max_seqs=6)
-        core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096,
-                          eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=6),
-                          speculative=SpeculativeConfig("mtp", 3))
+        core = new_engine(model, cache, Dist(), EngineConfig(
+            vocab_size=model.cfg.vocab_size, max_model_len=4096, scheduler=SchedulerConfig(max_num_seqs=6),
+            speculative=SpeculativeConfig("mtp", 3)))
         for i, prompt in enumerate(prompts):
             core.scheduler.add(f"0-{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=3), None)
         got: dict[tuple[str, int], list[int]] = {}
@@ -368,7 +369,7 @@ def test_speculative_sampling_keeps_the_target_distribution(v32, monkeypatch):
     _, model, new_cache = v32
     cache = new_cache(256, "auto", block_size=16, max_seqs=1)
     from dsconv.runner.engine.worker import InputBuilder
-    from dsconv.runner.models.batch import Batch
+    from dsconv.runner.engine.batch import Batch
 
     batch = Batch()
     batch.add(0, prompts_of((20,), seed=5)[0], 20, list(range(2)), 16, None, None)
@@ -405,9 +406,9 @@ def test_sampled_requests_draft_and_repeat(v32):
 
     def sampled():
         cache = new_cache(1024, "auto", block_size=16, max_seqs=4)
-        core = new_engine(model, cache, Dist(), vocab_size=model.cfg.vocab_size, max_model_len=4096,
-                          eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=4),
-                          speculative=SpeculativeConfig("mtp", 2))
+        core = new_engine(model, cache, Dist(), EngineConfig(
+            vocab_size=model.cfg.vocab_size, max_model_len=4096, scheduler=SchedulerConfig(max_num_seqs=4),
+            speculative=SpeculativeConfig("mtp", 2)))
         out = {}
         for i, prompt in enumerate(prompts):
             core.scheduler.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=7 + i),
@@ -468,8 +469,8 @@ def test_server_streams_accepted_drafts_with_the_target_logprobs(trained_shards,
     text = "\n".join(heldout_texts())[:400]
     prompt = Tokenizer.from_file(str(trained_source("deepseek_v32") / "tokenizer.json")).encode(text).ids
     model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
-    core = new_engine(model, new_cache(1024, block_size=16, max_seqs=1), Dist(), vocab_size=model.cfg.vocab_size,
-                      max_model_len=4096, eos_token_id=None, scheduler=SchedulerConfig(max_num_seqs=1))
+    core = new_engine(model, new_cache(1024, block_size=16, max_seqs=1), Dist(), EngineConfig(
+        vocab_size=model.cfg.vocab_size, max_model_len=4096, scheduler=SchedulerConfig(max_num_seqs=1)))
     core.scheduler.add("x", prompt, SamplingParams(max_tokens=32, temperature=0.0, logprobs=1), None)
     want, want_logprobs = [], []
     while core.scheduler.has_work:

@@ -15,8 +15,9 @@ from transformers.generation.logits_process import MinPLogitsWarper, RepetitionP
 from dsconv.errors import InputError
 from dsconv.runner.engine import sampler
 from dsconv.runner.engine.request import SamplingParams, SeqResult
-from dsconv.runner.engine.scheduler import Scheduler
-from dsconv.runner.models.batch import Batch, SampleSpec
+from dsconv.runner.engine.config import SchedulerConfig
+from dsconv.runner.engine.scheduler import PoolShape, Scheduler
+from dsconv.runner.engine.batch import Batch, SampleSpec
 from tests.test_scheduler import fake_results, run
 from tests.test_serve_api import GOOD, GOOD_CHAT, TOKENIZER, TOKENIZER_PATH, FakeEngine, assert_error, make_client
 
@@ -64,7 +65,8 @@ def test_min_tokens_holds_eos_back_exactly():
     """A scheduler whose model always says EOS (token 1): with min_tokens 3 the request's EOS is held back until it
     has 3 tokens (the spec bans it, and the sampler never draws a banned token), then ends it: 4 tokens, the last
     EOS; stop_token_ids likewise, EOS left alone under ignore_eos."""
-    s = Scheduler(1, 64, 4, 8, 64, eos_token_id=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                  PoolShape(dp=1, num_blocks=64, block_size=4), eos_token_id=1)
     s.add("r", [5, 6], SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(9,)), None)
     banned = []
     for _ in range(10):
@@ -79,13 +81,15 @@ def test_min_tokens_holds_eos_back_exactly():
         token = sampler.step_results(step.batches[0], row)[0].token
         s.update(step, [[SeqResult(token, None)]])
     assert banned == [(1, 9)] * 3 + [()]
-    ignoring = Scheduler(1, 64, 4, 8, 64, eos_token_id=1)
+    ignoring = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                         PoolShape(dp=1, num_blocks=64, block_size=4), eos_token_id=1)
     ignoring.add("r", [5], SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True), None)
     assert ignoring.schedule().batches[0].samples[0].banned == ()
 
 
 def _admitted(policy: str) -> list[str]:
-    s = Scheduler(1, 64, 4, 1, 64, eos_token_id=None, policy=policy)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy=policy),
+                  PoolShape(dp=1, num_blocks=64, block_size=4))
     for name, priority in (("late-low", 5), ("high", 0), ("mid", 2), ("high-later", 0)):  # fcfs refuses priority
         s.add(name, [1, 2, 3], SamplingParams(max_tokens=1, priority=priority if policy == "priority" else 0), None)
     order = []
@@ -104,7 +108,8 @@ def test_priority_reorders_admission_under_a_full_batch():
 def test_priority_preempts_the_highest_value_first():
     """6 blocks of 4 tokens cannot hold the three requests' 12 tokens each: the first one preempted is the highest
     priority value (b), not the newest (c), and every request still finishes its 8 tokens."""
-    s = Scheduler(1, 6, 4, 8, 64, eos_token_id=None, policy="priority")
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="priority"),
+                  PoolShape(dp=1, num_blocks=6, block_size=4))
     for name, priority in (("a", 0), ("b", 9), ("c", 1)):
         s.add(name, [1, 2, 3, 4], SamplingParams(max_tokens=8, priority=priority), None)
     victims = []
@@ -122,9 +127,10 @@ def test_priority_preempts_the_highest_value_first():
 
 def test_priority_needs_the_priority_policy():
     with pytest.raises(InputError, match="--scheduling-policy priority"):
-        Scheduler(1, 64, 4, 8, 64, eos_token_id=None).add("r", [1], SamplingParams(max_tokens=1, priority=1), None)
+        Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), PoolShape(dp=1, num_blocks=64, block_size=4)
+                  ).add("r", [1], SamplingParams(max_tokens=1, priority=1), None)
     with pytest.raises(InputError, match="scheduling-policy"):
-        Scheduler(1, 64, 4, 8, 64, eos_token_id=None, policy="lifo")
+        SchedulerConfig(scheduling_policy="lifo")
 
 
 # --- through the HTTP front end (tests/test_serve_api.py's fake engine) -------------------------------------------

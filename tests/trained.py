@@ -14,7 +14,7 @@ per family holding every tensor as the hub encodes it (FP8 e4m3 with 128x128 blo
 with e8m0 scales per 32 inputs, everything else as shipped), and the tokenizer both share. SHIPPED_SHA256 records
 their bytes. `trained_source` derives from them, once into the cache, the hub's layout (`fp8/`: config.json, four
 weight files, their index) and the same model decoded (`bf16/`, transformers' reference), with the project's own
-writer; TRAINED_SHA256 records those derived files, so the derivation is checked too. `scripts/train_tiny.py`
+writer; TRAINED_SHA256 records those derived files, so the derivation is checked too. `tests/tools/train_tiny.py`
 trains again and says whether the bytes are SHIPPED's: training is meant to give the same bytes on every x86-64 CPU
 (fixed seed and data order, and PINNED_CPU_ENV, which says why). V3.2 and V4 train their indexers, which the LM
 loss cannot reach (tests/indexer_training.py says how); both then train their MTP layer, the main model frozen
@@ -97,13 +97,13 @@ PINNED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "O
 # correctly rounded (16% of float32 results on [0.001, 10) differ from IEEE's square root) and starts from the CPU's
 # approximate reciprocal square root, whose bits differ between Intel and AMD (and qemu). It was the only op of a
 # whole training step whose bits an Intel Xeon and an emulated AMD EPYC disagreed on: every forward and backward op
-# agreed, AdamW's sqrt did not (scripts/trained_fingerprints.py --ops). Training therefore runs under
+# agreed, AdamW's sqrt did not (tests/tools/trained_fingerprints.py --ops). Training therefore runs under
 # IeeeSquareRoot, and the encoders' power-of-two scales come from float exponents (frexp), not log2 / exp2.
 
 # The shipped trained models (the module's docstring says what they hold) and their sha256, as PINNED_CPU_ENV
 # training under IeeeSquareRoot writes them: an Intel Xeon with AVX-512 and AMX trained these bytes (2026-11-28), and
 # an AMD EPYC trained the same (docs/benchmarks.md, "Trained tiny models"). A CPU that trains other bytes trains
-# another model; scripts/trained_fingerprints.py shows where its training parts from the recorded one's.
+# another model; tests/tools/trained_fingerprints.py shows where its training parts from the recorded one's.
 SHIPPED = Path(__file__).resolve().parent / "data" / "trained"
 TOKENIZER_FILE = "tokenizer.json"
 SHIPPED_SHA256 = {
@@ -216,7 +216,7 @@ def train_model(family: str, config: dict, tokens: torch.Tensor, work: Path, log
     """transformers' model of `config`, started from the random fixture's weights, trained on random windows
     of `tokens` -> the trained model (float32). Both train dense, then their indexers (see INDEXER_WARMUP_STEPS).
     on_dense_step(step, model, loss), if given, sees the model as loaded (step -1, no loss) and after each dense step
-    (scripts/trained_fingerprints.py: where two CPUs' training parts)."""
+    (tests/tools/trained_fingerprints.py: where two CPUs' training parts)."""
     from transformers import AutoModelForCausalLM
 
     init = make_tiny_checkpoint(work / "init", family, encoding="bf16", seed=SEED,
@@ -503,7 +503,7 @@ def unshipped_bytes(root: Path = SHIPPED) -> str | None:
         got = sha256_of(path) if path.is_file() else "missing"
         if got != want:
             return (f"{path}: sha256 {got[:16]}, recorded {want[:16]} (SHIPPED_SHA256 in tests/trained.py); "
-                    f"restore it with git, or retrain with scripts/train_tiny.py and record the new bytes")
+                    f"restore it with git, or retrain with `python -m tests.tools.train_tiny` and record the new bytes")
     return None
 
 

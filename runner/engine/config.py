@@ -14,6 +14,7 @@ from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
 from dsconv.kernels.device import NPU_DEVICE_TYPE
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
+from dsconv.runner.engine.request import resolve_max_model_len
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.models.weights import load_manifest
 
@@ -32,10 +33,17 @@ class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
 
 
+BALANCING = ("cache-aware", "least-loaded", "round-robin")
+# vLLM's --scheduling-policy: fcfs admits by arrival and preempts the newest running request; priority admits by
+# (priority, arrival), lower first, and preempts the running request of the highest (priority, arrival)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What rank 0's scheduler may run at once per attention-DP rank, how it places requests, and context-parallel
-    prefill (cp_size ranks prefill a prompt of at least cp_min_tokens tokens together)."""
+    prefill (cp_size ranks prefill a prompt of at least cp_min_tokens tokens together; family/arch.py's
+    check_context_parallel checks it against the shards). Each flag is checked here, once, with its one line."""
     max_num_seqs: int = 16
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     balancing: str = "cache-aware"  # least-loaded, counting the prefix cache's hits (scheduler.py)
@@ -44,15 +52,46 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py)
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (scheduler.py)
 
+    def __post_init__(self):
+        if self.balancing not in BALANCING:
+            raise InputError(f"--dp-balancing {self.balancing!r} is not one of {', '.join(BALANCING)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InputError(f"--scheduling-policy {self.scheduling_policy!r} is not one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
+        for name, value in (("--max-num-seqs", self.max_num_seqs),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            if value < 1:
+                raise InputError(f"{name} {value} must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings beyond this rank's model and cache (engine/core.py's new_engine): rank 0's scheduler,
+    what its door admits (vocab_size, max_model_len), when a sequence stops (eos_token_id), the idle loop's
+    keep-alive (None: the loop ends when idle, as generate's does), how long a drain waits, and MTP drafting."""
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    keepalive_s: float | None = None
+    drain_timeout_s: float = 30.0
+    speculative: SpeculativeConfig | None = None
+
+    @property
+    def speculative_tokens(self) -> int:
+        """The drafts a step verifies (0: no speculative decoding)."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a rank needs to build its part of the engine. `manifest` is the checked manifest of `shards`
     (`dsconv verify`'s); max_model_len None: the smaller of the context and the cache (request.resolve_max_model_len).
     keepalive_s: how often an idle rank 0 wakes the others (None: the loop ends when idle, as generate's does).
-    record_shapes: the file rank 0 appends the shape matrix's row to (--record-shapes)."""
+    record_shapes: the file rank 0 appends the shape matrix's row to (--record-shapes), naming `command`."""
     shards: Path
     manifest: dict
+    command: str = "generate"  # the dsrun command that runs (the shape matrix's rows name it)
     dtype: str = "bfloat16"
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -89,6 +128,14 @@ class RunConfig:
     def speculative_tokens(self) -> int:
         """The drafts a step verifies (0: no speculative decoding)."""
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+    def engine_config(self, cache_tokens: int) -> EngineConfig:
+        """The engine's settings, for a KV cache of `cache_tokens` tokens per attention-DP rank as built."""
+        return EngineConfig(vocab_size=self.vocab_size, eos_token_id=self.eos_token_id, scheduler=self.scheduler,
+                            max_model_len=resolve_max_model_len(self.max_model_len, self.max_position_embeddings,
+                                                                cache_tokens),
+                            keepalive_s=self.keepalive_s, drain_timeout_s=self.drain_timeout_s,
+                            speculative=self.speculative)
 
     def _check_speculative(self) -> None:
         """MTP speculative decoding needs the MTP layer in the shards, a family the runner drafts for, no

@@ -30,16 +30,14 @@ from typing import Callable, Iterator
 import torch
 
 from dsconv.comm.collectives import broadcast_bytes, gather_bytes
-from dsconv.runner.engine.config import RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import EngineConfig, RunConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
-from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt, \
-    resolve_max_model_len
-from dsconv.runner.engine.scheduler import Scheduler, Step
-from dsconv.runner.engine.speculative import SpecCounts, SpeculativeConfig
-from dsconv.runner.engine.shapes import ShapeRecorder
+from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt
+from dsconv.runner.engine.scheduler import PoolShape, Scheduler
+from dsconv.runner.engine.shapes import ShapeRecorder, recorder_for
 from dsconv.runner.engine.worker import Worker
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import DTYPES, build_model
 
@@ -142,55 +140,44 @@ def start_rank(run: RunConfig):
 def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: ServeMetrics | None = None
                  ) -> EngineCore:
     """On every rank, after the launcher's init_process_group: this rank's model from its shards, its KV cache as
-    `run.cache` asks, and the engine around them."""
+    `run.cache` asks, and the engine around them (rank 0's recording what its steps cover, with --record-shapes)."""
     dist, model, new_cache = start_rank(run)
     # every rank: the same blocks, and a sequence slot for each sequence its DP rank may run
     cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size, run.scheduler.max_num_seqs,
                       run.scheduler.enable_prefix_caching)
-    max_model_len = resolve_max_model_len(run.max_model_len, run.max_position_embeddings,
-                                          cache.num_blocks * cache.block_size)
-    return new_engine(model, cache, dist, vocab_size=run.vocab_size, max_model_len=max_model_len,
-                      eos_token_id=run.eos_token_id, scheduler=run.scheduler, grammars=grammars,
-                      metrics=metrics, keepalive_s=run.keepalive_s, drain_timeout_s=run.drain_timeout_s,
-                      speculative=run.speculative)
+    engine = new_engine(model, cache, dist, run.engine_config(cache.num_blocks * cache.block_size), grammars=grammars,
+                        metrics=metrics)
+    if engine.leads:
+        engine.shapes = recorder_for(run)
+    return engine
 
 
-def new_engine(model, cache, dist: Dist, *, vocab_size: int, max_model_len: int, eos_token_id: int | None,
-               scheduler: SchedulerConfig = SchedulerConfig(), grammars: Grammars | None = None,
-               metrics: ServeMetrics | None = None, keepalive_s: float | None = None,
-               drain_timeout_s: float = 30.0, speculative: SpeculativeConfig | None = None) -> EngineCore:
+def new_engine(model, cache, dist: Dist, config: EngineConfig, *, grammars: Grammars | None = None,
+               metrics: ServeMetrics | None = None) -> EngineCore:
     """The one place an engine is assembled: this rank's worker around its model and cache, and on rank 0 the
     scheduler, whose block pools mirror every DP rank's cache."""
     worker = Worker(model, cache, dist, dp_index=dist.rank // dist.attn_tp, grammars=grammars,
-                    speculative=speculative)
+                    speculative=config.speculative)
     if dist.rank != 0:
-        return EngineCore(worker, None, dist.world_size, dist.attn_tp)
-    s = scheduler
-    plan = Scheduler(dist.world_size // dist.attn_tp, cache.num_blocks, cache.block_size, s.max_num_seqs,
-                     s.max_num_batched_tokens, eos_token_id, s.balancing,
-                     cp_size=s.cp_size, cp_min_tokens=s.cp_min_tokens,
-                     prefix_caching=s.enable_prefix_caching and cache.prefix_caching,
-                     state_blocks=cache.state_blocks, state_start=cache.state_start,
-                     speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
-                     policy=s.scheduling_policy)
-    return EngineCore(worker, plan, dist.world_size, dist.attn_tp, vocab_size=vocab_size, max_model_len=max_model_len,
-                      metrics=metrics, keepalive_s=keepalive_s, drain_timeout_s=drain_timeout_s)
+        return EngineCore(worker, None, config)
+    scheduler = Scheduler(config.scheduler, PoolShape.of(dist.world_size // dist.attn_tp, cache),
+                          config.eos_token_id, config.speculative_tokens)
+    return EngineCore(worker, scheduler, config, metrics)
 
 
 class EngineCore:
     """One rank's engine. On rank 0 (the one with a scheduler) `run` is the loop: requests from the door, steps on
     every rank, outputs to each request's callback. On the others `run` follows rank 0's steps."""
 
-    def __init__(self, worker: Worker, scheduler: Scheduler | None, world_size: int = 1, attn_tp: int = 1, *,
-                 vocab_size: int = 0, max_model_len: int = 0, metrics: ServeMetrics | None = None,
-                 keepalive_s: float | None = None, drain_timeout_s: float = 30.0):
-        self.worker, self.scheduler, self.metrics = worker, scheduler, metrics
-        self.world_size, self.attn_tp = world_size, attn_tp
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.keepalive_s, self.drain_timeout_s = keepalive_s, drain_timeout_s
+    def __init__(self, worker: Worker, scheduler: Scheduler | None, config: EngineConfig,
+                 metrics: ServeMetrics | None = None):
+        self.worker, self.scheduler, self.config, self.metrics = worker, scheduler, config, metrics
+        self.world_size, self.attn_tp = worker.dist.world_size, worker.dist.attn_tp
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
-        self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already given to the metrics
-        self._spec_seen = SpecCounts()  # and its speculative-decoding counts
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
 
     @property
     def _host(self):
@@ -204,7 +191,7 @@ class EngineCore:
     def check(self, prompt_ids: list[int], params: SamplingParams, dp_rank: int | None) -> None:
         """Refuses at once what could never run: ids outside the vocabulary, more than max_model_len tokens, more
         than a DP rank's cache or sequences. Reads only what never changes, so the door calls it from any thread."""
-        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, self.max_model_len)
+        check_prompt(prompt_ids, params.max_tokens, self.config.vocab_size, self.max_model_len)
         self.scheduler.check(len(prompt_ids), params, dp_rank)
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -222,7 +209,7 @@ class EngineCore:
                 for command in door.pending():
                     self._apply(command, door)
                 if door.draining:
-                    deadline = deadline or time.monotonic() + self.drain_timeout_s
+                    deadline = deadline or time.monotonic() + self.config.drain_timeout_s
                     if time.monotonic() > deadline:
                         for request_id, index in list(scheduler.requests):
                             self._apply(("abort", request_id, index), door)
@@ -232,7 +219,7 @@ class EngineCore:
                     if until_idle:
                         return
                     try:  # idle: no collectives until a request comes, a keep-alive before any could time out
-                        self._apply(door.next_command(self.keepalive_s), door)
+                        self._apply(door.next_command(self.config.keepalive_s), door)
                     except queue.Empty:
                         self._send(Plan())
                     continue
@@ -257,7 +244,8 @@ class EngineCore:
         elif kind == "abort":
             for request, out in self.scheduler.abort(*args):
                 _deliver(request.on_output, out)
-        self._record_queues()
+        if self.metrics is not None:
+            self.metrics.record_queues(self.scheduler)
 
     def step(self) -> list[tuple]:
         """One step -> (request, output) pairs to deliver; [] when there was nothing to run."""
@@ -269,7 +257,7 @@ class EngineCore:
         results = self._run(step.batches)
         outputs = self.scheduler.update(step, results)
         if self.metrics is not None:
-            self._record(step, outputs)
+            self.metrics.record_step(self.scheduler, step, outputs)
         return outputs
 
     def _run(self, batches: list[Batch]) -> list[list[SeqResult]]:
@@ -297,63 +285,6 @@ class EngineCore:
             if plan.batches is None:  # keep-alive
                 continue
             self._gather(self.worker.execute(plan.batches[self.worker.dp_index], plan.batches))
-
-    # -- metrics -----------------------------------------------------------------------------------------------
-
-    def _record_queues(self) -> None:
-        """The running / waiting / KV gauges, after a step and after requests come or go between steps."""
-        m, s = self.metrics, self.scheduler
-        if m is None:
-            return
-        for rank in range(s.dp):
-            m.rank(m.running, rank).set(len(s.running[rank]))
-            m.rank(m.waiting, rank).set(len(s.waiting[rank]))
-            m.rank(m.kv_usage, rank).set(s.pools[rank].used_fraction)
-
-    def _record(self, step: Step, outputs: list[tuple]) -> None:
-        m, now = self.metrics, time.perf_counter()
-        m.model(m.steps).inc()
-        tokens = [b.num_tokens for b in step.batches]
-        if any(tokens):  # a busy step: its balance, and the ranks that only joined the collectives
-            m.model(m.imbalance).observe(max(tokens) * len(tokens) / sum(tokens))
-            for rank, count in enumerate(tokens):
-                if not count:
-                    m.rank(m.zero_token_steps, rank).inc()
-        self._record_queues()
-        for rank, count in enumerate(step.preempted):
-            if count:
-                m.rank(m.preemptions, rank).inc(count)
-        for batch in step.batches:
-            if batch.cp is not None and batch.cp.member == 0:  # once per prefill, by its owner
-                m.model(m.cp_prefills).inc()
-                m.model(m.cp_prefill_tokens).inc(batch.cp.length - batch.cp.start)
-        queries, hits = self.scheduler.prefix_queries, self.scheduler.prefix_hits
-        m.model(m.prefix_queries).inc(queries - self._prefix_seen[0])
-        m.model(m.prefix_hits).inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queries, hits)
-        spec, seen = self.scheduler.spec, self._spec_seen
-        if spec.drafts > seen.drafts:
-            for metric, now, before in ((m.spec_drafts, spec.drafts, seen.drafts),
-                                        (m.spec_draft_tokens, spec.draft_tokens, seen.draft_tokens),
-                                        (m.spec_accepted, spec.accepted_tokens, seen.accepted_tokens)):
-                m.model(metric).inc(now - before)
-            before = seen.accepted_per_pos or [0] * len(spec.accepted_per_pos)
-            for position, (count, was) in enumerate(zip(spec.accepted_per_pos, before, strict=True)):
-                m.model(m.spec_accepted_per_pos, str(position)).inc(count - was)
-            self._spec_seen = spec.copy()
-        for request in step.started:
-            m.model(m.prompt_tokens).inc(len(request.prompt))
-            m.model(m.queue).observe(request.first_scheduled - request.arrival)
-        for request, out in outputs:
-            if out.new_token_ids:
-                m.model(m.generation_tokens).inc(len(out.new_token_ids))
-                if len(request.output) == 1 and request.index == 0:  # n > 1: drawn together, counted once
-                    m.model(m.ttft).observe(now - request.arrival)
-                elif request.previous_token is not None:
-                    m.model(m.itl).observe(now - request.previous_token)
-            if out.finished:
-                m.model(m.success, out.finish_reason).inc()
-                m.model(m.e2e).observe(now - request.arrival)
 
 
 def _deliver(on_output, out: RequestOutput) -> None:

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dsconv.runner.engine.speculative import SpecCounts
 
 # latency buckets in seconds: tiny CPU models answer in milliseconds, real ones in seconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -13,6 +17,8 @@ IMBALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 
 
 class ServeMetrics:
+    """The metrics and what the engine's loop reports into them (record_queues, record_step)."""
+
     def __init__(self, model_name: str, dp: int):
         self.registry = CollectorRegistry()
         self.model_name, self.dp = model_name, dp
@@ -53,6 +59,9 @@ class ServeMetrics:
                                              "Draft tokens accepted at each draft position", per_model + ["position"],
                                              registry=registry)
 
+        self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already counted
+        self._spec_seen = SpecCounts()  # and its speculative-decoding counts
+
         def histogram(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(name, doc, per_model, buckets=buckets, registry=registry)
 
@@ -73,3 +82,67 @@ class ServeMetrics:
 
     def model(self, metric, *labels: str):
         return metric.labels(self.model_name, *labels)
+
+    # -- what the engine's loop reports (engine/core.py) ---------------------------------------------------------
+
+    def record_queues(self, scheduler) -> None:
+        """The running / waiting / KV gauges, after a step and after requests come or go between steps."""
+        for rank in range(scheduler.dp):
+            self.rank(self.running, rank).set(len(scheduler.running[rank]))
+            self.rank(self.waiting, rank).set(len(scheduler.waiting[rank]))
+            self.rank(self.kv_usage, rank).set(scheduler.pools[rank].used_fraction)
+
+    def record_step(self, scheduler, step, outputs: list[tuple]) -> None:
+        """One step of the scheduler's (a scheduler.Step) and the (request, output) pairs it delivered."""
+        now = time.perf_counter()
+        self.model(self.steps).inc()
+        tokens = [b.num_tokens for b in step.batches]
+        if any(tokens):  # a busy step: its balance, and the ranks that only joined the collectives
+            self.model(self.imbalance).observe(max(tokens) * len(tokens) / sum(tokens))
+            for rank, count in enumerate(tokens):
+                if not count:
+                    self.rank(self.zero_token_steps, rank).inc()
+        self.record_queues(scheduler)
+        for rank, count in enumerate(step.preempted):
+            if count:
+                self.rank(self.preemptions, rank).inc(count)
+        for batch in step.batches:
+            if batch.cp is not None and batch.cp.member == 0:  # once per prefill, by its owner
+                self.model(self.cp_prefills).inc()
+                self.model(self.cp_prefill_tokens).inc(batch.cp.length - batch.cp.start)
+        self._record_totals(scheduler)
+        for request in step.started:
+            self.model(self.prompt_tokens).inc(len(request.prompt))
+            self.model(self.queue).observe(request.first_scheduled - request.arrival)
+        for request, out in outputs:
+            self._record_output(request, out, now)
+
+    def _record_totals(self, scheduler) -> None:
+        """The scheduler's running totals (prefix cache, speculative decoding) as counters: what grew since the
+        last step."""
+        queries, hits = scheduler.prefix_queries, scheduler.prefix_hits
+        self.model(self.prefix_queries).inc(queries - self._prefix_seen[0])
+        self.model(self.prefix_hits).inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        spec, seen = scheduler.spec, self._spec_seen
+        if spec.drafts <= seen.drafts:
+            return
+        for metric, now, before in ((self.spec_drafts, spec.drafts, seen.drafts),
+                                    (self.spec_draft_tokens, spec.draft_tokens, seen.draft_tokens),
+                                    (self.spec_accepted, spec.accepted_tokens, seen.accepted_tokens)):
+            self.model(metric).inc(now - before)
+        before = seen.accepted_per_pos or [0] * len(spec.accepted_per_pos)
+        for position, (count, was) in enumerate(zip(spec.accepted_per_pos, before, strict=True)):
+            self.model(self.spec_accepted_per_pos, str(position)).inc(count - was)
+        self._spec_seen = spec.copy()
+
+    def _record_output(self, request, out, now: float) -> None:
+        if out.new_token_ids:
+            self.model(self.generation_tokens).inc(len(out.new_token_ids))
+            if len(request.output) == 1 and request.index == 0:  # n > 1: drawn together, counted once
+                self.model(self.ttft).observe(now - request.arrival)
+            elif request.previous_token is not None:
+                self.model(self.itl).observe(now - request.previous_token)
+        if out.finished:
+            self.model(self.success, out.finish_reason).inc()
+            self.model(self.e2e).observe(now - request.arrival)

@@ -13,6 +13,7 @@ and every reduction runs along the vocabulary, so no row's result depends on the
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import math
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.request import SeqResult, TokenLogprob
 from dsconv.runner.engine.speculative import accept_greedy
-from dsconv.runner.models.batch import Batch, SampleSpec
+from dsconv.runner.engine.batch import Batch, SampleSpec
 from dsconv.runner.models.draw import Draw, gumbel, pick_among
 
 
@@ -68,6 +69,33 @@ def drawn_results(batch: Batch, tokens: list[int]) -> list[SeqResult]:
     return [SeqResult(None if spec is None else next(drawn), None) for spec in batch.samples]
 
 
+@dataclass
+class _Rows:
+    """Where each sequence's rows are in a step's logits (batch.logit_rows()): per sequence its scored prompt rows,
+    then for a sampling sequence the rows verifying its drafts and its draw row."""
+    draw: list[int] = field(default_factory=list)  # per sampling sequence
+    verify: list[range] = field(default_factory=list)  # per sampling sequence: the rows before its draw row
+    score: list[int] = field(default_factory=list)
+    score_targets: list[int] = field(default_factory=list)
+    score_tops: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch: Batch) -> "_Rows":
+        rows, at = cls(), 0
+        for spec, scores in zip(batch.samples, batch.scores):
+            if scores is not None:
+                rows.score += range(at, at + len(scores.targets))
+                rows.score_targets += scores.targets
+                rows.score_tops += [scores.top] * len(scores.targets)
+                at += len(scores.targets)
+            if spec is not None:
+                rows.verify.append(range(at, at + len(spec.drafts)))
+                at += len(spec.drafts)
+                rows.draw.append(at)
+                at += 1
+        return rows
+
+
 def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None = None) -> list[SeqResult]:
     """logits [rows, vocab], the rows of batch.logit_rows() (per sequence: its scored rows, then its sampling
     row), those of sequences with a grammar already masked (`constrain`) -> per sequence its sampled token and
@@ -75,54 +103,46 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     is added first (in place, so the siblings' draws and the logprobs follow it); grammars' matchers take the
     tokens each sequence emits. A sequence verifying drafts (speculative decoding) emits what `verify` gives for
     its rows, each token with the target's logprob at its row."""
-    draw_rows, score_rows, score_targets, score_tops = [], [], [], []
-    verify_rows: list[range] = []  # per sampling sequence: the rows before its draw row that verify its drafts
-    at = 0
-    for spec, scores in zip(batch.samples, batch.scores):
-        if scores is not None:
-            score_rows += range(at, at + len(scores.targets))
-            score_targets += scores.targets
-            score_tops += [scores.top] * len(scores.targets)
-            at += len(scores.targets)
-        if spec is not None:
-            verify_rows.append(range(at, at + len(spec.drafts)))
-            at += len(spec.drafts)
-            draw_rows.append(at)
-            at += 1
+    rows = _Rows.of(batch)
     specs = [spec for spec in batch.samples if spec is not None]
     drawing = [seq_id for seq_id, spec in zip(batch.seq_ids, batch.samples) if spec is not None]
-    for row, spec in zip(draw_rows, specs):
+    for row, spec in zip(rows.draw, specs):
         adjust(logits, row, spec)
     # the siblings' draws follow the sequences' own: (row, spec) per draw
     sibling_draws = [(row, dataclasses.replace(spec, seed=seed, siblings=()))
-                     for row, spec in zip(draw_rows, specs) for seed in spec.siblings]
-    rows = draw_rows + [row for row, _ in sibling_draws]
+                     for row, spec in zip(rows.draw, specs) for seed in spec.siblings]
+    drawn_rows = rows.draw + [row for row, _ in sibling_draws]
     all_specs = specs + [spec for _, spec in sibling_draws]
-    every_row = rows == list(range(logits.shape[0]))  # a decode step: no copy of the logits
-    tokens = sample(logits if every_row else logits[rows], all_specs).tolist() if all_specs else []
+    every_row = drawn_rows == list(range(logits.shape[0]))  # a decode step: no copy of the logits
+    tokens = sample(logits if every_row else logits[drawn_rows], all_specs).tolist() if all_specs else []
     emitted = [[token] for token in tokens[:len(specs)]]  # per sampling sequence, in order; rows per token
-    emitted_rows = [[row] for row in draw_rows]
+    emitted_rows = [[row] for row in rows.draw]
     for i, spec in enumerate(specs):
         if spec.drafts:
-            rows_i = [*verify_rows[i], draw_rows[i]]
+            rows_i = [*rows.verify[i], rows.draw[i]]
             emitted[i] = verify(logits[rows_i], spec)
             emitted_rows[i] = rows_i[:len(emitted[i])]
     for seq_id, spec, tokens_i in zip(drawing, specs, emitted):
         for token in tokens_i if spec.grammar is not None else ():
             grammars.accept(seq_id, token)
-
-    # the scored prompt tokens' logprobs, then the drawn tokens' where the request asks for them (every token a
-    # verifying sequence emits, then the siblings')
+    # the drawn tokens' logprobs where the request asks for them: every token a verifying sequence emits, then the
+    # siblings'
     asked = [(row, token, spec.logprobs) for rows_i, tokens_i, spec in zip(emitted_rows, emitted, specs)
              if spec.logprobs is not None for row, token in zip(rows_i, tokens_i)]
-    asked += [(row, token, spec.logprobs) for row, token, spec in zip(rows[len(specs):], tokens[len(specs):],
+    asked += [(row, token, spec.logprobs) for row, token, spec in zip(drawn_rows[len(specs):], tokens[len(specs):],
                                                                       all_specs[len(specs):])
               if spec.logprobs is not None]
-    logprob_rows = score_rows + [row for row, _, _ in asked]
-    entries = token_logprobs(logits[logprob_rows], score_targets + [token for _, token, _ in asked],
-                             score_tops + [top for _, _, top in asked]) if logprob_rows else []
-    scored, drawn = iter(entries[:len(score_rows)]), iter(entries[len(score_rows):])
+    return _results(batch, logits, rows, asked, emitted, tokens[len(specs):])
 
+
+def _results(batch: Batch, logits: torch.Tensor, rows: _Rows, asked: list[tuple[int, int, int]],
+             emitted: list[list[int]], sibling_tokens: list[int]) -> list[SeqResult]:
+    """Per sequence: its scored prompt tokens' logprobs, the tokens it emitted with theirs where asked (`asked`:
+    (row, token, top entries)), and its siblings' draws."""
+    logprob_rows = rows.score + [row for row, _, _ in asked]
+    entries = token_logprobs(logits[logprob_rows], rows.score_targets + [token for _, token, _ in asked],
+                             rows.score_tops + [top for _, _, top in asked]) if logprob_rows else []
+    scored, drawn = iter(entries[:len(rows.score)]), iter(entries[len(rows.score):])
     results, sampled = [], iter(emitted)
     for spec, scores in zip(batch.samples, batch.scores):
         prompt = [next(scored) for _ in scores.targets] if scores is not None else []
@@ -132,9 +152,10 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
         mine = next(sampled)
         logprobs = [next(drawn) if spec.logprobs is not None else None for _ in mine]
         results.append(SeqResult(mine[0], logprobs[0], prompt, extra=list(zip(mine[1:], logprobs[1:]))))
-    sampled = iter(tokens[len(specs):])
+    siblings = iter(sibling_tokens)
+    specs = [spec for spec in batch.samples if spec is not None]
     for result, spec in zip([r for r, spec in zip(results, batch.samples) if spec is not None], specs):
-        result.siblings.extend((next(sampled), next(drawn) if spec.logprobs is not None else None)
+        result.siblings.extend((next(siblings), next(drawn) if spec.logprobs is not None else None)
                                for _ in spec.siblings)
     return results
 

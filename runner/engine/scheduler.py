@@ -37,16 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dsconv.errors import InputError
+from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
 from dsconv.runner.engine.speculative import SpecCounts
-from dsconv.runner.models.batch import Batch, CPShare, Fork, PromptScores, Restore, SampleSpec
+from dsconv.runner.engine.batch import Batch, CPShare, PromptScores, SampleSpec
+from dsconv.runner.models.kv_cache import Fork, Restore
 
-BALANCING = ("cache-aware", "least-loaded", "round-robin")
-# vLLM's --scheduling-policy: fcfs admits by arrival and preempts the newest running request; priority admits by
-# (priority, arrival), lower first, and preempts the running request of the highest (priority, arrival)
-SCHEDULING_POLICIES = ("fcfs", "priority")
 SEED_BITS = 63  # a request without a seed gets a random one, so every draw is reproducible from (seed, index)
 
 
@@ -106,45 +104,52 @@ class Step:
     preempted: list[int]  # per DP rank
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """The ranks' KV caches as rank 0's block pools mirror them: `dp` of them (one per attention-DP index), each of
+    `num_blocks` blocks of `block_size` tokens. prefix_caching: the cache can serve prefix hits (kv_cache.py's
+    prefix_caching); state_blocks: the state blocks per DP rank of a cache that needs them for a hit (DeepSeek-V4),
+    and state_start(boundary) the first position whose state a hit at that boundary restores."""
+    dp: int
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool = False
+    state_blocks: int = 0
+    state_start: Callable[[int], int] | None = None
+
+    @classmethod
+    def of(cls, dp: int, cache) -> "PoolShape":
+        """The pools mirroring `cache` (a rank's KVCache), on each of dp attention-DP ranks."""
+        return cls(dp, cache.num_blocks, cache.block_size, cache.prefix_caching, cache.state_blocks,
+                   cache.state_start)
+
+
 class Scheduler:
-    def __init__(self, dp: int, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_id: int | None, balancing: str = "least-loaded", cp_size: int = 1,
-                 cp_min_tokens: int | None = None, prefix_caching: bool = False, state_blocks: int = 0,
-                 state_start: Callable[[int], int] | None = None, speculative_tokens: int = 0,
-                 policy: str = "fcfs"):
-        """cp_size > 1: a prompt of at least cp_min_tokens tokens, none computed, is prefilled by its DP rank's
-        group of cp_size ranks in one step (context parallelism). prefix_caching: reuse published blocks;
-        state_blocks: the state blocks per DP rank of a cache that needs them for a hit (DeepSeek-V4), and
-        state_start(boundary) the first position whose state a hit at that boundary restores. speculative_tokens:
-        the drafts the MTP layer proposes per step for a greedy request (engine/speculative.py; 0: none)."""
-        if balancing not in BALANCING:
-            raise InputError(f"DP balancing {balancing!r} is not one of {', '.join(BALANCING)}")
-        if policy not in SCHEDULING_POLICIES:
-            raise InputError(f"--scheduling-policy {policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
-        self.policy = policy
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise InputError(f"--max-num-seqs {max_num_seqs} and --max-num-batched-tokens {max_num_batched_tokens} "
-                             f"must be at least 1")
-        self.dp, self.max_num_seqs, self.budget = dp, max_num_seqs, max_num_batched_tokens
-        self.eos_token_id, self.balancing = eos_token_id, balancing
-        self.pools = [BlockPool(num_blocks, block_size) for _ in range(dp)]
+    def __init__(self, config: SchedulerConfig, pools: PoolShape, eos_token_id: int | None = None,
+                 speculative_tokens: int = 0):
+        """config: the flags (checked where they are built, config.py); with cp_size > 1, a prompt of at least
+        cp_min_tokens tokens, none computed, is prefilled by its DP rank's group of cp_size ranks in one step
+        (context parallelism). Prefix caching runs where the flag asks and the cache can (pools.prefix_caching).
+        speculative_tokens: the drafts the MTP layer proposes per step for a greedy request (engine/speculative.py;
+        0: none)."""
+        dp, block_size = pools.dp, pools.block_size
+        self.dp, self.max_num_seqs, self.budget = dp, config.max_num_seqs, config.max_num_batched_tokens
+        self.policy, self.eos_token_id, self.balancing = config.scheduling_policy, eos_token_id, config.balancing
+        self.pools = [BlockPool(pools.num_blocks, block_size) for _ in range(dp)]
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp)]
         self.running: list[list[Request]] = [[] for _ in range(dp)]
         self.requests: dict[tuple[str, int], Request] = {}  # (request id, sample index) -> its sequence
         self.by_seq: dict[int, Request] = {}  # the same requests by their sequence id (the ranks' name for them)
         self.releases: list[list[int]] = [[] for _ in range(dp)]  # freed here, to free on the ranks next step
         self.forks: list[list[Fork]] = [[] for _ in range(dp)]  # samples forked here, to copy on the ranks
-        if cp_size < 1 or dp % cp_size or (cp_size > 1 and (cp_min_tokens is None or cp_min_tokens < 1)):
-            raise InputError(f"--prefill-context-parallel-size {cp_size} must divide the attention-DP size {dp}, "
-                             f"with --prefill-cp-min-tokens at least 1")
-        self.cp_size, self.cp_min_tokens = cp_size, cp_min_tokens
+        self.cp_size, self.cp_min_tokens = config.cp_size, config.cp_min_tokens
         self.cp_prefills = 0  # in all
         self._seq_ids, self._round_robin = itertools.count(), itertools.cycle(range(dp))
         self.preemptions = 0  # in all, over every rank
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = config.enable_prefix_caching and pools.prefix_caching
         self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found, in all
-        self.states = [StatePool(state_blocks, block_size) for _ in range(dp)] if state_blocks else None
-        self.state_start = state_start
+        self.states = [StatePool(pools.state_blocks, block_size) for _ in range(dp)] if pools.state_blocks else None
+        self.state_start = pools.state_start
         self._restored: list[tuple[int, int]] = []  # (DP rank, seq_id) restored in the step being run
         self.speculative_tokens = speculative_tokens
         self.spec = SpecCounts()

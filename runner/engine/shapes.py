@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.engine.batch import Batch
 
 
 def handoff(layout) -> str:
@@ -107,6 +107,6 @@ def _rows(batch: Batch) -> list[tuple[int, int, str]]:
     return rows
 
 
-def recorder_for(run, command: str) -> ShapeRecorder | None:
+def recorder_for(run) -> ShapeRecorder | None:
     """The run's recorder when it was asked for (`--record-shapes`), else None."""
-    return None if run.record_shapes is None else ShapeRecorder.of(run, run.record_shapes, command)
+    return None if run.record_shapes is None else ShapeRecorder.of(run, run.record_shapes, run.command)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from dsconv.runner.models.batch import Batch
+from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.step import (SeqStep, V4Decode, V4Entries, V4Prefill, V4StateWrites, V4Step, gather_groups,
                                        lengths_mask)
 from dsconv.runner.models.v4_cache import V4Cache, entry_slot

@@ -1,7 +1,7 @@
 """One rank's side of a step: the step's batch turned into the model's inputs (here only: `InputBuilder`), run
 through the model, and its logits through the sampler.
 
-The batch (runner/models/batch.py) is what the scheduler decided, in lists; the inputs are tensors on the rank's
+The batch (runner/engine/batch.py) is what the scheduler decided, in lists; the inputs are tensors on the rank's
 device: the token ids, the rows whose logits are needed, and the step's metadata (runner/models/step.py) that the
 model's attention reads: each sequence's rows, positions and context, for the latent cache the slots of its context
 and its causal mask, the decode sequences in groups, and a context-parallel prefill's share."""
@@ -18,7 +18,7 @@ from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.engine.v4_inputs import V4Inputs
-from dsconv.runner.models.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
+from dsconv.runner.engine.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.draw import Draw
 from dsconv.runner.models.kv_cache import KVCache

@@ -14,23 +14,88 @@ and the share of positions whose top-1 token agrees.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from dataclasses import dataclass, field
+import resource
+import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.config import RunConfig
+from dsconv.family.text import TextTokenizer
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
-from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.engine.request import SamplingParams, check_prompt
+from dsconv.runner.entrypoints.command import launch_ranks
 from dsconv.runner.entrypoints.reference import LOGITS, Reference
 
+# The default prompt: prose and code, so that every layer sees a varied context
+COMPARE_PROMPT = ("The Forbidden City in Beijing was the home of emperors for five centuries. def area(r): return "
+                  "3.14159 * r * r  # a circle's area")
 # every prompt position's logits in the prefill step: the prompt's scored positions and the last, whose token ends it
 SCORE = SamplingParams(max_tokens=1, prompt_logprobs=0)
 # The parsed config's fields that say how the weights are stored, not what the model computes: a W8A8 or BF16 shard
 # set of an FP8 download is the same model
 STORAGE_FIELDS = ("fp8", "scale_fmt", "quantized", "weight_block_size", "expert_dtype")
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """`dsrun compare`'s options (runner/cli.py says what each means)."""
+    shards: Path
+    reference: Path
+    prompt: list[str] | None
+    dtype: str
+    min_cosine: float
+    kv_cache_dtype: str
+    device: str
+    world_size: int | None
+    json_output: bool
+    timeout: float
+
+
+def main(o: CompareOptions) -> int:
+    """The command: our side on the shards' ranks, saving every layer's output, then the reference in this process,
+    compared layer by layer as it comes -> 0 if every layer holds, 1 if one does not (or the job's exit code)."""
+    if not 0 < o.min_cosine <= 1:
+        raise InputError(f"--min-cosine {o.min_cosine} must be in (0, 1]")
+    run = RunConfig.open(o.shards, o.world_size, command="compare", dtype=o.dtype, device=o.device,
+                         cache=CacheConfig(dtype=o.kv_cache_dtype), scheduler=SchedulerConfig(max_num_seqs=1))
+    ref = Reference(o.reference, getattr(torch, o.dtype))
+    check_same_model(run, ref)
+    prompts = _prompts(run, o.prompt or [COMPARE_PROMPT])
+    longest = max(map(len, prompts))
+    # one prompt at a time on attention-DP rank 0, each prefilled in one step with a cache of one prompt and the token
+    # that ends it (the engine computes the last position's logits to choose one)
+    run = replace(run, cache=replace(run.cache, tokens=longest + 1),
+                  scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
+    with tempfile.TemporaryDirectory(prefix="dsrun-compare-") as scratch:
+        code = launch_ranks(rank_main, {"run": run, "prompts": prompts, "out": scratch}, run, o.timeout)
+        if code:
+            return code
+        report = compare(ref, prompts, Path(scratch)).report(o.min_cosine)
+    # this process ran the reference (the ranks are processes of their own, their shards memory-mapped)
+    report.update(reference_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  reference_largest_part_bytes=ref.largest_part_bytes)
+    if o.json_output:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0 if report["first_below"] is None else 1
+
+
+def _prompts(run: RunConfig, texts: list[str]) -> list[list[int]]:
+    """Each --prompt's ids, as is (no chat format); at least two tokens each (a position to compare after the
+    first)."""
+    text = TextTokenizer.load(run.shards, run.model_config)
+    prompts = [text.encode(p) for p in texts]
+    for given, ids in zip(texts, prompts):
+        if len(ids) < 2 or not given.strip():
+            raise InputError(f"--prompt {given!r} is {len(ids)} token(s): give at least two")
+        check_prompt(ids, 1, run.vocab_size, run.max_position_embeddings)
+    return prompts
 
 
 def _facts(value, arch):

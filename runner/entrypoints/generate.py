@@ -1,6 +1,8 @@
-"""`dsrun generate` on every rank: the engine built from the run's shards, every prompt submitted at the start (prompt
-i pinned to attention-DP index i % dp), greedy, until all have finished. Rank 0 streams the first prompt's text as
-it comes, then prints the others and the closing line (or the --json object); the other ranks follow its steps.
+"""`dsrun generate`: `main` checks the options, sizes the run and launches its ranks; on every rank (`rank_main`) the
+engine is built from the run's shards, every prompt submitted at the start (prompt i pinned to attention-DP index
+i % dp, all of a rank's prompts running at once), greedy unless sampling is asked for, until all have finished.
+Rank 0 streams the first prompt's text as it comes, then prints the others and the closing line (or the --json
+object); the other ranks follow its steps.
 """
 
 from __future__ import annotations
@@ -8,17 +10,126 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from dsconv.console import console
+from dsconv.errors import InputError
 from dsconv.family.text import Detokenizer, TextTokenizer
-from dsconv.runner.engine.config import RunConfig
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
-from dsconv.runner.engine.shapes import recorder_for
-from dsconv.runner.engine.request import SamplingParams, TokenLogprob
+from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, check_prompt, \
+    resolve_max_model_len
+from dsconv.runner.engine.speculative import SpeculativeConfig
+from dsconv.runner.entrypoints.command import cache_flag, launch_ranks, record_path, shards_or_demo
+from dsconv.runner.models.kv_cache import cache_blocks
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`dsrun generate`'s options (runner/cli.py says what each means)."""
+    prompt: list[str]
+    shards: Path | None
+    max_new_tokens: int
+    device: str
+    world_size: int | None
+    json_output: bool
+    no_chat: bool
+    thinking: bool
+    system: str | None
+    dtype: str
+    cache_tokens: int
+    kv_cache_memory_bytes: int | None
+    block_size: int
+    max_model_len: int | None
+    kv_cache_dtype: str
+    prefill_context_parallel_size: int
+    prefill_cp_min_tokens: int
+    logprobs: int | None
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    timeout: float
+    record_shapes: Path | None
+    overlap_shared_experts: bool
+    enable_prefix_caching: bool
+    speculative_config: str | None
+
+    @property
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
+
+
+def main(o: GenerateOptions) -> int:
+    """The command: the options checked, the run sized to hold every prompt at once, the ranks launched -> the job's
+    exit code."""
+    started = time.time()
+    _check(o)
+    run = _open(o)
+    text = TextTokenizer.load(run.shards, run.model_config)
+    prompts = [_prompt_ids(text, p, run.family, o) for p in o.prompt]
+    run = _sized(run, prompts, o)
+    return launch_ranks(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": o.max_new_tokens,
+                                    "logprobs": o.logprobs, "json_output": o.json_output, "started_at": started,
+                                    "sampling": o.sampling}, run, o.timeout)
+
+
+def _check(o: GenerateOptions) -> None:
+    if o.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {o.max_new_tokens} must be at least 1")
+    if o.no_chat and (o.thinking or o.system is not None):
+        raise InputError("--thinking and --system shape the chat prompt; they cannot be used with --no-chat")
+    if o.system is not None and not o.system.strip():
+        raise InputError("--system is empty")
+    if o.logprobs is not None and not 0 <= o.logprobs <= MAX_TOP_LOGPROBS:
+        raise InputError(f"--logprobs {o.logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
+    if o.logprobs is not None and not o.json_output:
+        raise InputError("--logprobs goes with --json (the text output has no place for them)")
+    SamplingParams(max_tokens=o.max_new_tokens, **o.sampling)  # its checks, before any rank starts
+
+
+def _open(o: GenerateOptions) -> RunConfig:
+    run = RunConfig.open(shards_or_demo(o.shards, "running"), o.world_size, command="generate", dtype=o.dtype,
+                         device=o.device, cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes,
+                                                            o.kv_cache_dtype, o.block_size),
+                         scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
+                                                   cp_min_tokens=o.prefill_cp_min_tokens,
+                                                   enable_prefix_caching=o.enable_prefix_caching),
+                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts,
+                         speculative=SpeculativeConfig.parse(o.speculative_config))
+    # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for each
+    # of a rank's prompts
+    return run.with_max_num_seqs(-(-len(o.prompt) // run.layout.dp))
+
+
+def _prompt_ids(text: TextTokenizer, prompt: str, family, o: GenerateOptions) -> list[int]:
+    if not prompt.strip():
+        raise InputError("--prompt is empty")
+    if o.no_chat:
+        return text.encode(prompt)
+    messages = [{"role": "system", "content": o.system}] if o.system is not None else []
+    return text.encode_chat(family, messages + [{"role": "user", "content": prompt}], o.thinking)
+
+
+def _sized(run: RunConfig, prompts: list[list[int]], o: GenerateOptions) -> RunConfig:
+    """The run with every prompt admitted at once and prefilled in one step, once the cache is known to hold them
+    all (prompt i on attention-DP index i % dp, where rank_main submits it)."""
+    run.check_holds(o.max_model_len)
+    model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)
+    dp = run.layout.dp
+    need = max(sum(cache_blocks(len(p) + o.max_new_tokens, o.block_size) for p in prompts[index::dp])
+               for index in range(dp))
+    if need > run.cache_blocks:
+        raise InputError(f"prompts + --max-new-tokens need {need} blocks of {o.block_size} tokens on one "
+                         f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({cache_flag(run)})")
+    for ids in prompts:
+        check_prompt(ids, o.max_new_tokens, run.vocab_size, model_len)
+    return replace(run, max_model_len=model_len,
+                   scheduler=replace(run.scheduler, max_num_batched_tokens=sum(map(len, prompts))))
 
 
 @dataclass
@@ -43,7 +154,6 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
     engine = start_engine(run)
     result = None
     if engine.leads:
-        engine.shapes = recorder_for(run, "generate")
         door = EngineClient()
         door.open(engine)
         result = Generated([[] for _ in prompts], None if logprobs is None else [[] for _ in prompts])
@@ -64,7 +174,7 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
         started = time.perf_counter()
         for index, prompt in enumerate(prompts):
             door.submit(prompt, _params(max_new_tokens, logprobs, sampling, index), partial(on_output, index),
-                        dp_rank=index % run.layout.dp)
+                        dp_rank=index % run.layout.dp)  # as main's _sized sized the cache
         engine.run(door, until_idle=True)
         first = stamps[0] if stamps else started
         result.prefill_s, result.decode_s = first - started, (stamps[-1] - first) if stamps else 0.0

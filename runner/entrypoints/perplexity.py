@@ -20,18 +20,87 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from dsconv.console import console
 from dsconv.errors import InputError
-from dsconv.runner.engine.config import RunConfig
+from dsconv.family.text import TextTokenizer
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
-from dsconv.runner.engine.shapes import recorder_for
-from dsconv.runner.engine.request import RequestOutput, SamplingParams
+from dsconv.runner.engine.request import RequestOutput, SamplingParams, check_prompt, resolve_max_model_len
+from dsconv.runner.entrypoints.command import cache_flag, launch_ranks, record_path
 
 SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
+
+
+@dataclass(frozen=True)
+class PerplexityOptions:
+    """`dsrun perplexity`'s options (runner/cli.py says what each means)."""
+    shards: Path
+    file: Path
+    context: int
+    dtype: str
+    device: str
+    world_size: int | None
+    json_output: bool
+    max_model_len: int | None
+    kv_cache_dtype: str
+    kv_cache_memory_bytes: int | None
+    block_size: int
+    prefill_context_parallel_size: int
+    prefill_cp_min_tokens: int
+    timeout: float
+    record_shapes: Path | None
+    overlap_shared_experts: bool
+
+
+def main(o: PerplexityOptions) -> int:
+    """The command: the file read and cut into windows, the run sized for one window per DP rank at a time, the ranks
+    launched -> the job's exit code."""
+    started = time.time()
+    run = RunConfig.open(o.shards, o.world_size, command="perplexity", dtype=o.dtype, device=o.device,
+                         cache=CacheConfig(memory_bytes=o.kv_cache_memory_bytes, dtype=o.kv_cache_dtype,
+                                           block_size=o.block_size),
+                         scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
+                                                   cp_min_tokens=o.prefill_cp_min_tokens),
+                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts)
+    text = _read(o.file)
+    run.check_holds(o.max_model_len)
+    model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings,
+                                      None if o.kv_cache_memory_bytes is None else run.cache_tokens)
+    cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), o.context)
+    if not cut:
+        raise InputError(f"--file {o.file} is one token: nothing to score")
+    longest = max(map(len, cut))
+    if o.kv_cache_memory_bytes is not None and longest > run.cache_tokens:
+        raise InputError(f"windows of up to {longest} tokens exceed the KV cache's {run.cache_tokens} tokens "
+                         f"({cache_flag(run)}): lower --context or raise the budget")
+    for window in cut:  # each window is scored as a prompt of the engine
+        check_prompt(window, 0, run.vocab_size, model_len)
+    # A DP rank scores one window at a time, with a token budget of one window (and, unless a byte budget says
+    # otherwise, a cache of one window): a step's logits are one window's at most, never a [tokens, vocab] tensor of
+    # the file.
+    if o.kv_cache_memory_bytes is None:
+        run = replace(run, cache=replace(run.cache, tokens=longest))
+    run = replace(run, scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
+    return launch_ranks(rank_main, {"run": run, "windows": cut, "context": o.context, "json_output": o.json_output,
+                                    "started_at": started}, run, o.timeout)
+
+
+def _read(file: Path) -> str:
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise InputError(f"--file {file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    if not text.strip():
+        raise InputError(f"--file {file} holds no text")
+    return text
 
 
 def windows(ids: list[int], context: int) -> list[list[int]]:
@@ -50,7 +119,6 @@ def score(run: RunConfig, windows: list[list[int]], progress: bool = False) -> d
     if not engine.leads:
         engine.run()
         return None
-    engine.shapes = recorder_for(run, "perplexity")
     door = EngineClient()
     door.open(engine)
     bar = tqdm(total=len(windows), unit="window", desc="perplexity", file=sys.stderr, dynamic_ncols=True) \

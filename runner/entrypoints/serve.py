@@ -1,5 +1,6 @@
-"""`dsrun serve` on every rank: rank 0 runs the HTTP front end (uvicorn in a thread, answering /health with 503
-while the model loads) and the engine loop in its main thread; the other ranks follow rank 0's steps.
+"""`dsrun serve`: `main` checks the options and launches the ranks. On every rank (`rank_main`): rank 0 runs the
+HTTP front end (uvicorn in a thread, answering /health with 503 while the model loads) and the engine loop in its
+main thread; the other ranks follow rank 0's steps.
 
 SIGTERM reaches rank 0 (the local launcher forwards it; the other ranks ignore it and stop when rank 0 says
 so): admission stops, requests in flight finish (aborted after --drain-timeout), every rank leaves the loop and
@@ -13,23 +14,80 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
-from dsconv.runner.engine.config import RunConfig
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
-from dsconv.runner.engine.shapes import recorder_for
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
+from dsconv.runner.engine.speculative import SpeculativeConfig
+from dsconv.runner.entrypoints.command import launch_ranks, record_path, shards_or_demo
 
 # Idle ranks wait inside a collective for rank 0's next message; rank 0 sends a keep-alive at this fraction of
 # the collective timeout, so an idle server never times out.
 KEEPALIVE_FRACTION = 0.25
 SERVER_START_S = 30.0  # how long uvicorn may take to bind before the server gives up
+PORTS = 65536
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`dsrun serve`'s options (runner/cli.py says what each means)."""
+    shards: Path | None
+    host: str
+    port: int
+    device: str
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    cache_tokens: int
+    max_model_len: int | None
+    kv_cache_dtype: str
+    prefill_context_parallel_size: int
+    prefill_cp_min_tokens: int
+    kv_cache_memory_bytes: int | None
+    block_size: int
+    dp_balancing: str
+    scheduling_policy: str
+    served_model_name: str | None
+    world_size: int | None
+    timeout: float
+    record_shapes: Path | None
+    overlap_shared_experts: bool
+    enable_prefix_caching: bool
+    speculative_config: str | None
+    drain_timeout: float
+    api_key: str | None
+
+
+def main(o: ServeOptions) -> int:
+    """The command: the options checked against the shards, the ranks launched; they serve until SIGTERM -> the
+    job's exit code."""
+    if not 0 <= o.port < PORTS:
+        raise InputError(f"--port {o.port} is not a port number")
+    if o.api_key is not None and (not o.api_key.strip() or not o.api_key.isascii() or not o.api_key.isprintable()):
+        raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
+    scheduler = SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.dp_balancing,
+                                o.prefill_context_parallel_size, o.prefill_cp_min_tokens, o.enable_prefix_caching,
+                                o.scheduling_policy)
+    shards = shards_or_demo(o.shards, "serving")
+    run = RunConfig.open(shards, o.world_size, command="serve", dtype=o.dtype, device=o.device,
+                         cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes, o.kv_cache_dtype, o.block_size),
+                         scheduler=scheduler, max_model_len=o.max_model_len, drain_timeout_s=o.drain_timeout,
+                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts,
+                         speculative=SpeculativeConfig.parse(o.speculative_config))
+    run.check_holds(o.max_model_len)
+    resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
+    return launch_ranks(rank_main, {"run": run, "host": o.host, "port": o.port,
+                                    "model_name": o.served_model_name or Path(shards).resolve().name,
+                                    "timeout_s": o.timeout, "api_key": o.api_key}, run, o.timeout,
+                        sigterm_to_rank0=True)
 
 
 def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: float,
@@ -61,7 +119,6 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     signal.signal(signal.SIGTERM, lambda *_: door.drain())
     try:
         engine = start_engine(run, grammars, metrics)
-        engine.shapes = recorder_for(run, "serve")
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank has loaded
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({layout.world_size} ranks, "

@@ -21,6 +21,7 @@ take. DeepSeek-V4's cache (v4_cache.py) is storage of the same kind, behind the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -28,8 +29,27 @@ import torch
 from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast, takes_npu_path
-from dsconv.runner.models.batch import Fork
 from dsconv.runner.models.step import DecodeRows, SeqStep, StepMeta
+
+
+# What a step tells a rank's cache to do besides writing its tokens (the scheduler's Batch carries them,
+# runner/engine/batch.py): copy a forked sample's blocks, and fill a prefix hit's sequence slot.
+@dataclass(frozen=True)
+class Fork:
+    """Sequence `child` continues from `parent`'s cache: copy each (parent block, child block) pair's contents;
+    the blocks the two tables share need no copy."""
+    parent: int
+    child: int
+    copies: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Sequence `seq_id` starts at block boundary `length` from published blocks (its block table's first
+    length / block_size): its slot is filled from these state blocks, (block index, state block) pairs."""
+    seq_id: int
+    length: int
+    blocks: tuple[tuple[int, int], ...]
 
 
 def cache_blocks(capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

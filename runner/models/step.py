@@ -11,13 +11,9 @@ entry slots its block tables give, the sequence slots, the window rows and the w
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-
-if TYPE_CHECKING:
-    from dsconv.runner.models.kv_cache import LatentCache
 
 # The most context rows (padded) one batched decode call gathers: a step's one-token sequences are split into
 # groups under it, so the gather stays bounded however long contexts grow. 65536 rows of V3's latent (576
@@ -89,7 +85,7 @@ class StepMeta:
 
 @dataclass(frozen=True)
 class CPStep:
-    """This rank's share of a context-parallel prefill (runner/models/batch.py, CPShare): its rows are the
+    """This rank's share of a context-parallel prefill (runner/engine/batch.py, CPShare): its rows are the
     positions `positions` of a `length`-token prompt. Each layer gathers the group's new cache entries (every
     member's rows, padded to `most`, member after member) and puts them in position order (`order`) into
     `scratch`, a one-layer cache of the whole prompt that this rank's queries attend over as `seq`; the owner
@@ -99,7 +95,8 @@ class CPStep:
     length: int
     most: int  # the most positions any member feeds
     order: torch.Tensor  # [length]: the gathered row of each position (the gather is in the members' rank order)
-    scratch: LatentCache
+    # a one-layer kv_cache.LatentCache of the whole prompt (kv_cache.py imports this module, so it is not named here)
+    scratch: object
     scratch_meta: StepMeta  # writes positions 0 .. length - 1 to the scratch
     seq: SeqStep  # this rank's queries over the scratch (causal by position)
     owner_meta: StepMeta | None  # the owner's: writes the new entries to its cache

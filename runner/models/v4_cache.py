@@ -58,8 +58,7 @@ from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of, cache_fields
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast, takes_npu_path
-from dsconv.runner.models.batch import Fork, Restore
-from dsconv.runner.models.kv_cache import KVCache, cache_blocks
+from dsconv.runner.models.kv_cache import Fork, KVCache, Restore, cache_blocks
 
 DEFAULT_MAX_SEQS = 16  # sequence slots when none is asked for (the scheduler's default --max-num-seqs)
 # State blocks per sequence slot, for prefix caching, in hit points: one hit at a block boundary restores at most

@@ -22,9 +22,10 @@ from starlette.exceptions import HTTPException
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
 from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
-from dsconv.runner.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from dsconv.runner.entrypoints.openai.protocol import (APIError, CompletionRequest,
                                                        DetokenizeRequest, TokenizeRequest, check_token_id,
-                                                       model_not_found, parse_body)
+                                                       model_not_found, parse_body, parse_chat,
+                                                       thinking_flag)
 from dsconv.runner.engine.request import NotAccepting
 from dsconv.runner.entrypoints.openai.streaming import Front
 
@@ -63,24 +64,13 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
 
     @app.post("/v1/chat/completions")
     async def post_chat_completions(request: Request) -> Response:
-        body = parse_body(await read_body(request), ChatCompletionRequest)
+        body, settings = parse_chat(await read_body(request), engine)
         _check_serving(engine)
-        return await chat_completions(engine, request, body, _dp_rank(request))
+        return await chat_completions(engine, request, body, settings, _dp_rank(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = parse_body(await read_body(request), TokenizeRequest)
-        _check_model(engine, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise InputError("give either prompt or messages")
-        if body.messages is not None:
-            ids, _ = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, body.tools)
-        elif body.chat_template_kwargs is not None or body.tools is not None:
-            raise InputError("chat_template_kwargs and tools apply to messages only")
-        elif body.add_special_tokens:
-            ids = text_prompt(engine, body.prompt).ids
-        else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids  # the text's own tokens only
+        ids = _tokenize(engine, parse_body(await read_body(request), TokenizeRequest))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
@@ -99,6 +89,21 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
     return app
 
 
+def _tokenize(engine: Front, body: TokenizeRequest) -> list[int]:
+    """/tokenize: a conversation's prompt ids as a chat request renders them, or a text's (with BOS unless
+    add_special_tokens is false)."""
+    _check_model(engine, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InputError("give either prompt or messages")
+    if body.messages is not None:
+        return chat_prompt_ids(engine, body.messages, thinking_flag(body.chat_template_kwargs), body.tools)
+    if body.chat_template_kwargs is not None or body.tools is not None:
+        raise InputError("chat_template_kwargs and tools apply to messages only")
+    if body.add_special_tokens:
+        return text_prompt(engine, body.prompt).ids
+    return engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids  # the text's own tokens only
+
+
 # The largest request body read: a prompt of V3's whole 163840-token context as JSON token ids is about 1.2 MB,
 # lm-eval's batches of prompts a few MB; a larger body is refused (413) before it is held in memory.
 MAX_BODY_BYTES = 32 * 2**20
@@ -107,15 +112,15 @@ MAX_BODY_BYTES = 32 * 2**20
 async def read_body(request: Request) -> bytes:
     """The request's body, refused with a 413 once it (or its declared Content-Length) passes MAX_BODY_BYTES."""
     declared = request.headers.get("content-length", "")
-    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    if not (declared.isdigit() and int(declared) > MAX_BODY_BYTES):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                break
+            chunks.append(chunk)
+    if size > MAX_BODY_BYTES or declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     return b"".join(chunks)
 
 

@@ -5,7 +5,7 @@ calls block at the end of the reply as `tool_calls` (tool_calls.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -13,16 +13,10 @@ from fastapi.responses import Response
 from dsconv.errors import InputError
 from dsconv.family.text import Detokenizer
 from dsconv.runner.entrypoints.openai.choice import Choice, Envelope, chat_logprobs, split_reasoning
-from dsconv.runner.entrypoints.openai.streaming import RequestGroup, answer, updates
+from dsconv.runner.entrypoints.openai.streaming import Front, RequestGroup, answer, updates
 from dsconv.runner.entrypoints.openai.tool_calls import CallStream, Reply, partial_calls, sendable, split_calls
-from dsconv.runner.entrypoints.openai.protocol import (ChatCompletionRequest, check_chat_fields, check_common,
-                                                       sampling_params, stop_strings, thinking_flag, truncate)
-from dsconv.family.text import check_tools
-from dsconv.family.dsml import Dialect
-from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
-
-if TYPE_CHECKING:
-    from dsconv.runner.entrypoints.openai.streaming import Front
+from dsconv.runner.entrypoints.openai.protocol import ChatCompletionRequest, ChatSettings
+from dsconv.runner.engine.request import SamplingParams
 
 # Message fields OpenAI's spec allows that DeepSeek's chat encodings have no place for: dropped. `name` tells
 # participants apart (DeepSeek's encoders render none); an assistant message read back from a response carries
@@ -65,101 +59,40 @@ def chat_messages(messages: list[Any]) -> list[Any]:
     return out
 
 
-def chat_prompt_ids(engine: Front, messages: list, kwargs: dict | None,
-                    tools: list | None = None, reasoning_effort: str | None = None) -> tuple[list[int], bool]:
-    """(prompt ids, thinking); the rendered text carries BOS itself."""
-    thinking = thinking_flag(kwargs, reasoning_effort)
-    ids = engine.text.encode_chat(engine.family, chat_messages(messages), thinking, tools)
-    return ids, thinking
+def chat_prompt_ids(engine: Front, messages: list, thinking: bool, tools: list | None = None) -> list[int]:
+    """The conversation's prompt ids as the family renders it; the rendered text carries BOS itself."""
+    return engine.text.encode_chat(engine.family, chat_messages(messages), thinking, tools)
 
 
-def chat_tools(engine: Front, body: ChatCompletionRequest,
-               thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
-    """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
-    tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
-    calls block of one call (of that function) by constrained decoding. parallel_tool_calls=false holds "auto" to
-    text and at most one call; "required" and a named function make one call either way."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
-            raise InputError(f"tool_choice {choice!r} needs tools")
-        return None, None, None
-    if choice == "none":  # the model is not to call tools: they are left out of the prompt
-        return None, None, None
-    if choice not in (None, "auto", "required") and not isinstance(choice, dict):
-        raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
-                         f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
-    dialect = engine.family.tool_dialect
-    if dialect is None:
-        raise InputError(f"tools are not supported for {engine.family.name}")
-    check_tools(body.tools)
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
-            raise InputError(f"tool_choice {choice!r} names no function of tools")
-    if choice in (None, "auto") and body.parallel_tool_calls is not False:
-        return body.tools, dialect, None
-    return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice or "auto", thinking)
-
-
-def response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec | None:
-    """response_format: "text" (none), "json_object" (any JSON object), "json_schema" ({"schema": ...})."""
-    fmt = body.response_format
-    if fmt is None or fmt.get("type") == "text":
-        return None
-    if fmt.get("type") == "json_object":
-        return json_spec({"type": "object"}, thinking)
-    if fmt.get("type") == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise InputError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return json_spec(schema, thinking)
-    raise InputError(f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}")
-
-
-async def chat_completions(engine: Front, request: Request, body: ChatCompletionRequest,
+async def chat_completions(engine: Front, request: Request, body: ChatCompletionRequest, settings: ChatSettings,
                            dp_rank: int | None) -> Response:
-    check_common(body, engine.model_name, engine.vocab_size)
-    check_chat_fields(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise InputError("top_logprobs needs logprobs=true")
-    thinking = thinking_flag(body.chat_template_kwargs, body.reasoning_effort)
-    tools, dialect, grammar = chat_tools(engine, body, thinking)
-    json_grammar = response_grammar(body, thinking)
-    if grammar is not None and json_grammar is not None:
-        raise InputError(f"response_format and tool_choice {body.tool_choice!r} cannot both hold the reply")
-    grammar = grammar or json_grammar
-    if grammar is not None:
-        if engine.grammars is None:
-            raise InputError("this server has no constrained decoding")
-        engine.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
-    prompt_ids, thinking = chat_prompt_ids(engine, body.messages, body.chat_template_kwargs, tools,
-                                           body.reasoning_effort)
+    """A chat request, its body translated (protocol.parse_chat): the prompt rendered, the reply streamed or
+    returned."""
+    prompt_ids = chat_prompt_ids(engine, body.messages, settings.thinking, settings.tools)
     if body.add_special_tokens:  # vLLM's: the tokenizer's own specials (BOS) before the template's text
         prompt_ids = engine.text.encode_counted("")[0] + prompt_ids
-    prompt_ids = truncate(prompt_ids, body, engine.max_model_len)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if settings.keep_last is not None:
+        prompt_ids = prompt_ids[-settings.keep_last:]
+    max_tokens = settings.max_tokens
     if max_tokens is None:  # as vLLM: whatever the context leaves (max_model_len fits one DP rank's cache)
         max_tokens = engine.max_model_len - len(prompt_ids)
         if max_tokens <= 0:
             raise InputError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room for a reply within "
                              f"max_model_len={engine.max_model_len}")
-    params = sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             vocab_size=engine.vocab_size, grammar=grammar)
-    response = ChatCompletion(engine, body, prompt_ids, thinking, dialect, params.n)
-    requests = RequestGroup(engine, request, dp_rank)
-    return await answer(requests, response, response.choices, body.stream, params)
+    params = SamplingParams(max_tokens=max_tokens, **settings.sampling)
+    response = ChatCompletion(engine, body, prompt_ids, settings, params.n)
+    return await answer(RequestGroup(engine, request, dp_rank), response, response.choices, body.stream, params)
 
 
 class ChatCompletion(Envelope):
-    def __init__(self, engine: Front, body: ChatCompletionRequest, prompt_ids: list[int], thinking: bool,
-                 dialect: Dialect | None = None, n: int = 1):
-        super().__init__(engine, "chatcmpl", [Choice(i, prompt_ids, stop_strings(body),
+    def __init__(self, engine: Front, body: ChatCompletionRequest, prompt_ids: list[int], settings: ChatSettings,
+                 n: int = 1):
+        super().__init__(engine, "chatcmpl", [Choice(i, prompt_ids, settings.stop,
                                                      Detokenizer(engine.tokenizer, body.skip_special_tokens), i,
                                                      include_stop=body.include_stop_str_in_output,
                                                      min_tokens=body.min_tokens)
                                               for i in range(n)])
-        self.body, self.thinking, self.dialect = body, thinking, dialect
+        self.body, self.thinking, self.dialect = body, settings.thinking, settings.dialect
         self.call_streams = [CallStream() for _ in self.choices]  # what of each choice's calls has been streamed
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:

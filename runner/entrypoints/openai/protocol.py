@@ -9,12 +9,15 @@ ignored (IGNORED_FIELDS); those asking for what this server cannot do (audio out
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsconv.errors import InputError
-from dsconv.runner.engine.grammar import GrammarSpec
+from dsconv.family.dsml import Dialect
+from dsconv.family.text import check_tools
+from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 from dsconv.runner.engine.request import SamplingParams
 
 SEED_LIMIT = 2**63  # seeds are int64, as in OpenAI's API
@@ -241,8 +244,14 @@ def check_token_id(token_id: int, vocab_size: int, where: str) -> None:
 
 def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, grammar: GrammarSpec | None = None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
+    return SamplingParams(max_tokens=max_tokens, **sampling_fields(body, logprobs, vocab_size, prompt_logprobs,
+                                                                   grammar))
+
+
+def sampling_fields(body: _Sampling, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None,
+                    grammar: GrammarSpec | None = None) -> dict:
+    """The body's SamplingParams, but max_tokens (vLLM's to_sampling_params)."""
+    return dict(
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),  # -1 is vLLM's "off", 0 ours
@@ -264,11 +273,14 @@ def sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None, voca
 
 def truncate(ids: list[int], body: _Sampling, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the last max_model_len)."""
+    keep = kept_tokens(body, max_model_len)
+    return ids if keep is None else ids[-keep:]
+
+
+def kept_tokens(body: _Sampling, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all)."""
     keep = body.truncate_prompt_tokens
-    if keep is None:
-        return ids
-    keep = max_model_len if keep == -1 else keep
-    return ids[-keep:]
+    return max_model_len if keep == -1 else keep
 
 
 def thinking_flag(kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> bool:
@@ -306,3 +318,94 @@ def check_chat_fields(body: ChatCompletionRequest) -> None:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is deprecated in OpenAI's API and not supported: send tools and "
                                 f"tool_choice", name)
+
+
+# -- a chat body, translated once ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What a chat body asks for, checked: the thinking switch, the tools to render and the dialect of the reply's
+    calls, the sampling fields (SamplingParams' but max_tokens, which may depend on the prompt's length), and how
+    the prompt is cut and its reply stopped."""
+    thinking: bool
+    tools: list | None
+    dialect: Dialect | None
+    sampling: dict
+    max_tokens: int | None  # None: what max_model_len leaves after the prompt (as vLLM)
+    keep_last: int | None  # truncate_prompt_tokens: keep the prompt's last this many tokens (None: all)
+    stop: tuple[str, ...]
+
+
+def parse_chat(raw: bytes, front) -> tuple[ChatCompletionRequest, ChatSettings]:
+    """A chat request's body, parsed and translated once into what the server runs (front: streaming.Front, the
+    model's name, vocabulary, family, limits and grammars). Every refusal here is the client's 4xx."""
+    body = parse_body(raw, ChatCompletionRequest)
+    return body, chat_settings(body, front)
+
+
+def chat_settings(body: ChatCompletionRequest, front) -> ChatSettings:
+    """The body's settings, checked (parse_chat's second half)."""
+    check_common(body, front.model_name, front.vocab_size)
+    check_chat_fields(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InputError("top_logprobs needs logprobs=true")
+    thinking = thinking_flag(body.chat_template_kwargs, body.reasoning_effort)
+    tools, dialect, grammar = _chat_tools(front.family, body, thinking)
+    json_grammar = _response_grammar(body, thinking)
+    if grammar is not None and json_grammar is not None:
+        raise InputError(f"response_format and tool_choice {body.tool_choice!r} cannot both hold the reply")
+    grammar = grammar or json_grammar
+    if grammar is not None:
+        if front.grammars is None:
+            raise InputError("this server has no constrained decoding")
+        front.grammars.compile(grammar)  # a schema xgrammar cannot compile is the client's 400, found here
+    sampling = sampling_fields(body, (body.top_logprobs or 0) if body.logprobs else None, front.vocab_size,
+                               grammar=grammar)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return ChatSettings(thinking, tools, dialect, sampling, max_tokens, kept_tokens(body, front.max_model_len),
+                        stop_strings(body))
+
+
+def _chat_tools(family, body: ChatCompletionRequest,
+                thinking: bool) -> tuple[list | None, Dialect | None, GrammarSpec | None]:
+    """(tools to render, the dialect to parse the reply's calls with, the grammar tool_choice needs) from tools and
+    tool_choice: "auto" (the default) lets the model choose; "required" and a named function hold the reply to a
+    calls block of one call (of that function) by constrained decoding. parallel_tool_calls=false holds "auto" to
+    text and at most one call; "required" and a named function make one call either way."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InputError(f"tool_choice {choice!r} needs tools")
+        return None, None, None
+    if choice == "none":  # the model is not to call tools: they are left out of the prompt
+        return None, None, None
+    if choice not in (None, "auto", "required") and not isinstance(choice, dict):
+        raise InputError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {choice!r}")
+    dialect = family.tool_dialect
+    if dialect is None:
+        raise InputError(f"tools are not supported for {family.name}")
+    check_tools(body.tools)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in {tool.get("function", {}).get("name") for tool in body.tools if isinstance(tool, dict)}:
+            raise InputError(f"tool_choice {choice!r} names no function of tools")
+    if choice in (None, "auto") and body.parallel_tool_calls is not False:
+        return body.tools, dialect, None
+    return body.tools, dialect, tool_call_spec(dialect.structural_tag_model, body.tools, choice or "auto", thinking)
+
+
+def _response_grammar(body: ChatCompletionRequest, thinking: bool) -> GrammarSpec | None:
+    """response_format: "text" (none), "json_object" (any JSON object), "json_schema" ({"schema": ...})."""
+    fmt = body.response_format
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return json_spec({"type": "object"}, thinking)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InputError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return json_spec(schema, thinking)
+    raise InputError(f"response_format.type must be text, json_object or json_schema, got {fmt.get('type')!r}")

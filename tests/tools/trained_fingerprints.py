@@ -2,14 +2,14 @@
 fingerprints of the training's inputs and of its first dense steps, under PINNED_CPU_ENV, to compare line by line
 with another machine's (docs/benchmarks.md, "Trained tiny models", records an AMD EPYC's).
 
-    python scripts/trained_fingerprints.py [--family deepseek_v32 deepseek_v4] [--steps 3] [--ops DIR]
+    python -m tests.tools.trained_fingerprints [--family deepseek_v32 deepseek_v4] [--steps 3] [--ops DIR]
 
 prints, per family: the tokenizer's vocabulary and the token ids (sha256), the model as loaded, then each dense
 step's loss (every bit, as a hex float) and the weights after it (sha256 over the state dict). The first line that
 differs between two machines names what to pin next: the tokenizer, the initial weights, or a step's arithmetic.
 --ops DIR also writes DIR/<family>.ops: every ATen op of the first dense step (forward, backward, clipping and
 AdamW), one line each with its outputs' sha256; `diff` two machines' files and the first differing line is the op
-that rounds by CPU. Without a second machine, `qemu-x86_64 -cpu EPYC python scripts/...` is one (about 12 minutes
+that rounds by CPU. Without a second machine, `qemu-x86_64 -cpu EPYC python -m tests.tools...` is one (about 12 minutes
 a step): that is how AdamW's sqrt was found (tests/trained.py, IeeeSquareRoot).
 """
 
@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the training lives with the tests (tests/trained.py), outside the installed package
-
 from tests.trained import FAMILIES, PINNED_CPU_ENV, IeeeSquareRoot, cpu_description, require_pinned, \
-    train_model, training_config, training_tokens  # noqa: E402
+    train_model, training_config, training_tokens
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Enough(Exception):
@@ -112,9 +111,9 @@ def main() -> None:
         args.ops.mkdir(parents=True, exist_ok=True)
     print(f"machine: {cpu_description()}", flush=True)
     for family in args.family:  # each in a fresh interpreter with PINNED_CPU_ENV, as training runs
-        subprocess.run([sys.executable, "-m", "dsconv.scripts.trained_fingerprints", "--one", family,
+        subprocess.run([sys.executable, "-m", "tests.tools.trained_fingerprints", "--one", family,
                         str(args.steps), *([str(args.ops.resolve())] if args.ops else [])],
-                       env={**os.environ, **PINNED_CPU_ENV}, check=True)
+                       env={**os.environ, **PINNED_CPU_ENV}, check=True, cwd=REPO)
 
 
 if __name__ == "__main__":

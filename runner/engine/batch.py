@@ -1,5 +1,5 @@
-"""One step's work for one attention-DP rank, token-major (vLLM's vocabulary): the scheduler on rank 0 builds
-it, every rank of that DP index receives it, and both sides validate it.
+"""The scheduler-to-worker message: one step's work for one attention-DP rank, token-major (vLLM's vocabulary):
+the scheduler on rank 0 builds it, every rank of that DP index receives it, and both sides validate it.
 
 Sequence i feeds input_ids[query_start_loc[i]:query_start_loc[i + 1]], the tokens at positions
 context_lens[i] - query_len .. context_lens[i] - 1; their cache entries go to slot_mapping's slots, which its
@@ -19,6 +19,8 @@ start from published blocks with their slot filled from published state blocks, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from dsconv.runner.models.kv_cache import Fork, Restore
 
 # An idle attention-DP rank on an accelerator runs a throwaway one-token sequence in each step instead of zero rows
 # (runner/engine/worker.py, InputBuilder), as vllm-ascend's idle ranks run a dummy batch: no device kernel sees
@@ -50,24 +52,6 @@ class SampleSpec:
     seen: tuple[int, ...] = ()  # with a repetition penalty: the distinct tokens of the prompt and output so far
     banned: tuple[int, ...] = ()  # before min_tokens: EOS and the stop tokens, which may not be drawn yet
     min_p: float = 0.0
-
-
-@dataclass(frozen=True)
-class Fork:
-    """Sequence `child` continues from `parent`'s cache: copy each (parent block, child block) pair's contents;
-    the blocks the two tables share need no copy."""
-    parent: int
-    child: int
-    copies: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Sequence `seq_id` starts at block boundary `length` from published blocks (its block table's first
-    length / block_size): its slot is filled from these state blocks, (block index, state block) pairs."""
-    seq_id: int
-    length: int
-    blocks: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

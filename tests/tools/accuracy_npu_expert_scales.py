@@ -7,25 +7,19 @@ to BF16 (tests/helpers.expert_scales_to_bf16), both run by dsrun's CPU path in f
 gate's figures (tests/accuracy_gates.py, evaluated pinned): perplexity over the held-out windows, logits cosine, top-1
 agreement along the float32-scale model's greedy text. Only the scales differ; NPU rounding is not modelled.
 
-    python scripts/accuracy_npu_expert_scales.py [--family deepseek_v32 deepseek_v4] [--work DIR]
+    python -m tests.tools.accuracy_npu_expert_scales [--family deepseek_v32 deepseek_v4] [--work DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.trained import trained_source  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from dsconv.scripts.bench_serve import machine, print_machine  # noqa: E402
-from tests.helpers import expert_scales_to_bf16, quantize, shard  # noqa: E402
-from tests.accuracy_gates import gate_report, pinned_gate_figures  # noqa: E402
-from tests.test_accuracy_gate import EVAL_TOKENS  # noqa: E402
+from dsconv.family.layout import Layout
+from tests.accuracy_gates import EVAL_TOKENS, gate_report, pinned_gate_figures
+from tests.helpers import expert_scales_to_bf16, quantize, shard
+from tests.trained import cpu_description, trained_source
 
 FAMILIES = ("deepseek_v32", "deepseek_v4")
 
@@ -35,7 +29,7 @@ def main() -> None:
     parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
-    print_machine(machine(1), 1)
+    print(f"machine: {cpu_description()}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
         for family in args.family:
             root = Path(scratch) / family

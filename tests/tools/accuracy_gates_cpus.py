@@ -2,7 +2,8 @@
 evaluated (tests/accuracy_gates.py) under environments that make this machine choose the kernels another CPU
 would, and under the pinned environment the gates use (PINNED_CPU_ENV).
 
-    python scripts/accuracy_gates_cpus.py [--env pinned native avx2 baseline pinned-sse42] [--gate ...] [--work DIR]
+    python -m tests.tools.accuracy_gates_cpus [--env pinned native avx2 baseline pinned-sse42] [--gate ...]
+                                              [--work DIR]    # from the repository root
 
 Environments: `native`, this CPU's own choice (a thread per core); `avx2`, an AVX2-only CPU such as an AMD EPYC of
 family 25 (ATen's AVX2 kernels, MKL's AVX2 path, glibc without its AVX-512 variants, a thread per core);
@@ -15,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.trained import PINNED_CPU_ENV, cpu_description, trained_source, unrecorded_bytes  # noqa: E402
-from dsconv.family.layout import Layout  # noqa: E402
-from tests.accuracy_gates import CONTEXT, gate_report, pinned_gate_figures  # noqa: E402
-from tests.helpers import quantize, shard  # noqa: E402
-from tests.test_accuracy_gate import CACHE_GATE_WINDOWS, EVAL_TOKENS, V4_CACHE_GATE_WINDOWS  # noqa: E402
+from dsconv.family.layout import Layout
+from tests.accuracy_gates import CACHE_GATE_WINDOWS, CONTEXT, EVAL_TOKENS, V4_CACHE_GATE_WINDOWS, gate_report, \
+    pinned_gate_figures
+from tests.helpers import quantize, shard
+from tests.trained import PINNED_CPU_ENV, cpu_description, trained_source, unrecorded_bytes
 
 # what each environment sets; an empty value removes the variable, so the CPU's own choice applies
 ENVS = {

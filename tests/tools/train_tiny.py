@@ -1,7 +1,7 @@
 """Train the tiny DeepSeek models again and say whether they are the shipped bytes (tests/trained.py says what
 they are and why they ship).
 
-    python scripts/train_tiny.py OUT_DIR [--family deepseek_v4]...
+    python -m tests.tools.train_tiny OUT_DIR [--family deepseek_v4]...    # from the repository root
 
 Trains every family given (default: both) at once, each in its own one-thread interpreter (20 to 26 minutes each
 on one core), writes OUT_DIR/<family>.safetensors and OUT_DIR/tokenizer.json, and prints each file's sha256 against
@@ -11,7 +11,6 @@ changes, then copy the files into tests/data/trained/ and record the printed sha
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,11 +18,8 @@ from typing import Optional
 
 import typer
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the training lives with the tests (tests/trained.py), outside the installed package
-
 from tests.trained import FAMILIES, SHIPPED, SHIPPED_SHA256, TOKENIZER_FILE, sha256_of, train_into, \
-    training_tokens  # noqa: E402
+    training_tokens
 
 
 def main(out_dir: Path = typer.Argument(..., help="a new directory for the trained files"),
