@@ -32,6 +32,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -91,21 +92,30 @@ def launch(entry: Callable, args: tuple | dict = (), *, world_size: int, device:
     """Run `entry(*args)` (or `entry(**args)`) on every rank; return the job's exit code.
 
     `entry` is a module-level function (every rank imports its module to find it). Rank 0 keeps
-    the console; ranks > 0 write stdout and stderr to `log_dir/rank{R}.log` (default: a new temp dir; under
-    torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its log file.
+    the console; ranks > 0 write stdout and stderr to `log_dir/rank{R}.log` (default: a new temp dir, removed after
+    a success; under torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its
+    log file, whose directory the failure's message names.
     sigterm_to_rank0: a SIGTERM to this process is passed on to rank 0 alone, which then ends the job (a
     server draining its requests); by default SIGTERM ends this process as usual.
     """
     backend_for(device)  # a wrong device fails here, once, not in every rank
     if not under_torchrun() and device != "cpu":
         _check_local_devices(device, world_size)
+    own_logs = log_dir is None
     log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="dsrun-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):  # an earlier job's errors in a reused log_dir must not be reported as ours
         _error_path(log_dir, rank).unlink(missing_ok=True)
-    if under_torchrun():
-        return _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir)
-    return _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0)
+    code = 1
+    try:
+        if under_torchrun():
+            code = _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir)
+        else:
+            code = _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0)
+    finally:  # a log directory made here goes once there is nothing to read in it: a success, or no rank logged
+        if own_logs and (code == 0 or not any(log_dir.iterdir())):
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return code
 
 
 def visible_devices(device: str) -> int:

@@ -1,6 +1,6 @@
 """`manifest.json`: the contract between `dsconv shard` and whatever maps the shards (dsrun, verify).
 
-Schema "dsconv-manifest", version 2 (documented in README.md):
+Schema "dsconv-manifest", version 2 (documented in docs/shard.md):
   model      {family, config}: the model_type and the whole config.json
   precision  "w8a8" (INT8 weights + per-channel scales) or "bf16"
   layout     world_size, ep, tp, attn_tp, oproj_tp, embed_tp, dp and the rank membership of every process group

@@ -1,4 +1,4 @@
-"""`dsconv shard` and `dsconv verify`; registered on the `dsconv` app by convert/cli.py."""
+"""`dsconv shard` and `dsconv verify`; registered on the `dsconv` app by cli.py (the repository root's)."""
 
 from __future__ import annotations
 

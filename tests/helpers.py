@@ -31,7 +31,7 @@ from tests.rank_entries import recorded
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 SMALL_FILES = 1_000_000  # bytes: a file cap that gives several output files even on the tiny fixtures
-COSINE_MIN = 0.9999  # every INT8 tensor against its source, dequantized (README: measured minimum 0.99997)
+COSINE_MIN = 0.9999  # every INT8 tensor against its source, dequantized (docs/testing.md: measured minimum 0.99997)
 
 # Distributed runs: prompts of different lengths, one longer than a 16-token cache block
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 137)), [42] * 20]

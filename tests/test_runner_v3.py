@@ -166,7 +166,7 @@ def test_decodes_beside_prefills_equal_each_alone(pair, gather_rows, monkeypatch
         torch.testing.assert_close(together[seq_id], alone, rtol=1e-5, atol=1e-5)
 
 
-# What the README reports for this fixture (random weights, fixed seed): logits cosine 0.99795 (V3) and 0.99781
+# What docs/run.md reports for this fixture (random weights, fixed seed): logits cosine 0.99795 (V3) and 0.99781
 # (V3.2); greedy tokens equal to BF16's for the first 4 (V3) and 20 (V3.2) of 20. Random weights leave near-ties
 # between top tokens, so agreement is asserted with a margin below what was measured.
 W8A8_COSINE_MIN = 0.997

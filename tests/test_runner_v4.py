@@ -256,7 +256,7 @@ def test_world_16_same_tokens_as_transformers(pair, tiny_source, tmp_path):
     assert got == want
 
 
-# What the README reports for this fixture: logits cosine 0.99917, greedy tokens equal to BF16's for the first
+# What docs/v4.md reports for this fixture: logits cosine 0.99917, greedy tokens equal to BF16's for the first
 # 17 of 20 (asserted with a margin: random weights leave near-ties between top tokens).
 W8A8_COSINE_MIN = 0.999
 W8A8_AGREEMENT_MIN = 14
@@ -357,7 +357,7 @@ def test_engine_tokens_equal_transformers(pair, block_size):
     assert got == {(str(i), j): want[i] for i in range(len(prompts)) for j in range(3 if i == 0 else 1)}
 
 
-# The INT8 (C8) cache on this fixture's random weights, against auto, both float32: what the README reports.
+# The INT8 (C8) cache on this fixture's random weights, against auto, both float32: what docs/v4.md reports.
 INT8_COSINE_MIN = 0.999
 INT8_AGREEMENT_MIN = 14
 

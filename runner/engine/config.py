@@ -108,6 +108,8 @@ class RunConfig:
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
         """The run of SHARDS (its manifest must pass `dsconv verify`), the options checked against it: the dtype,
         the cache dtype and context parallelism the family takes, and world_size (None: the shards')."""
+        if options.get("record_shapes") is not None:
+            options["record_shapes"] = _record_path(options["record_shapes"])
         run = cls(Path(shards), load_manifest(Path(shards)), **options)
         if run.dtype not in DTYPES:
             raise InputError(f"--dtype {run.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -228,6 +230,13 @@ class RunConfig:
     def cache_tokens(self) -> int:
         return self.cache_blocks * self.cache.block_size
 
+    @property
+    def cache_flag(self) -> str:
+        """The flag that sized the KV cache, with its value (for a refusal's line)."""
+        if self.cache.memory_bytes is not None:
+            return f"--kv-cache-memory-bytes {self.cache.memory_bytes}"
+        return f"--cache-tokens {self.cache.tokens}"
+
     def check_holds(self, max_model_len: int | None) -> None:
         """Refuses, in one line naming the least budget that would do, a --kv-cache-memory-bytes whose cache cannot
         hold one request of an explicit --max-model-len (within the model's context; beyond it is
@@ -300,6 +309,16 @@ class RunConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.model_config.get("eos_token_id")
+
+
+def _record_path(path: Path) -> Path:
+    """--record-shapes as an absolute path (rank 0 appends to it), refused at once if it cannot be written."""
+    path = Path(path).resolve()
+    if not path.parent.is_dir():
+        raise InputError(f"--record-shapes {path}: its directory does not exist")
+    if path.is_dir():
+        raise InputError(f"--record-shapes {path} is a directory, not a file")
+    return path
 
 
 def _slots(n: int) -> str:

@@ -35,7 +35,7 @@ from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt
 from dsconv.runner.engine.scheduler import PoolShape, Scheduler
-from dsconv.runner.engine.shapes import ShapeRecorder, recorder_for
+from dsconv.runner.engine.shapes import ShapeRecorder
 from dsconv.runner.engine.worker import Worker
 from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.dist import Dist
@@ -147,8 +147,8 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
                       run.scheduler.enable_prefix_caching)
     engine = new_engine(model, cache, dist, run.engine_config(cache.num_blocks * cache.block_size), grammars=grammars,
                         metrics=metrics)
-    if engine.leads:
-        engine.shapes = recorder_for(run)
+    if engine.leads and run.record_shapes is not None:
+        engine.shapes = ShapeRecorder.of(run, run.record_shapes, run.command)
     return engine
 
 

@@ -105,8 +105,3 @@ def _rows(batch: Batch) -> list[tuple[int, int, str]]:
         kind = "decode" if length == 1 and sample is not None and sample.index > 0 else "prefill"
         rows.append((end - length, end, kind))
     return rows
-
-
-def recorder_for(run) -> ShapeRecorder | None:
-    """The run's recorder when it was asked for (`--record-shapes`), else None."""
-    return None if run.record_shapes is None else ShapeRecorder.of(run, run.record_shapes, run.command)

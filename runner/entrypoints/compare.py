@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.family.text import TextTokenizer
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import SamplingParams, check_prompt
-from dsconv.runner.entrypoints.command import launch_ranks
 from dsconv.runner.entrypoints.reference import LOGITS, Reference
 
 # The default prompt: prose and code, so that every layer sees a varied context
@@ -72,7 +72,8 @@ def main(o: CompareOptions) -> int:
     run = replace(run, cache=replace(run.cache, tokens=longest + 1),
                   scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
     with tempfile.TemporaryDirectory(prefix="dsrun-compare-") as scratch:
-        code = launch_ranks(rank_main, {"run": run, "prompts": prompts, "out": scratch}, run, o.timeout)
+        code = launch(rank_main, {"run": run, "prompts": prompts, "out": scratch}, world_size=run.layout.world_size,
+                      device=run.device, timeout_s=o.timeout)
         if code:
             return code
         report = compare(ref, prompts, Path(scratch)).report(o.min_cosine)

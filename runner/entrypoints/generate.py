@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dsconv.comm.launch import launch
 from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.family.text import Detokenizer, TextTokenizer
@@ -24,7 +25,6 @@ from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, check_prompt, \
     resolve_max_model_len
 from dsconv.runner.engine.speculative import SpeculativeConfig
-from dsconv.runner.entrypoints.command import cache_flag, launch_ranks, record_path, shards_or_demo
 from dsconv.runner.models.kv_cache import cache_blocks
 
 
@@ -73,9 +73,10 @@ def main(o: GenerateOptions) -> int:
     text = TextTokenizer.load(run.shards, run.model_config)
     prompts = [_prompt_ids(text, p, run.family, o) for p in o.prompt]
     run = _sized(run, prompts, o)
-    return launch_ranks(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": o.max_new_tokens,
-                                    "logprobs": o.logprobs, "json_output": o.json_output, "started_at": started,
-                                    "sampling": o.sampling}, run, o.timeout)
+    return launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": o.max_new_tokens,
+                              "logprobs": o.logprobs, "json_output": o.json_output, "started_at": started,
+                              "sampling": o.sampling},
+                  world_size=run.layout.world_size, device=run.device, timeout_s=o.timeout)
 
 
 def _check(o: GenerateOptions) -> None:
@@ -93,13 +94,18 @@ def _check(o: GenerateOptions) -> None:
 
 
 def _open(o: GenerateOptions) -> RunConfig:
-    run = RunConfig.open(shards_or_demo(o.shards, "running"), o.world_size, command="generate", dtype=o.dtype,
+    shards = o.shards
+    if shards is None:
+        from dsconv.shard.demo import announced_demo_shards  # the converter is imported only for the demo
+
+        shards = announced_demo_shards("running")
+    run = RunConfig.open(shards, o.world_size, command="generate", dtype=o.dtype,
                          device=o.device, cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes,
                                                             o.kv_cache_dtype, o.block_size),
                          scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
                                                    cp_min_tokens=o.prefill_cp_min_tokens,
                                                    enable_prefix_caching=o.enable_prefix_caching),
-                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts,
+                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
                          speculative=SpeculativeConfig.parse(o.speculative_config))
     # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for each
     # of a rank's prompts
@@ -125,7 +131,7 @@ def _sized(run: RunConfig, prompts: list[list[int]], o: GenerateOptions) -> RunC
                for index in range(dp))
     if need > run.cache_blocks:
         raise InputError(f"prompts + --max-new-tokens need {need} blocks of {o.block_size} tokens on one "
-                         f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({cache_flag(run)})")
+                         f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({run.cache_flag})")
     for ids in prompts:
         check_prompt(ids, o.max_new_tokens, run.vocab_size, model_len)
     return replace(run, max_model_len=model_len,

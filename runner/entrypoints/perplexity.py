@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dsconv.comm.launch import launch
 from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.family.text import TextTokenizer
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import RequestOutput, SamplingParams, check_prompt, resolve_max_model_len
-from dsconv.runner.entrypoints.command import cache_flag, launch_ranks, record_path
 
 SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
 
@@ -67,7 +67,7 @@ def main(o: PerplexityOptions) -> int:
                                            block_size=o.block_size),
                          scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
                                                    cp_min_tokens=o.prefill_cp_min_tokens),
-                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts)
+                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts)
     text = _read(o.file)
     run.check_holds(o.max_model_len)
     model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings,
@@ -78,7 +78,7 @@ def main(o: PerplexityOptions) -> int:
     longest = max(map(len, cut))
     if o.kv_cache_memory_bytes is not None and longest > run.cache_tokens:
         raise InputError(f"windows of up to {longest} tokens exceed the KV cache's {run.cache_tokens} tokens "
-                         f"({cache_flag(run)}): lower --context or raise the budget")
+                         f"({run.cache_flag}): lower --context or raise the budget")
     for window in cut:  # each window is scored as a prompt of the engine
         check_prompt(window, 0, run.vocab_size, model_len)
     # A DP rank scores one window at a time, with a token budget of one window (and, unless a byte budget says
@@ -87,8 +87,9 @@ def main(o: PerplexityOptions) -> int:
     if o.kv_cache_memory_bytes is None:
         run = replace(run, cache=replace(run.cache, tokens=longest))
     run = replace(run, scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
-    return launch_ranks(rank_main, {"run": run, "windows": cut, "context": o.context, "json_output": o.json_output,
-                                    "started_at": started}, run, o.timeout)
+    return launch(rank_main, {"run": run, "windows": cut, "context": o.context, "json_output": o.json_output,
+                              "started_at": started}, world_size=run.layout.world_size, device=run.device,
+                  timeout_s=o.timeout)
 
 
 def _read(file: Path) -> str:

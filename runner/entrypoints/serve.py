@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
@@ -27,7 +28,6 @@ from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
 from dsconv.runner.engine.speculative import SpeculativeConfig
-from dsconv.runner.entrypoints.command import launch_ranks, record_path, shards_or_demo
 
 # Idle ranks wait inside a collective for rank 0's next message; rank 0 sends a keep-alive at this fraction of
 # the collective timeout, so an idle server never times out.
@@ -76,18 +76,22 @@ def main(o: ServeOptions) -> int:
     scheduler = SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.dp_balancing,
                                 o.prefill_context_parallel_size, o.prefill_cp_min_tokens, o.enable_prefix_caching,
                                 o.scheduling_policy)
-    shards = shards_or_demo(o.shards, "serving")
+    shards = o.shards
+    if shards is None:
+        from dsconv.shard.demo import announced_demo_shards  # the converter is imported only for the demo
+
+        shards = announced_demo_shards("serving")
     run = RunConfig.open(shards, o.world_size, command="serve", dtype=o.dtype, device=o.device,
                          cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes, o.kv_cache_dtype, o.block_size),
                          scheduler=scheduler, max_model_len=o.max_model_len, drain_timeout_s=o.drain_timeout,
-                         record_shapes=record_path(o.record_shapes), overlap_shared_experts=o.overlap_shared_experts,
+                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
                          speculative=SpeculativeConfig.parse(o.speculative_config))
     run.check_holds(o.max_model_len)
     resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
-    return launch_ranks(rank_main, {"run": run, "host": o.host, "port": o.port,
-                                    "model_name": o.served_model_name or Path(shards).resolve().name,
-                                    "timeout_s": o.timeout, "api_key": o.api_key}, run, o.timeout,
-                        sigterm_to_rank0=True)
+    return launch(rank_main, {"run": run, "host": o.host, "port": o.port,
+                              "model_name": o.served_model_name or Path(shards).resolve().name, "timeout_s": o.timeout,
+                              "api_key": o.api_key}, world_size=run.layout.world_size, device=run.device,
+                  timeout_s=o.timeout, sigterm_to_rank0=True)
 
 
 def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: float,

@@ -561,7 +561,7 @@ class DeepseekV4:
 
     def forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None = None,
                 draws: list[list[Draw]] | None = None) -> torch.Tensor:
-        """The step function (model_v3's interface): tokens [T] are this step's new tokens, laid out as meta
+        """The step function (the interface of deepseek_v3.py's DeepseekV3.forward): tokens [T] are this step's new tokens, laid out as meta
         says, each sequence continuing what `cache` holds for it -> logits [len(rows) or T, vocab] of those rows;
         draws (per attention-DP index, one per row): their drawn tokens [len(rows) or T] (ParallelLMHead: candidates,
         not slices of the vocabulary, travel).

@@ -93,7 +93,8 @@ class ChatCompletion(Envelope):
                                                      min_tokens=body.min_tokens)
                                               for i in range(n)])
         self.body, self.thinking, self.dialect = body, settings.thinking, settings.dialect
-        self.call_streams = [CallStream() for _ in self.choices]  # what of each choice's calls has been streamed
+        # with tools: what of each choice's calls has been streamed
+        self.call_streams = [CallStream() for _ in self.choices] if self.dialect is not None else []
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the reply text so far."""

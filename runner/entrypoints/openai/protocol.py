@@ -27,7 +27,7 @@ THINKING_KEYS = ("thinking", "enable_thinking")  # DeepSeek-V3.1's template read
 # reasoning_effort (OpenAI's) is the thinking switch: these values turn thinking off, the others on
 REASONING_EFFORTS_OFF, REASONING_EFFORTS_ON = ("none", "minimal"), ("low", "medium", "high", "xhigh")
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: -100 (ban) to 100 (exclusive selection)
-# OpenAI parameters that do not apply to a self-hosted server: accepted and ignored (README lists them)
+# OpenAI parameters that do not apply to a self-hosted server: accepted and ignored (docs/serve.md lists them)
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
                   "safety_identifier", "user", "prediction", "verbosity")
 
