@@ -170,6 +170,7 @@ JsonOutput = Annotated[bool, typer.Option("--json", help=(
     "Print one JSON object (per-rank weights by category, cache bytes per token by component, headroom, tokens that "
     "fit) instead of tables."))]
 
+
 def plan(
     config: ConfigPath,
     ep: Ep = DEFAULT_WORLD_SIZE,
