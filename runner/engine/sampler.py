@@ -132,13 +132,13 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     asked += [(row, token, spec.logprobs) for row, token, spec in zip(drawn_rows[len(specs):], tokens[len(specs):],
                                                                       all_specs[len(specs):])
               if spec.logprobs is not None]
-    return _results(batch, logits, rows, asked, emitted, tokens[len(specs):])
+    return _results(batch, specs, logits, rows, asked, emitted, tokens[len(specs):])
 
 
-def _results(batch: Batch, logits: torch.Tensor, rows: _Rows, asked: list[tuple[int, int, int]],
-             emitted: list[list[int]], sibling_tokens: list[int]) -> list[SeqResult]:
+def _results(batch: Batch, specs: list[SampleSpec], logits: torch.Tensor, rows: _Rows,
+             asked: list[tuple[int, int, int]], emitted: list[list[int]], sibling_tokens: list[int]) -> list[SeqResult]:
     """Per sequence: its scored prompt tokens' logprobs, the tokens it emitted with theirs where asked (`asked`:
-    (row, token, top entries)), and its siblings' draws."""
+    (row, token, top entries)), and its siblings' draws (specs: the sampling sequences', in order)."""
     logprob_rows = rows.score + [row for row, _, _ in asked]
     entries = token_logprobs(logits[logprob_rows], rows.score_targets + [token for _, token, _ in asked],
                              rows.score_tops + [top for _, _, top in asked]) if logprob_rows else []
@@ -153,7 +153,6 @@ def _results(batch: Batch, logits: torch.Tensor, rows: _Rows, asked: list[tuple[
         logprobs = [next(drawn) if spec.logprobs is not None else None for _ in mine]
         results.append(SeqResult(mine[0], logprobs[0], prompt, extra=list(zip(mine[1:], logprobs[1:]))))
     siblings = iter(sibling_tokens)
-    specs = [spec for spec in batch.samples if spec is not None]
     for result, spec in zip([r for r, spec in zip(results, batch.samples) if spec is not None], specs):
         result.siblings.extend((next(siblings), next(drawn) if spec.logprobs is not None else None)
                                for _ in spec.siblings)

@@ -112,16 +112,19 @@ MAX_BODY_BYTES = 32 * 2**20
 async def read_body(request: Request) -> bytes:
     """The request's body, refused with a 413 once it (or its declared Content-Length) passes MAX_BODY_BYTES."""
     declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
     chunks, size = [], 0
-    if not (declared.isdigit() and int(declared) > MAX_BODY_BYTES):
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                break
-            chunks.append(chunk)
-    if size > MAX_BODY_BYTES or declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
 def _check_serving(engine: Front) -> None:
