@@ -238,6 +238,12 @@ def serve(
         envvar="DSRUN_API_KEY", show_envvar=True,
         help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize (401 otherwise); /health and "
              "/metrics stay open. Without it, a server on a non-loopback address warns at start.")] = None,
+    kv_transfer_config: Annotated[Optional[str], typer.Option(
+        help='Prefill/decode disaggregation, vLLM\'s JSON: {"kv_connector": "MooncakeConnector", "kv_role": '
+             '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {"host": ADDRESS, "lease_s": 30, '
+             '"transfer_timeout_s": 30, "kv_load_failure_policy": "fail" | "recompute"}}. A producer prefills and '
+             'hands the prompt\'s KV cache over; a consumer reads it (Mooncake transfer engine) and decodes. '
+             '`dsrun router` sends requests to both (docs/pd.md).')] = None,
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank.
@@ -282,6 +288,26 @@ def compare(
     from dsconv.runner.entrypoints.compare import CompareOptions, main as run_compare
 
     _finish(run_compare, CompareOptions(**options))
+
+
+@app.command()
+def router(
+    decode: Annotated[list[str], typer.Option("--decode", help="A decode instance's URL (`dsrun serve "
+                                                               "--kv-transfer-config` with kv_role kv_consumer); "
+                                                               "repeat for several.")],
+    prefill: Annotated[Optional[list[str]], typer.Option("--prefill", help="A prefill instance's URL (kv_role "
+                                                                           "kv_producer); repeat for several.")]
+    = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).")] = 8000,
+    timeout: Annotated[float, typer.Option(help="Seconds an instance may take to answer one request.")] = 600.0,
+) -> None:
+    """Serve one OpenAI-compatible endpoint over prefill/decode-disaggregated `dsrun serve` instances: each request is
+    prefilled on a prefill instance (picked by cached prefix and load), its KV cache handed to a decode instance
+    (picked by load), whose reply is relayed (docs/pd.md). /health, /metrics and /v1/models as `dsrun serve`'s."""
+    from dsconv.runner.entrypoints.router import RouterOptions, main as run_router
+
+    _finish(run_router, RouterOptions(prefill or [], decode, host, port, timeout))
 
 
 if __name__ == "__main__":

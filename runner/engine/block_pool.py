@@ -74,6 +74,12 @@ class BlockPool:
             table.append(self._take())
         return table
 
+    def take(self, seq_id: int) -> int:
+        """One more block at the end of seq_id's table (the scheduler checks num_free first)."""
+        block = self._take()
+        self.tables[seq_id].append(block)
+        return block
+
     def _take(self) -> int:
         if self.free:
             block = self.free.pop()
@@ -212,11 +218,24 @@ class StatePool:
         return pairs
 
     def read(self, seq_id: int, blocks: list[int]) -> None:
-        """seq_id's restore copies these published blocks: none is given out until `done_reading`."""
+        """seq_id's restore copies these published blocks (besides any it reads already): none is given out until
+        `done_reading`."""
         for block in blocks:
             self.holders[block] += 1
             self.evictable.pop(block, None)
-        self.reading[seq_id] = list(blocks)
+        self.reading.setdefault(seq_id, []).extend(blocks)
+
+    def take_for(self, seq_id: int) -> int:
+        """A fresh state block that seq_id's restore reads once it is filled (P/D: from the producer's, then `put`);
+        let go with the blocks it reads."""
+        block = self._take()
+        self.reading.setdefault(seq_id, []).append(block)
+        return block
+
+    def put(self, digest: bytes, block: int) -> None:
+        """A filled state block published under its block's hash (unless another stands for it)."""
+        if self.hash_of[block] is None and digest not in self.cached:
+            self.cached[digest], self.hash_of[block] = block, digest
 
     def done_reading(self, seq_id: int) -> None:
         for block in self.reading.pop(seq_id, []):

@@ -8,6 +8,7 @@ from functools import cached_property
 from pathlib import Path
 
 from dsconv.errors import InputError
+from dsconv.runner.engine.kv_transfer import KVTransferConfig
 from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
                                check_kv_cache_dtype, family_for)
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
@@ -51,8 +52,12 @@ class SchedulerConfig:
     cp_min_tokens: int | None = None
     enable_prefix_caching: bool = True  # vLLM's flag and default (runner/engine/block_pool.py)
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority (scheduler.py)
+    kv_transfer: KVTransferConfig | None = None  # P/D disaggregation: this instance's role (engine/kv_transfer.py)
 
     def __post_init__(self):
+        if self.kv_transfer is not None and not self.enable_prefix_caching:
+            raise InputError("--kv-transfer-config needs prefix caching: the hand-over publishes and adopts blocks by "
+                             "their hashes (drop --no-enable-prefix-caching)")
         if self.balancing not in BALANCING:
             raise InputError(f"--dp-balancing {self.balancing!r} is not one of {', '.join(BALANCING)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -18,11 +18,13 @@ door exists before the engine does (a server answers 503 while the model loads);
 
 from __future__ import annotations
 
+import json
 import pickle
 import queue
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -32,11 +34,13 @@ import torch
 from dsconv.comm.collectives import broadcast_bytes, gather_bytes
 from dsconv.runner.engine.config import EngineConfig, RunConfig
 from dsconv.runner.engine.grammar import Grammars
+from dsconv.comm.kv_transfer import TransferAgent
+from dsconv.runner.engine.kv_transfer import KVTransferConfig, LoadReport, Offer, rank_regions
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt
 from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.engine.shapes import ShapeRecorder
-from dsconv.runner.engine.worker import Worker
+from dsconv.runner.engine.worker import Transfer, Worker
 from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import DTYPES, build_model
@@ -74,6 +78,10 @@ class EngineClient:
         """Ends sample `index` of the request, or all of its samples."""
         self._commands.put(("abort", request_id, index))
 
+    def release_transfer(self, transfer_id: str) -> None:
+        """A producer's lease ends: the consumer has read its blocks (or given up on them)."""
+        self._commands.put(("release", transfer_id))
+
     def drain(self) -> None:
         """Stop admitting; the loop finishes what is in flight (aborting it after its drain timeout) and ends."""
         self._draining.set()
@@ -108,6 +116,9 @@ class EngineClient:
 # A decode step's plan for 16 DP indices of 16 sequences, with block tables of a few thousand tokens, fits; a rank's
 # results are a few hundred bytes a sequence (more with logprobs).
 PLAN_BYTES = 64 * 2**10
+# a producer's route where a consumer confirms a hand-over (outside /v1/: a consumer holds no API key)
+RELEASE_PATH = "/kv_transfer/release"
+CONFIRM_TIMEOUT_S = 5.0
 RESULT_BYTES = 8 * 2**10
 
 
@@ -149,6 +160,8 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
                         metrics=metrics)
     if engine.leads and run.record_shapes is not None:
         engine.shapes = ShapeRecorder.of(run, run.record_shapes, run.command)
+    if run.scheduler.kv_transfer is not None:
+        engine.attach_transfer(cache, run.scheduler.kv_transfer)
     return engine
 
 
@@ -179,6 +192,21 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    def attach_transfer(self, cache, config: KVTransferConfig) -> None:
+        """P/D disaggregation, on every rank: this rank's transfer engine; a producer's ranks register their caches,
+        and rank 0 learns every rank's session and regions, which its offers name."""
+        agent = TransferAgent(config.host)
+        self.worker.transfer = Transfer(agent, cache.transfer_views())
+        mine = rank_regions(agent, cache) if config.producer else None
+        if self.world_size == 1:
+            everyone = [mine]
+        else:
+            parts = gather_bytes(pickle.dumps(mine), self._host, 0, RESULT_BYTES)
+            everyone = None if parts is None else [pickle.loads(part) for part in parts]
+        if self.leads and config.producer:
+            tp = self.attn_tp
+            self.scheduler.offer_ranks = lambda dp_index: tuple(everyone[dp_index * tp:(dp_index + 1) * tp])
+
     @property
     def _host(self):
         """The process group the step plan and results travel over: the world over gloo (comm.groups)."""
@@ -193,6 +221,7 @@ class EngineCore:
         than a DP rank's cache or sequences. Reads only what never changes, so the door calls it from any thread."""
         check_prompt(prompt_ids, params.max_tokens, self.config.vocab_size, self.max_model_len)
         self.scheduler.check(len(prompt_ids), params, dp_rank)
+        self.scheduler.check_handoff(prompt_ids, params)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -208,6 +237,10 @@ class EngineCore:
             while True:
                 for command in door.pending():
                     self._apply(command, door)
+                expired = scheduler.leases_expired
+                next_expiry = scheduler.expire_leases(time.monotonic())
+                if self.metrics is not None and scheduler.leases_expired != expired:
+                    self.metrics.record_queues(scheduler)
                 if door.draining:
                     deadline = deadline or time.monotonic() + self.config.drain_timeout_s
                     if time.monotonic() > deadline:
@@ -218,8 +251,10 @@ class EngineCore:
                 if not scheduler.has_work:
                     if until_idle:
                         return
+                    wait = self.config.keepalive_s if next_expiry is None else \
+                        min(next_expiry, self.config.keepalive_s or next_expiry)
                     try:  # idle: no collectives until a request comes, a keep-alive before any could time out
-                        self._apply(door.next_command(self.config.keepalive_s), door)
+                        self._apply(door.next_command(wait), door)
                     except queue.Empty:
                         self._send(Plan())
                     continue
@@ -240,10 +275,14 @@ class EngineCore:
                                                       finish_reason="abort", error="the server is shutting down",
                                                       unavailable=True))
             else:
-                self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
+                request = self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
+                if isinstance(params.kv_transfer, Offer) and request.load is None:  # nothing to read: it may go
+                    confirm([params.kv_transfer])
         elif kind == "abort":
             for request, out in self.scheduler.abort(*args):
                 _deliver(request.on_output, out)
+        elif kind == "release":
+            self.scheduler.release_lease(*args)
         if self.metrics is not None:
             self.metrics.record_queues(self.scheduler)
 
@@ -254,27 +293,37 @@ class EngineCore:
             return []
         if self.shapes is not None:
             self.shapes.observe(step)
-        results = self._run(step.batches)
+        results, reports = self._run(step.batches)
         outputs = self.scheduler.update(step, results)
+        if reports:
+            failed, ended = self.scheduler.loaded(reports)
+            outputs += failed
+            confirm([request.params.kv_transfer for request in ended])
         if self.metrics is not None:
             self.metrics.record_step(self.scheduler, step, outputs)
+            self.metrics.record_loads(reports)
         return outputs
 
-    def _run(self, batches: list[Batch]) -> list[list[SeqResult]]:
-        """-> per DP index, one result per sequence of its batch."""
+    def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport]]:
+        """-> (per DP index, one result per sequence of its batch; every rank's reports of the step's loads)."""
         if self.world_size == 1:
-            return [self.worker.execute(batches[0])]
+            return [self.worker.execute(batches[0])], self._reports()
         self._send(Plan(batches))
         everyone = self._gather(self.worker.execute(batches[self.worker.dp_index], batches))
-        return [everyone[dp_index * self.attn_tp] for dp_index in range(len(batches))]  # each index's reporter
+        return ([everyone[dp_index * self.attn_tp][0] for dp_index in range(len(batches))],  # each index's reporter
+                [report for _, reports in everyone for report in reports])
+
+    def _reports(self) -> list[LoadReport]:
+        reports, self.worker.load_reports = self.worker.load_reports, []
+        return reports
 
     def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
             broadcast_bytes(pickle.dumps(plan), self._host, 0, PLAN_BYTES)
 
-    def _gather(self, mine: list[SeqResult] | None) -> list[list[SeqResult] | None] | None:
-        """Every rank's results of the step, in rank order, on rank 0 (None on the others)."""
-        parts = gather_bytes(pickle.dumps(mine), self._host, 0, RESULT_BYTES)
+    def _gather(self, mine: list[SeqResult] | None) -> list[tuple[list[SeqResult] | None, list[LoadReport]]] | None:
+        """Every rank's results and load reports of the step, in rank order, on rank 0 (None on the others)."""
+        parts = gather_bytes(pickle.dumps((mine, self._reports())), self._host, 0, RESULT_BYTES)
         return None if parts is None else [pickle.loads(part) for part in parts]
 
     def _follow(self) -> None:
@@ -285,6 +334,25 @@ class EngineCore:
             if plan.batches is None:  # keep-alive
                 continue
             self._gather(self.worker.execute(plan.batches[self.worker.dp_index], plan.batches))
+
+
+def confirm(offers: list[Offer]) -> None:
+    """Tells each offer's producer that its blocks may go (POST {release_url}/kv_transfer/release), from a
+    thread of its own: the loop never waits on another server. One that cannot be told lets them go when its
+    lease ends."""
+    def post(offer: Offer) -> None:
+        body = json.dumps({"transfer_id": offer.transfer_id}).encode()
+        request = urllib.request.Request(f"{offer.release_url.rstrip('/')}{RELEASE_PATH}", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=CONFIRM_TIMEOUT_S).close()
+        except OSError as exc:
+            print(f"dsrun: could not confirm transfer {offer.transfer_id} to {offer.release_url} ({exc}); its "
+                  f"lease frees the blocks", file=sys.stderr, flush=True)
+
+    for offer in offers:
+        if offer.release_url:
+            threading.Thread(target=post, args=(offer,), name="kv-transfer-confirm", daemon=True).start()
 
 
 def _deliver(on_output, out: RequestOutput) -> None:

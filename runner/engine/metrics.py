@@ -59,6 +59,8 @@ class ServeMetrics:
                                              "Draft tokens accepted at each draft position", per_model + ["position"],
                                              registry=registry)
 
+        self._transfer_metrics(per_model)
+        self._transfer_seen = (0, 0, 0)  # the scheduler's failed loads, expired leases, received tokens counted
         self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already counted
         self._spec_seen = SpecCounts()  # and its speculative-decoding counts
 
@@ -71,11 +73,29 @@ class ServeMetrics:
         self.queue = histogram("dsrun:request_queue_time_seconds", "Arrival to first scheduled")
         self.imbalance = histogram("dsrun:dp_imbalance", "Per busy step: max over mean of the DP ranks' tokens",
                                    IMBALANCE_BUCKETS)
-        for counter in (self.prefix_queries, self.prefix_hits):  # from the start, at 0
+        for counter in (self.prefix_queries, self.prefix_hits, self.kv_transfer_bytes, self.kv_transfer_failures,
+                        self.kv_transfer_leases, self.kv_transfer_expired, self.kv_transfer_tokens):  # from the start
             counter.labels(model_name)
         for rank in range(dp):  # every rank's series exists from the start, at 0
             for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions, self.zero_token_steps):
                 gauge.labels(model_name, str(rank))
+
+    def _transfer_metrics(self, per_model: list[str]) -> None:
+        """P/D disaggregation (engine/kv_transfer.py): a consumer's reads, a producer's leases."""
+        registry = self.registry
+        self.kv_transfer_bytes = Counter("dsrun:kv_transfer_bytes", "KV cache bytes read from producers (every rank's "
+                                         "reads)", per_model, registry=registry)
+        self.kv_transfer_failures = Counter("dsrun:kv_transfer_failures", "Hand-overs whose read failed or timed out",
+                                            per_model, registry=registry)
+        self.kv_transfer_leases = Gauge("dsrun:kv_transfer_leases", "Hand-overs whose blocks a producer holds for "
+                                        "its consumer", per_model, registry=registry)
+        self.kv_transfer_expired = Counter("dsrun:kv_transfer_leases_expired", "Leases a producer ended unconfirmed",
+                                           per_model, registry=registry)
+        self.kv_transfer_tokens = Counter("dsrun:kv_transfer_received_tokens", "Prompt tokens whose KV cache a "
+                                          "consumer received from a producer (not computed)", per_model,
+                                          registry=registry)
+        self.kv_transfer_seconds = Histogram("dsrun:kv_transfer_seconds", "One rank's read of one hand-over",
+                                             per_model, buckets=LATENCY_BUCKETS, registry=registry)
 
     def rank(self, metric, rank: int):
         return metric.labels(self.model_name, str(rank))
@@ -91,6 +111,18 @@ class ServeMetrics:
             self.rank(self.running, rank).set(len(scheduler.running[rank]))
             self.rank(self.waiting, rank).set(len(scheduler.waiting[rank]))
             self.rank(self.kv_usage, rank).set(scheduler.pools[rank].used_fraction)
+        self.model(self.kv_transfer_leases).set(len(scheduler.leases))
+        now = (scheduler.load_failures, scheduler.leases_expired, scheduler.received_tokens)
+        for metric, count, seen in zip((self.kv_transfer_failures, self.kv_transfer_expired, self.kv_transfer_tokens),
+                                       now, self._transfer_seen):
+            self.model(metric).inc(count - seen)
+        self._transfer_seen = now
+
+    def record_loads(self, reports: list) -> None:
+        """The ranks' reports of one step's hand-over reads (kv_transfer.LoadReport)."""
+        for report in reports:
+            self.model(self.kv_transfer_bytes).inc(report.bytes)
+            self.model(self.kv_transfer_seconds).observe(report.seconds)
 
     def record_step(self, scheduler, step, outputs: list[tuple]) -> None:
         """One step of the scheduler's (a scheduler.Step) and the (request, output) pairs it delivered."""

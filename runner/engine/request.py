@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dsconv.errors import InputError
 from dsconv.runner.engine.grammar import GrammarSpec
+from dsconv.runner.engine.kv_transfer import Export, Offer
 
 MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
 MAX_N = 128  # parallel samples a request may ask for (OpenAI's limit for n)
@@ -35,6 +36,9 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens whose probability is at least min_p x the largest's (after temperature)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end the output before this many tokens
     priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival
+    # P/D disaggregation (engine/kv_transfer.py): Export on a producer (hand the prompt's cache over), the producer's
+    # Offer on a consumer (start from its blocks); None: neither
+    kv_transfer: Export | Offer | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -54,6 +58,11 @@ class SamplingParams:
             raise InputError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not 1 <= self.n <= MAX_N:
             raise InputError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if isinstance(self.kv_transfer, Export) and self.n > 1:
+            raise InputError("kv_transfer_params do_remote_decode: a producer prefills one sample (n 1)")
+        if self.kv_transfer is not None and self.prompt_logprobs is not None:
+            raise InputError("kv_transfer_params: a handed-over prompt is not scored (no echo with logprobs, no "
+                             "prompt_logprobs)")
         if self.n > 1 and self.max_tokens == 0:
             raise InputError("n > 1 needs max_tokens of at least 1: the samples differ only in what they generate")
         for name in ("logprobs", "prompt_logprobs"):
@@ -109,6 +118,7 @@ class RequestOutput:
     unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)
     index: int = 0  # which of the request's n samples
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
+    kv_transfer_params: dict | None = None  # a producer's last output: what the consumer reads (Offer.params)
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

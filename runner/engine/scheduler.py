@@ -32,6 +32,7 @@ import dataclasses
 import itertools
 import random
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,6 +40,9 @@ from typing import Callable
 from dsconv.errors import InputError
 from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
+from dsconv.runner.engine.handoff import (Lease, LoadPlan, check_offer, close_lease, drop_load, finish_load, offered,
+                                          open_lease, plan_load)
+from dsconv.runner.engine.kv_transfer import CONSUMER, PRODUCER, Export, Load, LoadReport, Offer, RankRegions
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
 from dsconv.runner.engine.speculative import SpecCounts
@@ -73,6 +77,7 @@ class Request:
     restore: Restore | None = None  # DeepSeek-V4: the state its first step restores at its prefix hit
     drafts: list[int] = field(default_factory=list)  # speculative decoding: proposed for its next step
     verifying: int = 0  # the drafts its step being run verifies
+    load: LoadPlan | None = None  # P/D consumer: the prefix its ranks read from the producer before it starts
 
     @property
     def key(self) -> tuple[str, int]:
@@ -153,6 +158,17 @@ class Scheduler:
         self._restored: list[tuple[int, int]] = []  # (DP rank, seq_id) restored in the step being run
         self.speculative_tokens = speculative_tokens
         self.spec = SpecCounts()
+        # P/D disaggregation (engine/handoff.py): a producer's leases, a consumer's loads (sent with the next step)
+        self.kv_transfer = config.kv_transfer
+        self.leases: dict[str, Lease] = {}
+        self.leases_expired = 0  # in all
+        self.load_failures = 0  # loads that failed, in all
+        self.received_tokens = 0  # prompt tokens whose entries loads brought, in all
+        self.loading: dict[int, Request] = {}  # seq_id -> a request whose prefix its ranks are reading
+        self.sends: list[list[Load]] = [[] for _ in range(dp)]
+        self.engine_id = uuid.uuid4().hex
+        # a producer's: the ranks of an attention-DP index, with what a consumer needs to read their caches
+        self.offer_ranks: Callable[[int], tuple[RankRegions, ...]] | None = None
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -181,7 +197,8 @@ class Scheduler:
         request = Request(request_id, next(self._seq_ids), list(prompt), params, seed, on_output, rank,
                           forked=params.n == 1, hashes=hashes)
         self.requests[request.key] = self.by_seq[request.seq_id] = request
-        self._enqueue(rank, request)
+        if not (isinstance(params.kv_transfer, Offer) and self._start_load(request, params.kv_transfer)):
+            self._enqueue(rank, request)
         return request
 
     def load(self, rank: int, horizon: int) -> int:
@@ -235,7 +252,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return any(self.waiting) or any(self.running)
+        return any(self.waiting) or any(self.running) or any(self.sends)
 
     # -- one step ----------------------------------------------------------------------------------------------
 
@@ -246,8 +263,8 @@ class Scheduler:
         batches, started, preempted = [], [], [0] * self.dp
         shares = self._context_parallel(started)
         for rank in range(self.dp):
-            batch, budget = Batch(releases=self.releases[rank], forks=self.forks[rank]), self.budget
-            self.releases[rank], self.forks[rank] = [], []
+            batch = Batch(releases=self.releases[rank], forks=self.forks[rank], loads=self.sends[rank])
+            budget, self.releases[rank], self.forks[rank], self.sends[rank] = self.budget, [], [], []
             pool, running, scheduled = self.pools[rank], self.running[rank], 0
             if rank in shares:  # the rank gives this step to a context-parallel prefill
                 share, request = shares[rank]
@@ -523,6 +540,8 @@ class Scheduler:
             out.finish_reason = FINISH_LENGTH  # the prompt is scored and nothing is to be generated
         if out.finish_reason is not None:
             out.finished = True
+            if isinstance(request.params.kv_transfer, Export):
+                out.kv_transfer_params = self._lease(request)
             self._remove(request)
         emitted = [(request, out)] if out.new_token_ids or out.prompt_logprobs is not None or out.finished else []
         return emitted + samples
@@ -578,6 +597,8 @@ class Scheduler:
     def _remove(self, request: Request) -> None:
         rank = request.dp_rank
         del self.requests[request.key], self.by_seq[request.seq_id]
+        if self.loading.pop(request.seq_id, None) is not None:  # its load not sent yet is not sent
+            self.sends[rank] = [load for load in self.sends[rank] if load.seq_id != request.seq_id]
         if request in self.running[rank]:
             self.running[rank].remove(request)
         elif request in self.waiting[rank]:
@@ -587,6 +608,91 @@ class Scheduler:
         if request.seq_id in self.pools[rank].tables:
             self.pools[rank].release(request.seq_id)
             self.releases[rank].append(request.seq_id)
+
+    # -- P/D disaggregation (engine/kv_transfer.py, engine/handoff.py) -------------------------------------------
+
+    def check_handoff(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuses kv_transfer_params this instance's role cannot take, or an offer that is not this prompt's."""
+        handoff = params.kv_transfer
+        if handoff is None:
+            return
+        role = self.kv_transfer.role if self.kv_transfer is not None else None
+        wanted = {Export: PRODUCER, Offer: CONSUMER}[type(handoff)]
+        if role != wanted:
+            raise InputError(f"kv_transfer_params for a {wanted}: this server is "
+                             f"{role or 'not disaggregated'} (--kv-transfer-config)")
+        if isinstance(handoff, Offer):
+            check_offer(handoff, prompt_ids, self.pools[0].block_size, params.cache_salt)
+
+    def _start_load(self, request: Request, offer: Offer) -> bool:
+        """A consumer's request: its prefix's missing blocks taken and their read queued for the next step; False
+        when there is nothing to read or no room (the request is then admitted as any other)."""
+        rank = request.dp_rank
+        plan = plan_load(self.pools[rank], self.states[rank] if self.states else None, request.seq_id,
+                         request.hashes, len(request.prompt), offer, self.state_start)
+        if plan is None:
+            return False
+        request.load, self.loading[request.seq_id] = plan, request
+        self.sends[rank].append(Load(request.seq_id, offer.ranks, plan.blocks, plan.state,
+                                     self.kv_transfer.transfer_timeout_s))
+        return True
+
+    def loaded(self, reports: list[LoadReport]) -> tuple[list[tuple[Request, RequestOutput]], list[Request]]:
+        """The ranks' reports of the step's loads -> (outputs of requests that fail, the requests whose loads
+        ended, to confirm to their producers). A request whose every rank read its blocks starts from them as from
+        a prefix hit; one that failed is recomputed here or fails, as kv_load_failure_policy says."""
+        errors: dict[int, str | None] = {}
+        for report in reports:
+            errors[report.seq_id] = errors.get(report.seq_id) or report.error
+        outputs, ended = [], []
+        for seq_id, error in errors.items():
+            request = self.loading.pop(seq_id, None)
+            if request is None:  # aborted while its step ran
+                continue
+            ended.append(request)
+            rank, plan, request.load = request.dp_rank, request.load, None
+            states = self.states[rank] if self.states else None
+            if error is None:
+                request.restore = finish_load(self.pools[rank], states, seq_id, request.hashes, plan)
+                request.num_computed, request.published = plan.length, plan.length // self.pools[rank].block_size
+                request.cached_tokens = plan.local * self.pools[rank].block_size
+                self.received_tokens += plan.length - request.cached_tokens
+                self._enqueue(rank, request)
+                continue
+            drop_load(self.pools[rank], states, seq_id)
+            self.load_failures += 1
+            if self.kv_transfer.load_failure_policy == "recompute":
+                self._enqueue(rank, request)
+                continue
+            self._remove(request)
+            outputs += [(request, RequestOutput(request.request_id, len(request.prompt), index=i, finished=True,
+                                                finish_reason=FINISH_ABORT, error=f"the KV cache transfer failed: "
+                                                f"{error}")) for i in range(request.params.n)]
+        return outputs, ended
+
+    def _lease(self, request: Request) -> dict:
+        """A producer's finished request: its prompt's blocks held for the consumer -> its kv_transfer_params."""
+        rank = request.dp_rank
+        pool, states = self.pools[rank], self.states[rank] if self.states else None
+        count, blocks, pairs = offered(pool, states, request.hashes, len(request.prompt), self.state_start)
+        lease = open_lease(pool, states, next(self._seq_ids), rank, blocks, pairs, self.kv_transfer.lease_s)
+        self.leases[lease.transfer_id] = lease
+        return Offer(self.engine_id, lease.transfer_id, pool.block_size, tuple(request.hashes[:count]),
+                     tuple(blocks), tuple(pairs), self.offer_ranks(rank)).params()
+
+    def release_lease(self, transfer_id: str) -> bool:
+        """The consumer confirmed (or gave up): the lease's blocks go back to the pool -> whether it was held."""
+        lease = self.leases.pop(transfer_id, None)
+        if lease is not None:
+            close_lease(self.pools[lease.dp_rank], self.states[lease.dp_rank] if self.states else None, lease)
+        return lease is not None
+
+    def expire_leases(self, now: float) -> float | None:
+        """Closes the leases past their time -> seconds until the next one ends (None: none is held)."""
+        for lease in [lease for lease in self.leases.values() if lease.expires <= now]:
+            self.release_lease(lease.transfer_id)
+            self.leases_expired += 1
+        return min((lease.expires - now for lease in self.leases.values()), default=None)
 
 
 def _priority(request: Request) -> tuple[int, float]:

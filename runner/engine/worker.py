@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from dsconv.kernels.attention import causal_mask
+from dsconv.comm.kv_transfer import TransferAgent
 from dsconv.runner.engine.grammar import Grammars
+from dsconv.runner.engine.kv_transfer import LoadReport, run_load
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
@@ -34,6 +36,13 @@ class StepInputs:
     meta: StepMeta  # positions, slots, each sequence's context
     rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A rank's part in P/D disaggregation: its transfer engine, and its cache's views (cache.transfer_views())."""
+    agent: TransferAgent
+    views: tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 THROWAWAY_DRAW = Draw(temperature=0.0, top_k=0, seed=0, index=0)  # an idle rank's throwaway logits row
@@ -200,12 +209,20 @@ class Worker:
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
         self.steps = 0  # steps this rank has run
+        self.transfer: Transfer | None = None  # P/D disaggregation: this rank's transfer engine and cache views
+        self.load_reports: list[LoadReport] = []  # the loads run since rank 0 last took them
 
     @torch.inference_mode()
     def execute(self, batch: Batch, plan: list[Batch] | None = None) -> list[SeqResult] | None:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
         others). plan: every DP index's batch of the step (as every rank received it), from which each rank's
         rows are known without exchanging them."""
+        for load in batch.loads:  # before anything reads the blocks: a prefix that arrives whole starts next step
+            if self.transfer is None:
+                raise ValueError(f"invalid step batch: sequence {load.seq_id} loads blocks on a rank without a "
+                                 f"transfer engine")
+            self.load_reports.append(run_load(self.transfer.agent, self.transfer.views, load,
+                                              self.dist.attn_tp_rank))
         inputs = self.inputs(batch)
         if self.grammars is not None:
             for seq_id in batch.releases:

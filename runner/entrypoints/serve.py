@@ -25,6 +25,7 @@ from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.grammar import Grammars
+from dsconv.runner.engine.kv_transfer import KVTransferConfig, check_transfer_engine
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
 from dsconv.runner.engine.speculative import SpeculativeConfig
@@ -64,6 +65,7 @@ class ServeOptions:
     speculative_config: str | None
     drain_timeout: float
     api_key: str | None
+    kv_transfer_config: str | None = None
 
 
 def main(o: ServeOptions) -> int:
@@ -73,9 +75,12 @@ def main(o: ServeOptions) -> int:
         raise InputError(f"--port {o.port} is not a port number")
     if o.api_key is not None and (not o.api_key.strip() or not o.api_key.isascii() or not o.api_key.isprintable()):
         raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
+    kv_transfer = KVTransferConfig.parse(o.kv_transfer_config) if o.kv_transfer_config is not None else None
+    if kv_transfer is not None:
+        check_transfer_engine()
     scheduler = SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.dp_balancing,
                                 o.prefill_context_parallel_size, o.prefill_cp_min_tokens, o.enable_prefix_caching,
-                                o.scheduling_policy)
+                                o.scheduling_policy, kv_transfer)
     shards = o.shards
     if shards is None:
         from dsconv.shard.demo import announced_demo_shards  # the converter is imported only for the demo
@@ -128,7 +133,9 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
         print(f"dsrun serve: ready, {model_name!r} on http://{host}:{port} ({layout.world_size} ranks, "
               f"DP {layout.dp} x attention TP {layout.attn_tp}, EP {layout.ep}); {run.cache_summary()}; "
               f"max_model_len {engine.max_model_len}; {run.overlap_summary}"
-              f"{'; ' + run.speculative.summary if run.speculative is not None else ''}", flush=True)
+              f"{'; ' + run.speculative.summary if run.speculative is not None else ''}"
+              f"{'; ' + run.scheduler.kv_transfer.summary if run.scheduler.kv_transfer is not None else ''}",
+              flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)
     finally:

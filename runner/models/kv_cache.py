@@ -232,3 +232,16 @@ class LatentCache(KVCache):
 
     def release(self, seq_id: int) -> None:
         """Nothing to forget: a finished (or preempted) sequence's blocks are the pool's to reuse."""
+
+    def transfer_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(block views, state views): every stored tensor's storage as [units, unit_bytes] uint8, one unit a block
+        of one layer (its block_size slots), in a fixed order; a peer with the same model and cache settings
+        enumerates the same views (P/D disaggregation moves blocks this way, engine/kv_transfer.py). No state."""
+        return [block_view(t[layer], self.block_size) for t in self.data.values() for layer in range(self.layers)], []
+
+
+def block_view(rows: torch.Tensor, rows_per_unit: int) -> torch.Tensor:
+    """A contiguous [rows, ...] tensor as uint8 units of rows_per_unit rows: [rows / rows_per_unit, bytes]."""
+    if not rows.is_contiguous():  # a copy would not be the cache's storage
+        raise ValueError(f"a cache tensor of shape {tuple(rows.shape)} is not contiguous")
+    return rows.view(torch.uint8).view(rows.shape[0] // rows_per_unit, -1)

@@ -58,7 +58,7 @@ from dsconv.family.arch import DEFAULT_BLOCK_SIZE, CacheField
 from dsconv.family.deepseek_v4 import AttnType, V4Config, attn_type_of, cache_fields
 from dsconv.kernels.cache_int8 import dequantize_tokens, quantize_tokens
 from dsconv.kernels.device import cast, takes_npu_path
-from dsconv.runner.models.kv_cache import Fork, KVCache, Restore, cache_blocks
+from dsconv.runner.models.kv_cache import Fork, KVCache, Restore, block_view, cache_blocks
 
 DEFAULT_MAX_SEQS = 16  # sequence slots when none is asked for (the scheduler's default --max-num-seqs)
 # State blocks per sequence slot, for prefix caching, in hit points: one hit at a block boundary restores at most
@@ -495,6 +495,20 @@ class V4Cache(KVCache):
                     c.prev_kv[prev] = kept.kv.index_select(0, source)[:, :c.prev_kv.shape[2]]
                     c.prev_gate[prev] = kept.gate.index_select(0, source)[:, :c.prev_gate.shape[2]]
         self.slots[seq_id], self.lengths[seq_id] = slot, length
+
+    def transfer_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(block views, state views) as LatentCache.transfer_views: a unit of a block view is one block's entries of
+        one compressed group's tensor, a unit of a state view one state block's rows of one state tensor (none
+        without prefix caching). A sequence's slot (window, unfinished windows) is not among them: a prefix hit
+        rebuilds it from state blocks (`restore`)."""
+        blocks, state = [], []
+        for layer in self.layers:
+            for c in layer.compressors():
+                blocks += [block_view(t, entry_slots(c.ratio, self.block_size)) for t in c.entries.tensors()]
+            if layer.state is not None:
+                state += [block_view(t, self.block_size) for t in layer.state.window.tensors()]
+                state += [block_view(t, c.kept) for c in layer.state.compressors if c is not None for t in c.tensors()]
+        return blocks, state
 
     def release(self, seq_id: int) -> None:
         """A finished (or preempted) sequence's slot is free again; its blocks are the pool's to reuse."""

@@ -2,7 +2,8 @@
 with what HTTP needs beside it (streaming.Front: the tokenizer, the chat format, the grammars, the model's name).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions (completions.py), POST /v1/chat/completions
-(chat.py), POST /tokenize, POST /detokenize, GET /metrics. Every error is answered in OpenAI's shape
+(chat.py), POST /tokenize, POST /detokenize, GET /metrics, and a P/D producer's POST /kv_transfer/release (a
+consumer's confirmation: engine/kv_transfer.py). Every error is answered in OpenAI's shape
 {"error": {"message", "type", "param", "code"}} (protocol.APIError): 400 for a bad request (checked here, before the
 engine sees it), 401 for a missing or wrong API key (--api-key), 404 for an unknown model or route, 503 while the
 model loads or the server drains, 500 when the engine fails.
@@ -22,10 +23,11 @@ from starlette.exceptions import HTTPException
 from dsconv.errors import InputError
 from dsconv.runner.entrypoints.openai.chat import chat_completions, chat_prompt_ids
 from dsconv.runner.entrypoints.openai.completions import completions, text_prompt
-from dsconv.runner.entrypoints.openai.protocol import (APIError, CompletionRequest,
-                                                       DetokenizeRequest, TokenizeRequest, check_token_id,
+from dsconv.runner.entrypoints.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
+                                                       ReleaseRequest, TokenizeRequest, check_token_id,
                                                        model_not_found, parse_body, parse_chat,
                                                        thinking_flag)
+from dsconv.runner.engine.core import RELEASE_PATH
 from dsconv.runner.engine.request import NotAccepting
 from dsconv.runner.entrypoints.openai.streaming import Front
 
@@ -80,6 +82,12 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
         for token_id in body.tokens:
             check_token_id(token_id, engine.vocab_size, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.post(RELEASE_PATH)
+    async def release_transfer(request: Request) -> Response:
+        body = parse_body(await read_body(request), ReleaseRequest)
+        engine.door.release_transfer(body.transfer_id)
+        return JSONResponse({})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -120,7 +120,7 @@ class ChatCompletion(Envelope):
 
     def response(self) -> dict:
         return {**self.head("chat.completion"), "choices": [self._choice(choice) for choice in self.choices],
-                "usage": self.usage()}
+                "usage": self.usage(), **self.handoff()}
 
     def _choice(self, choice: Choice) -> dict:
         reasoning, content = self._split(choice.text, final=True)

@@ -80,9 +80,11 @@ class Choice:
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string kept at the end of the text
     min_tokens: int = 0  # vLLM's min_tokens: a stop string within the first min_tokens tokens' text is no stop
+    kv_transfer_params: dict | None = None  # a P/D producer's hand-over, from the engine's last output
 
     def consume(self, out: RequestOutput) -> None:
         self.cached_tokens = out.cached_tokens
+        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.new_token_ids
@@ -189,6 +191,12 @@ class Envelope:
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_name}
+
+    def handoff(self) -> dict:
+        """A P/D producer's response: vLLM's top-level kv_transfer_params, which the router passes to the consumer
+        (engine/kv_transfer.py); nothing otherwise."""
+        params = next((c.kv_transfer_params for c in self.choices if c.kv_transfer_params is not None), None)
+        return {} if params is None else {"kv_transfer_params": params}
 
     def usage(self) -> dict:
         """As OpenAI counts: each prompt once however many samples it has, every sample's tokens; the prompt tokens

@@ -91,7 +91,7 @@ class Completion(Envelope):
 
     def response(self) -> dict:
         return {**self.head("text_completion"), "choices": [self._choice(c) for c in self.choices],
-                "usage": self.usage()}
+                "usage": self.usage(), **self.handoff()}
 
     def _choice(self, choice: Choice) -> dict:
         prompt = self.inputs[choice.index // self.n]

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dsconv.errors import InputError
 from dsconv.family.dsml import Dialect
 from dsconv.family.text import check_tools
+from dsconv.runner.engine.kv_transfer import Export, Offer
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 from dsconv.runner.engine.request import SamplingParams
 
@@ -94,6 +95,9 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the last max_model_len)
     priority: int = 0  # with --scheduling-policy priority: lower first
     use_beam_search: bool = False  # only false: no beam search here
+    # vLLM's P/D hand-over (engine/kv_transfer.py): {"do_remote_decode": true} to a producer; the producer's
+    # response's kv_transfer_params, with "do_remote_prefill": true, to a consumer (`dsrun router` sends both)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -141,6 +145,10 @@ class TokenizeRequest(_Body):
     tools: list[Any] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ReleaseRequest(_Body):
+    transfer_id: str  # a producer's hand-over (kv_transfer_params' transfer_id) whose blocks may go
 
 
 class DetokenizeRequest(_Body):
@@ -268,7 +276,24 @@ def sampling_fields(body: _Sampling, logprobs: int | None, vocab_size: int, prom
         min_p=0.0 if body.min_p is None else body.min_p,
         min_tokens=body.min_tokens,
         priority=body.priority,
+        kv_transfer=handoff(body),
     )
+
+
+def handoff(body: _Sampling) -> Export | Offer | None:
+    """kv_transfer_params -> what the engine does with the request's cache (InputError when malformed)."""
+    raw = body.kv_transfer_params
+    if not raw:
+        return None
+    if raw.get("do_remote_decode"):
+        if body.stream:
+            raise InputError("kv_transfer_params do_remote_decode: the producer's reply carries the hand-over, so "
+                             "it cannot be streamed (stream false)")
+        return Export()
+    if raw.get("do_remote_prefill"):
+        return Offer.from_params(raw)
+    raise InputError("kv_transfer_params must hold do_remote_decode (to a producer) or do_remote_prefill with the "
+                     "producer's params (to a consumer)")
 
 
 def truncate(ids: list[int], body: _Sampling, max_model_len: int) -> list[int]:

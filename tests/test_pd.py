@@ -1,0 +1,472 @@
+"""Prefill/decode disaggregation end to end: `dsrun serve` producers (P) and consumers (D) over the Mooncake transfer
+engine (TCP on loopback), behind `dsrun router`, driven by the openai client and langchain-openai in their defaults.
+
+Exactness: float32 greedy tokens through the router equal transformers' (tests/test_serve.py holds one colocated
+instance to the same tokens) and, for chat with tools, those of one colocated instance (no --kv-transfer-config) of
+the same shards. P and D run different layouts: P at world 4 (V3.2 with context-parallel prefill over the 4 ranks,
+V4 attention DP4) and D at world 16 (DP16, EP16), one family with each cache dtype; the other dtype at P world 1, D
+world 2. The tiny models carry the real vocabulary (chat and tools need it); block size 4 makes every prompt cross
+several blocks, and the prompts' lengths leave a partial last block and a full one.
+
+Faults, each with its documented outcome and both sides' pools counted back to idle: a consumer that never comes
+(the producer's lease ends), a producer killed before its blocks are read (the request fails with the transfer's
+error, or is recomputed on D), a producer that never answers (the read's timeout), every backend of a router down
+(503 in OpenAI's shape)."""
+
+import dataclasses
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsconv.errors import InputError
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.block_pool import block_hashes
+from dsconv.runner.engine.kv_transfer import Export, KVTransferConfig, LoadReport, Offer, RankRegions
+from dsconv.runner.engine.request import SamplingParams, SeqResult
+from tests.helpers import Server, shard
+from tests.test_serve import expected_tokens, ids_of
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ("--dtype", "float32", "--max-num-batched-tokens", "24", "--cache-tokens", "1024", "--block-size", "4")
+# (family, P's world and flags, D's world, cache dtype)
+CP4 = ("--prefill-context-parallel-size", "4", "--prefill-cp-min-tokens", "8")
+CASES = {"v32-p4cp-d16-int8": ("deepseek_v32", 4, CP4, 16, "int8"), "v4-p4-d16-auto": ("deepseek_v4", 4, (), 16, "auto"),
+         "v32-p1-d2-auto": ("deepseek_v32", 1, (), 2, "auto"), "v4-p1-d2-int8": ("deepseek_v4", 1, (), 2, "int8")}
+BIG = ["v32-p4cp-d16-int8", "v4-p4-d16-auto"]
+SMALL = ["v32-p1-d2-auto", "v4-p1-d2-int8"]
+LENGTHS = (5, 23, 40)  # one block and a token; a partial last block; whole blocks (the last token is D's)
+NEW_TOKENS = 6
+ROUTER_START_S = 30
+WEATHER = {"type": "function", "function": {  # one short argument: the call is a few dozen tokens
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+                   "required": ["city"]}}}
+MESSAGES = [{"role": "system", "content": "You are a weather assistant."},
+            {"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+def kv_config(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_connector_extra_config": extra})
+
+
+class Router:
+    """`dsrun router --port 0` as a subprocess, ready when constructed."""
+
+    def __init__(self, log_path, prefill: list[str], decode: list[str]):
+        self.log_path = log_path
+        args = [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "router", "--port", "0", *args],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ROUTER_START_S
+        while not (bound := re.search(r"dsrun router: on (http://\S+),", log_path.read_text())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        self.url = bound.group(1)
+
+    def openai(self):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) on a server's /metrics (a counter's `_total`)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(tuple(name + suffix + end for suffix in ("", "_total") for end in "{ ")))
+
+
+def idle(server) -> bool:
+    """Every DP rank's pool idle (published blocks nobody holds count as free) and no lease held."""
+    return metric(server.url, "dsrun:kv_cache_usage_perc") == 0 and metric(server.url, "dsrun:kv_transfer_leases") == 0
+
+
+def wait_until(check, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def started(*servers: tuple) -> list[Server]:
+    """Servers (Server's arguments each) started side by side -> them, each ready."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return list(pool.map(lambda args: Server(*args), servers))
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_source, tmp_path_factory):
+    """deployments(case) -> (P, D, colocated, router), started on first use, stopped at the end."""
+    running: dict[str, tuple] = {}
+    shards: dict[tuple[str, int], object] = {}
+
+    def shards_of(family, world):
+        if (family, world) not in shards:
+            out = tmp_path_factory.mktemp(f"{family}-w{world}") / f"{family}-w{world}"
+            shard(tiny_source(family, "fp8", real_vocab=True), out, Layout(world, world, world, 1))
+            shards[family, world] = out
+        return shards[family, world]
+
+    def get(case: str):
+        if case not in running:
+            family, p_world, p_flags, d_world, dtype = CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            flags = (*FLAGS, "--kv-cache-dtype", dtype, "--served-model-name", family)  # one name for the router
+            p, d, c = started(
+                (shards_of(family, p_world), root / "p.log", *flags, *p_flags, "--kv-transfer-config",
+                 kv_config("kv_producer")),
+                (shards_of(family, d_world), root / "d.log", *flags, "--kv-transfer-config", kv_config("kv_consumer")),
+                (shards_of(family, 1), root / "c.log", *flags))
+            for server in (p, d, c):
+                server.model = server.openai().models.list().data[0].id
+            running[case] = (p, d, c, Router(root / "router.log", [p.url], [d.url]))
+        return running[case]
+
+    yield get
+    servers = [server for deployment in running.values() for server in deployment]
+    for server in servers:  # SIGTERM to all at once, then the exit codes
+        server.proc.send_signal(signal.SIGTERM)
+    for server in servers:
+        assert server.proc.wait(60) == 0, server.log() if isinstance(server, Server) else server.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_source):
+    models = {}
+
+    def get(family):
+        if family not in models:
+            models[family] = AutoModelForCausalLM.from_pretrained(tiny_source(family, "bf16", real_vocab=True),
+                                                                  dtype=torch.float32).eval()
+        return models[family]
+
+    return get
+
+
+def prompts(family: str, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(len(family) + seed)
+    return [torch.randint(2, 129280, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def complete(server, model, prompt, **extra):
+    """Greedy token ids of a prompt, through a router or from a server."""
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = server.openai().completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0,
+                                             logprobs=0, extra_body=body, **extra)
+    return [ids_of(c) for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_through_the_router_equals_transformers(case, deployments, reference):
+    """INT8 caches against the colocated instance's INT8 cache (transformers keeps no INT8 cache); auto ones against
+    both."""
+    p, d, c, router = deployments(case)
+    family, dtype = CASES[case][0], CASES[case][4]
+    received = metric(d.url, "dsrun:kv_transfer_received_tokens")
+    for prompt in prompts(family):  # one request each: every prompt is handed over on its own
+        got = complete(router, d.model, prompt)
+        assert got == complete(c, c.model, prompt)
+        if dtype == "auto":
+            assert got == [expected_tokens(reference(family), prompt, NEW_TOKENS)]
+    # D received every full block but the one holding the last token, and computed only the rest
+    assert metric(d.url, "dsrun:kv_transfer_received_tokens") - received == sum((n - 1) // 4 * 4 for n in LENGTHS)
+    assert metric(d.url, "dsrun:kv_transfer_failures") == 0 and metric(d.url, "dsrun:kv_transfer_bytes") > 0
+    if case.startswith("v32-p4cp"):
+        assert metric(p.url, "dsrun:context_parallel_prefills") >= 2  # the two longer prompts, over P's 4 ranks
+    assert wait_until(lambda: idle(p) and idle(d)), "the pools did not return to idle"  # D confirmed to P
+
+
+@pytest.mark.parametrize("case", BIG)
+def test_prefix_hits_on_both_sides(case, deployments):
+    """The same prompt again: P computes only its last block (its prefix cache), D holds every block already and
+    receives none. A prompt extending it: D receives only the blocks past what it holds."""
+    p, d, c, router = deployments(case)
+    family = CASES[case][0]
+    prompt = prompts(family, seed=1)[2]  # 40 tokens: 9 blocks handed over
+    expected = complete(c, c.model, prompt)
+    assert complete(router, d.model, prompt) == expected
+    hits, received = metric(p.url, "dsrun:prefix_cache_hits"), metric(d.url, "dsrun:kv_transfer_received_tokens")
+    assert complete(router, d.model, prompt) == expected
+    assert metric(p.url, "dsrun:prefix_cache_hits") - hits == 36  # P: every full block but the last token's
+    assert metric(d.url, "dsrun:kv_transfer_received_tokens") == received  # D: nothing new to receive
+    longer = prompt + prompts(family, seed=2)[1]  # 40 + 23 tokens
+    assert complete(router, d.model, longer) == complete(c, c.model, longer)
+    assert metric(d.url, "dsrun:kv_transfer_received_tokens") - received == (len(longer) - 1) // 4 * 4 - 40
+    assert wait_until(lambda: idle(p) and idle(d))
+
+
+def tool_calls(message) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls or ()]
+
+
+@pytest.mark.parametrize("case", SMALL)  # a call is ~100 tokens: decoded at world 2, not 16
+def test_chat_n_streaming_and_a_tool_call_equal_a_colocated_instance(case, deployments):
+    p, d, c, router = deployments(case)
+    ask = dict(messages=MESSAGES, tools=[WEATHER], tool_choice="required", temperature=0.0, max_tokens=160)
+    via = router.openai().chat.completions.create(model=d.model, n=2, **ask)
+    alone = c.openai().chat.completions.create(model=c.model, n=2, **ask)
+    assert [tool_calls(choice.message) for choice in via.choices] == \
+        [tool_calls(choice.message) for choice in alone.choices]
+    assert [call[0] for call in tool_calls(via.choices[0].message)] == ["get_weather"] and len(via.choices) == 2
+    assert (via.usage.prompt_tokens, via.usage.completion_tokens) == \
+        (alone.usage.prompt_tokens, alone.usage.completion_tokens)
+    arguments = ""  # streamed through the router: the same call, in pieces
+    for chunk in router.openai().chat.completions.create(model=d.model, stream=True, **ask):
+        for call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            arguments += call.function.arguments or ""
+    assert json.loads(arguments) == tool_calls(via.choices[0].message)[0][1]
+    assert wait_until(lambda: idle(p) and idle(d))
+
+
+@pytest.mark.parametrize("case", SMALL[:1])
+def test_langchain_openai_through_the_router(case, deployments):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+    from typing import Literal
+
+    class Weather(BaseModel):
+        """The weather of a city."""
+        city: Literal["Paris", "Lima"]
+
+    p, d, c, router = deployments(case)
+
+    def ask(url, model):  # the client in its defaults; the call asked for, so that random weights end it
+        llm = ChatOpenAI(model=model, base_url=f"{url}/v1", api_key="unused", temperature=0)
+        return llm.bind_tools([Weather], tool_choice="required").invoke("Weather in Paris?").tool_calls
+
+    via = ask(router.url, d.model)
+    assert [call["name"] for call in via] == ["Weather"]
+    assert [(call["name"], call["args"]) for call in via] == \
+        [(call["name"], call["args"]) for call in ask(c.url, c.model)]
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    assert "dsrun:router_requests" in httpx.get(f"{router.url}/metrics").text
+
+
+# -- faults ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fault_shards(tiny_source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "v32-w1"
+    shard(tiny_source("deepseek_v32", "fp8"), out, Layout(1, 1, 1, 1))
+    return out
+
+
+def handed_over(p, prompt) -> dict:
+    """P's kv_transfer_params for a prompt, as a router gets them."""
+    reply = httpx.post(f"{p.url}/v1/completions", json={"model": p.openai().models.list().data[0].id,
+                                                         "prompt": prompt, "max_tokens": 1,
+                                                         "kv_transfer_params": {"do_remote_decode": True}},
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    return {**reply.json()["kv_transfer_params"], "do_remote_prefill": True, "remote_url": p.url}
+
+
+def to_consumer(d, prompt, params):
+    """A greedy completion on one server (with P's params, or None: computed there)."""
+    body = {"model": d.openai().models.list().data[0].id, "prompt": prompt, "max_tokens": NEW_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, **({"kv_transfer_params": params} if params else {})}
+    return httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+
+
+def test_faults(fault_shards, tmp_path):
+    asked = [list(range(start, start + 40)) for start in (5, 50, 95)]  # one per consumer that must read it
+    p, doomed, fail, recompute = started(
+        (fault_shards, tmp_path / "p.log", *FLAGS, "--kv-transfer-config", kv_config("kv_producer", lease_s=2)),
+        (fault_shards, tmp_path / "doomed.log", *FLAGS, "--kv-transfer-config", kv_config("kv_producer")),
+        (fault_shards, tmp_path / "fail.log", *FLAGS, "--kv-transfer-config",
+         kv_config("kv_consumer", transfer_timeout_s=2)),
+        (fault_shards, tmp_path / "recompute.log", *FLAGS, "--kv-transfer-config",
+         kv_config("kv_consumer", kv_load_failure_policy="recompute")))
+    try:
+        # the answers computed in one place (P serves plain requests too), and one handed over
+        expected = [to_consumer(p, prompt, None).json()["choices"][0]["text"] for prompt in asked]
+        good = to_consumer(recompute, asked[0], handed_over(p, asked[0]))
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected[0], good.text
+        assert metric(recompute.url, "dsrun:kv_transfer_received_tokens") == 36
+        assert wait_until(lambda: idle(p))
+
+        # a consumer that never comes: the producer's lease ends and its blocks go back
+        handed_over(p, asked[0])
+        assert metric(p.url, "dsrun:kv_transfer_leases") == 1
+        assert wait_until(lambda: idle(p), timeout=15) and metric(p.url, "dsrun:kv_transfer_leases_expired") == 1
+
+        # a producer killed before its blocks are read: fail (a clear error) or recompute (the right text)
+        params = [handed_over(doomed, prompt) for prompt in asked[1:]]
+        for process in [*psutil.Process(doomed.proc.pid).children(recursive=True), doomed.proc]:
+            process.kill()  # the ranks too: a rank holds the transfer engine
+        doomed.proc.wait(30)
+        failed = to_consumer(fail, asked[1], params[0])
+        assert failed.status_code == 500 and "the KV cache transfer failed" in failed.json()["error"]["message"]
+        assert failed.json()["error"]["type"]
+        redone = to_consumer(recompute, asked[2], params[1])
+        assert redone.status_code == 200 and redone.json()["choices"][0]["text"] == expected[2]
+        assert metric(fail.url, "dsrun:kv_transfer_failures") == 1
+        assert metric(recompute.url, "dsrun:kv_transfer_failures") == 1
+
+        # a producer that never answers: the read's own timeout
+        with socket.socket() as hole:
+            hole.bind(("127.0.0.1", 0))
+            hole.listen()
+            silent = {**params[1], "remote_ranks": [{**r, "session": f"127.0.0.1:{hole.getsockname()[1]}"}
+                                                    for r in params[1]["remote_ranks"]]}
+            began = time.monotonic()
+            slow = to_consumer(fail, asked[2], silent)
+            assert slow.status_code == 500 and "took longer than 2 s" in slow.json()["error"]["message"], slow.text
+            assert time.monotonic() - began < 20
+        for server in (p, fail, recompute):
+            assert wait_until(lambda: idle(server)), server.log()
+    finally:
+        for server in (p, doomed, fail, recompute):
+            if server.proc.poll() is None:
+                server.stop()
+
+
+def test_router_with_every_backend_down(tmp_path):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: connections are refused
+        router = Router(tmp_path / "router.log", [url], [url])
+        try:
+            reply = httpx.post(f"{router.url}/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+            assert reply.status_code == 503
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+            assert httpx.get(f"{router.url}/health").status_code == 503
+            with pytest.raises(openai.APIStatusError) as raised:
+                router.openai().completions.create(model="m", prompt="hi", max_tokens=2)
+            assert raised.value.status_code == 503
+        finally:
+            assert router.stop() == 0
+
+
+@pytest.mark.parametrize("config,needle", [
+    ("{", "--kv-transfer-config is not JSON"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector 'NixlConnector' is not one"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}', "kv_role 'kv_both' is not kv_producer"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": []}',
+     "kv_connector_extra_config must be a JSON object"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"lease": 1}}',
+     "unknown kv_connector_extra_config key 'lease'"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "kv_connector_extra_config": '
+     '{"lease_s": -1}}', "lease_s must be a positive number"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
+     '{"kv_load_failure_policy": "retry"}}', "kv_load_failure_policy 'retry' is not fail or recompute"),
+])
+def test_bad_kv_transfer_config(config, needle):
+    with pytest.raises(InputError, match=re.escape(needle)) as raised:
+        KVTransferConfig.parse(config)
+    assert "\n" not in str(raised.value)
+
+
+def test_bad_kv_transfer_config_is_one_line_and_exit_2(fault_shards):
+    """As `dsrun serve` meets it: before any rank starts."""
+    proc = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(fault_shards),
+                           "--port", "0", "--kv-transfer-config", '{"kv_connector": "MooncakeConnector", '
+                           '"kv_role": "kv_both"}'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "kv_role 'kv_both'" in lines[0], proc.stderr
+
+
+# -- the block pools' side, on rank 0's scheduler alone -------------------------------------------------------------
+
+
+def pd_scheduler(role: str, policy: str = "fail", lease_s: float = 30.0):
+    from dsconv.runner.engine.config import SchedulerConfig
+    from dsconv.runner.engine.scheduler import PoolShape, Scheduler
+
+    config = KVTransferConfig(role, lease_s=lease_s, load_failure_policy=policy)
+    scheduler = Scheduler(SchedulerConfig(kv_transfer=config), PoolShape(2, 16, 4, prefix_caching=True))
+    scheduler.offer_ranks = lambda dp_index: (RankRegions(f"host:{dp_index}", (), ()),)
+    return scheduler
+
+
+def produced(prompt: list[int]) -> tuple[object, dict]:
+    """A producer's scheduler after one handed-over request ran -> (it, the request's kv_transfer_params)."""
+    from tests.test_scheduler import fake_results
+
+    producer = pd_scheduler("kv_producer", lease_s=0.5)
+    producer.add("r", prompt, SamplingParams(max_tokens=1, kv_transfer=Export()), None)
+    while (step := producer.schedule()) is not None:
+        outputs = producer.update(step, fake_results(step))
+    return producer, outputs[-1][1].kv_transfer_params
+
+
+def test_a_producer_leases_the_prompts_full_blocks_until_confirmed_or_expired():
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks handed over (the 4th block holds the last token)
+    producer, params = produced(prompt)
+    pool = producer.pools[0]
+    assert len(params["remote_blocks"]) == 3 and params["remote_hashes"] == [h.hex() for h in
+                                                                             block_hashes(prompt, 4)[:3]]
+    assert pool.num_free == pool.num_blocks - 3 and len(producer.leases) == 1  # held: never given out
+    assert producer.release_lease(params["transfer_id"]) and pool.num_free == pool.num_blocks
+    assert not producer.release_lease(params["transfer_id"])  # a second confirmation changes nothing
+    producer, params = produced(prompt)
+    assert producer.expire_leases(time.monotonic()) is not None and producer.pools[0].num_free == 13
+    assert producer.expire_leases(time.monotonic() + 1) is None and producer.leases_expired == 1
+    assert producer.pools[0].num_free == producer.pools[0].num_blocks
+
+
+@pytest.mark.parametrize("outcome", ["read", "fail", "recompute"])
+def test_a_consumer_reads_only_what_it_lacks_and_frees_all_on_failure(outcome):
+    prompt = list(range(10, 23))
+    _, params = produced(prompt)
+    consumer = pd_scheduler("kv_consumer", policy="recompute" if outcome == "recompute" else "fail")
+    offer = Offer.from_params({**params, "do_remote_prefill": True})
+    outputs = []
+    request = consumer.add("d", prompt, SamplingParams(max_tokens=2, kv_transfer=offer), outputs.append, dp_rank=1)
+    (load,) = consumer.sends[1]
+    assert [src for src, _ in load.blocks] == params["remote_blocks"] and not consumer.waiting[1]
+    step = consumer.schedule()
+    assert step.batches[1].loads == [load] and not step.batches[1].seq_ids  # read first, computed next step
+    consumer.update(step, [[], []])
+    error = None if outcome == "read" else "the peer is gone"
+    failed, ended = consumer.loaded([LoadReport(request.seq_id, error, 0.01, 0 if error else 123)])
+    assert ended == [request]
+    pool = consumer.pools[1]
+    if outcome == "fail":
+        assert failed[0][1].finished and "the KV cache transfer failed: the peer is gone" in failed[0][1].error
+        assert pool.num_free == pool.num_blocks and not consumer.has_work
+        return
+    assert not failed
+    step = consumer.schedule()  # the request starts: a hit of 12 tokens when read, its whole prompt otherwise
+    assert step.batches[1].context_lens == [13] and step.batches[1].num_tokens == (1 if outcome == "read" else 13)
+    assert consumer.received_tokens == (12 if outcome == "read" else 0)
+    # a second request of the same prompt reads nothing: the blocks are the pool's (read or computed)
+    consumer.update(step, [[], [SeqResult(5, None)]])
+    again = consumer.add("e", prompt, SamplingParams(max_tokens=1, kv_transfer=offer), outputs.append, dp_rank=1)
+    assert again.load is None and not consumer.sends[1]
+
+
+def test_an_offer_of_other_tokens_or_block_size_is_refused():
+    prompt = list(range(10, 23))
+    _, params = produced(prompt)
+    consumer = pd_scheduler("kv_consumer")
+    offer = Offer.from_params({**params, "do_remote_prefill": True})
+    with pytest.raises(InputError, match="not this prompt's"):
+        consumer.check_handoff([1, *prompt[1:]], SamplingParams(max_tokens=1, kv_transfer=offer))
+    with pytest.raises(InputError, match="the producer's blocks are 8 tokens, this server's 4"):
+        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=dataclasses.replace(offer,
+                                                                                                      block_size=8)))
+    with pytest.raises(InputError, match="kv_transfer_params for a kv_producer: this server is kv_consumer"):
+        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=Export()))
+    with pytest.raises(InputError, match="lacks 'remote_blocks'"):
+        Offer.from_params({k: v for k, v in params.items() if k != "remote_blocks"})
