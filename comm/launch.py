@@ -150,11 +150,11 @@ def _run_rank(entry, args, rank: int, world_size: int, device: str, timeout_s: f
             torch.cuda.set_device(local_rank)
         elif backend == "hccl":
             torch.npu.set_device(local_rank)
-        # Ranks on one machine share its cores, so 16 ranks on a small machine do not each start a
-        # full-size thread pool (torchrun's OMP_NUM_THREADS=1 has the same aim). torchrun and we set
+        # Ranks on one machine share its cores (those this process may run on), so 16 ranks on a small
+        # machine do not each start a full-size thread pool (torchrun's OMP_NUM_THREADS=1 has the same aim). torchrun and we set
         # LOCAL_WORLD_SIZE; a hand-made environment without it is treated as all ranks on this machine.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+        torch.set_num_threads(max(1, usable_cpus() // local_ranks))
         timeout = timedelta(seconds=timeout_s)
         if store_path is None:  # torchrun: rendezvous through MASTER_ADDR / MASTER_PORT from the environment
             dist.init_process_group(backend, timeout=timeout)
@@ -182,6 +182,13 @@ def _redirect_output(path: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, a cgroup's cpuset), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _log_path(log_dir: Path, rank: int) -> Path:

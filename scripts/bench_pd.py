@@ -13,10 +13,15 @@ The hand-over's bytes per token are measured (the consumer's kv_transfer_bytes o
 against the family's cache formula at the tiny dimensions, then that formula gives the real model's: with it, the
 transfer of an 8K-token prompt at the real dimensions, on paper, at a stated link rate (an assumption, printed).
 
+Cores: the colocated instance runs on every core; the producer on one half of them and the consumer on the other
+(their thread pools sized to their half), as instances on nodes of their own would. The router and this client run
+anywhere.
+
 What 2 cores can show: the stall a long prefill puts on the decodes that share its ranks (colocated), against
-decodes that never share a step with a prefill (disaggregated), at equal rank counts. What they cannot: the ranks of
-both setups share the same 2 cores, so the disaggregated instances also slow each other down through the CPU, which
-separate nodes would not; and the transfer runs over loopback TCP, not RoCE / HCCS.
+decodes that never share a step with a prefill (disaggregated), at equal rank and core counts. What they cannot: a
+node's worth of cores per instance (here one core each, so P's prefill is as slow as one rank makes it), the router,
+the client and the transfer engines' threads taking cores from both, and a real network: the transfer runs over
+loopback TCP, not RoCE / HCCS.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import signal
 import statistics
@@ -142,9 +148,14 @@ def run(args) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="bench_pd-"))
     with serving(whole, logs / "colocated.log", *SERVER_FLAGS) as url:
         figures["colocated"] = asyncio.run(workload(url, args.long_tokens, seed=1))
+    cores = sorted(os.sched_getaffinity(0))  # P on one half of the cores, D on the other, as on nodes of their own
+    p_cores, d_cores = (set(cores[:len(cores) // 2]), set(cores[len(cores) // 2:])) if len(cores) > 1 else (None, None)
+    figures["cores"] = {"colocated": cores, "producer": sorted(p_cores or cores), "consumer": sorted(d_cores or cores)}
     with ExitStack() as stack:
-        p = stack.enter_context(serving(small, logs / "p.log", *SERVER_FLAGS, "--kv-transfer-config", PRODUCER))
-        d = stack.enter_context(serving(small, logs / "d.log", *SERVER_FLAGS, "--kv-transfer-config", CONSUMER))
+        p = stack.enter_context(serving(small, logs / "p.log", *SERVER_FLAGS, "--kv-transfer-config", PRODUCER,
+                                        cpus=p_cores))
+        d = stack.enter_context(serving(small, logs / "d.log", *SERVER_FLAGS, "--kv-transfer-config", CONSUMER,
+                                        cpus=d_cores))
         figures["disaggregated"] = asyncio.run(workload(stack.enter_context(routed(logs / "router.log", p, d)),
                                                         args.long_tokens, seed=1))
         received = metric(d, "dsrun:kv_transfer_received_tokens_total")
@@ -164,6 +175,8 @@ def run(args) -> dict:
 
 def report(figures: dict) -> None:
     print_machine(figures["machine"], figures["ranks"])
+    print(f"cores: colocated {figures['cores']['colocated']}, producer {figures['cores']['producer']}, consumer "
+          f"{figures['cores']['consumer']}")
     print(f"{figures['family']}, {figures['ranks']} ranks in all; {DECODERS} decoders x {DECODE_TOKENS} tokens while "
           f"{LONG_PROMPTS} prompts of {figures['long_tokens']} tokens arrive every {LONG_EVERY_S} s")
     for key in figures["colocated"]:

@@ -211,14 +211,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(shards: Path, log_path: Path, *flags: str, env: dict | None = None):
-    """`dsrun serve` on shards as a subprocess (in `env`: default this one's), ready (/health 200) -> its URL;
-    SIGTERM at the end."""
+def serving(shards: Path, log_path: Path, *flags: str, env: dict | None = None, cpus: set[int] | None = None):
+    """`dsrun serve` on shards as a subprocess (in `env`: default this one's; on `cpus` only: default all), ready
+    (/health 200) -> its URL; SIGTERM at the end."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(shards),
-                                 "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:

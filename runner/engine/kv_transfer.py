@@ -40,6 +40,7 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy
 DEFAULT_LEASE_S = 30.0  # how long P keeps a request's blocks for D (vLLM's NIXL lease)
 DEFAULT_TIMEOUT_S = 30.0  # a read's limit when MC_TRANSFER_TIMEOUT (the Mooncake engine's, seconds) is not set
 EXTRA_KEYS = ("host", "lease_s", "transfer_timeout_s", "kv_load_failure_policy")
+STAGING_BYTES = 64 * 2**20  # the most a consumer's rank reads into host memory at once (one part of a hand-over)
 PARAM_KEYS = ("remote_engine_id", "transfer_id", "remote_block_size", "remote_hashes", "remote_blocks",
               "remote_state_blocks", "remote_ranks")
 
@@ -215,34 +216,45 @@ class LoadReport:
 
 def run_load(agent: TransferAgent, views: tuple[list[torch.Tensor], list[torch.Tensor]], load: Load,
              member: int) -> LoadReport:
-    """On a consumer's rank: reads a Load's units from its P rank and, when all arrived in time, copies them into
-    this rank's cache views (cache.transfer_views())."""
-    started = time.perf_counter()
+    """On a consumer's rank: reads a Load's units from its P rank and, as each part arrives in time, copies it into
+    this rank's cache views (cache.transfer_views()). The units are read in parts of at most STAGING_BYTES, so a
+    long prompt's hand-over holds no more than that in host memory at once."""
+    started, moved = time.perf_counter(), 0
     peer = load.ranks[member % len(load.ranks)]
     try:
-        parts = _matched(peer.blocks, views[0], load.blocks, "block") + _matched(peer.state, views[1], load.state,
-                                                                                  "state")
-        staging = agent.read(peer.session, [(region, [src for src, _ in pairs]) for region, _, pairs in parts],
-                             load.timeout_s)
+        for regions, ours, pairs in ((peer.blocks, views[0], load.blocks), (peer.state, views[1], load.state)):
+            _check_regions(regions, ours, pairs)
+            per_pair = sum(region.unit_bytes for region in regions)
+            step = max(1, STAGING_BYTES // max(1, per_pair))
+            for first in range(0, len(pairs), step):
+                part = pairs[first:first + step]
+                staging = agent.read(peer.session, [(region, [src for src, _ in part]) for region in regions],
+                                     load.timeout_s)
+                _copy(staging, regions, ours, part)
+                moved += staging.nbytes
     except TransferError as exc:
-        return LoadReport(load.seq_id, str(exc), time.perf_counter() - started, 0)
-    offset = 0
-    for region, view, pairs in parts:
+        return LoadReport(load.seq_id, str(exc), time.perf_counter() - started, moved)
+    return LoadReport(load.seq_id, None, time.perf_counter() - started, moved)
+
+
+def _copy(staging: torch.Tensor, regions: tuple[Region, ...], views: list[torch.Tensor],
+          pairs: tuple[tuple[int, int], ...]) -> None:
+    """The staged units (region by region, each its pairs' units in order) into our views' units."""
+    offset, ours = 0, None
+    for region, view in zip(regions, views):
+        if ours is None or ours.device != view.device:
+            ours = torch.tensor([dst for _, dst in pairs], device=view.device)
         size = len(pairs) * region.unit_bytes
-        rows = staging[offset:offset + size].view(len(pairs), region.unit_bytes)
-        view.index_copy_(0, torch.tensor([dst for _, dst in pairs], device=view.device), rows.to(view.device))
+        view.index_copy_(0, ours, staging[offset:offset + size].view(len(pairs), region.unit_bytes).to(view.device))
         offset += size
-    return LoadReport(load.seq_id, None, time.perf_counter() - started, staging.nbytes)
 
 
-def _matched(regions: tuple[Region, ...], views: list[torch.Tensor], pairs: tuple[tuple[int, int], ...],
-             what: str) -> list[tuple[Region, torch.Tensor, tuple[tuple[int, int], ...]]]:
-    """P's regions beside ours, checked unit for unit (TransferError: the caches differ, or a unit is outside)."""
+def _check_regions(regions: tuple[Region, ...], views: list[torch.Tensor], pairs: tuple[tuple[int, int], ...]) -> None:
+    """P's regions beside ours, unit for unit (TransferError: the caches differ, or a unit is outside P's)."""
     if not pairs:
-        return []
+        return
     if len(regions) != len(views) or any(r.unit_bytes != v.shape[1] for r, v in zip(regions, views)):
-        raise TransferError(f"the producer's {what} regions ({len(regions)}) differ from this cache's ({len(views)}) "
+        raise TransferError(f"the producer's cache regions ({len(regions)}) differ from this cache's ({len(views)}) "
                             f"or their sizes do: P and D must run the same model, cache dtype and block size")
-    if any(not 0 <= src < regions[0].units for src, _ in pairs):
-        raise TransferError(f"a {what} to read lies outside the producer's cache")
-    return [(region, view, pairs) for region, view in zip(regions, views)]
+    if any(not 0 <= src < region.units for region in regions for src, _ in pairs):
+        raise TransferError("a unit to read lies outside the producer's cache")
