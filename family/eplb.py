@@ -84,7 +84,7 @@ def place(loads: list[float], slots: int, groups: int, nodes: int, ranks: int) -
         members = [g * group_size + i for g in sorted(node_groups) for i in range(group_size)]
         counts = replicate([loads[e] for e in members], node_slots)
         copies = [expert for expert, count in zip(members, counts) for _ in range(count)]
-        shares = [loads[e] / counts[members.index(e)] for e in copies]
+        shares = [loads[expert] / count for expert, count in zip(members, counts) for _ in range(count)]
         for rank_items in pack(shares, node_ranks):
             physical += [copies[i] for i in sorted(rank_items)]
     replicas: list[list[int]] = [[] for _ in range(experts)]
@@ -102,6 +102,5 @@ def _check(experts: int, slots: int, groups: int, nodes: int, ranks: int) -> Non
     if ranks % nodes or experts % groups:
         raise InputError(f"{ranks} ranks over {nodes} nodes, {experts} experts in {groups} groups: each must "
                          f"divide evenly")
-    if (slots // nodes) < experts // groups * max(1, groups // nodes) and groups % nodes == 0:
-        raise InputError(f"{slots // nodes} slots per node cannot hold its {groups // nodes} groups of "
-                         f"{experts // groups} experts")
+    if groups % nodes == 0 and slots // nodes < experts // nodes:
+        raise InputError(f"{slots // nodes} slots per node cannot hold its {experts // nodes} experts")
