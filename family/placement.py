@@ -6,10 +6,11 @@ tensor's name never decides its placement; which attention roles split with atte
 the one thing a family adds (`Family.attention_tp`).
 
 Modes: replicated (written once under `common/`, read by every rank); expert (a routed expert, owned by
-one EP rank: `ep-XXXXX/`); vocab (lm_head rows split over the lm_head TP group: `tp-XXXXX/`); head_split
-(attention TP over heads, on dim 0 or dim 1: `attn-tp-XXXXX/`); oproj_split (o_proj's output rows over the
-o_proj TP group: `oproj-tp-XXXXX/`); embed_split (the embedding's vocabulary rows over the embedding TP group:
-`embed-tp-XXXXX/`, the MTP layer's embedding too). A directory per group index, not per rank,
+one EP rank, or with redundant experts held by one EP rank per replica, family/expert_map.py: `ep-XXXXX/`); vocab
+(lm_head rows split over the lm_head TP group: `tp-XXXXX/`); head_split (attention TP over heads, on dim 0 or
+dim 1: `attn-tp-XXXXX/`); oproj_split (o_proj's output rows over the o_proj TP group: `oproj-tp-XXXXX/`);
+embed_split (the embedding's vocabulary rows over the embedding TP group: `embed-tp-XXXXX/`, the MTP layer's
+embedding too). A directory per group index, not per rank,
 so a shard shared by several ranks (attention DP replicas, EP or TP groups smaller than the world) is
 written once and listed with all its readers.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from dsconv.family.arch import Family, Role, TensorSpec
 from dsconv.errors import InputError
+from dsconv.family.expert_map import ExpertMap, experts_prefix
 from dsconv.family.layout import Layout
 
 COMMON_DIR = "common"
@@ -71,11 +73,13 @@ def rule_for(spec: TensorSpec, family: Family, layout: Layout) -> Rule:
     return _REPLICATED
 
 
-def check_layout(family: Family, arch: object, layout: Layout) -> None:
-    """Refuse a layout the model's shapes cannot split evenly, naming the numbers."""
+def check_layout(family: Family, arch: object, layout: Layout, redundant: int = 0) -> None:
+    """Refuse a layout the model's shapes cannot split evenly, naming the numbers. redundant: the redundant experts
+    (family/expert_map.py), which the EP ranks share with the logical ones."""
     experts, vocab = arch.n_routed_experts, arch.vocab_size
-    if experts % layout.ep:
-        raise InputError(f"n_routed_experts={experts} is not divisible by ep={layout.ep}")
+    if (experts + redundant) % layout.ep:
+        raise InputError(f"n_routed_experts={experts}" + (f" + {redundant} redundant" if redundant else "")
+                         + f" is not divisible by ep={layout.ep}")
     if vocab % layout.tp:
         raise InputError(f"vocab_size={vocab} is not divisible by tp={layout.tp}")
     heads = arch.num_attention_heads
@@ -126,15 +130,19 @@ def _split(spec: TensorSpec, dim: int, parts: int, index: int) -> tuple[int, int
     return (dim, index * step, (index + 1) * step)
 
 
-def place(spec: TensorSpec, family: Family, arch: object, layout: Layout) -> list[Placement]:
-    """Every shard of a tensor: one for replicated and expert tensors, one per group index when split."""
+def place(spec: TensorSpec, family: Family, arch: object, layout: Layout,
+          experts: ExpertMap | None = None) -> list[Placement]:
+    """Every shard of a tensor: one for replicated tensors, one per group index when split, one per replica for a
+    routed expert (its owner by the blocks of expert_owner, or every EP rank the expert map puts a replica on)."""
     rule = rule_for(spec, family, layout)
     ranks = range(layout.world_size)
     if rule.mode is Mode.REPLICATED:
         return [Placement(COMMON_DIR, tuple(ranks), rule.mode, None)]
     if rule.mode is Mode.EXPERT:
-        owner = expert_owner(spec.expert, arch.n_routed_experts, layout.ep)
-        return [Placement(f"ep-{owner:05d}", tuple(r for r in ranks if layout.ep_rank(r) == owner), rule.mode, None)]
+        owners = [expert_owner(spec.expert, arch.n_routed_experts, layout.ep)] if experts is None else \
+            experts.holders(experts_prefix(spec.name), spec.expert)
+        return [Placement(f"ep-{owner:05d}", tuple(r for r in ranks if layout.ep_rank(r) == owner), rule.mode, None)
+                for owner in owners]
     group, prefix = SPLIT_GROUPS[rule.mode.value], SPLIT_DIRS[rule.mode]
     parts = getattr(layout, group)
     return [Placement(f"{prefix}-{k:05d}", tuple(r for r in ranks if layout.group_rank(group, r) == k), rule.mode,

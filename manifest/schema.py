@@ -1,6 +1,6 @@
 """`manifest.json`: the contract between `dsconv shard` and whatever maps the shards (dsrun, verify).
 
-Schema "dsconv-manifest", version 2 (documented in docs/shard.md):
+Schema "dsconv-manifest", version 3 (documented in docs/shard.md; version 2, without `experts`, still reads):
   model      {family, config}: the model_type and the whole config.json
   precision  "w8a8" (INT8 weights + per-channel scales) or "bf16"
   layout     world_size, ep, tp, attn_tp, oproj_tp, embed_tp, dp and the rank membership of every process group
@@ -9,6 +9,8 @@ Schema "dsconv-manifest", version 2 (documented in docs/shard.md):
   tensors    [{name, file, dtype, shape, role, mode, ranks, source {name, shape}, split {dim, start, stop} | null,
                layer, expert, mtp, scale, scale_of}]: one entry per stored tensor; `ranks` are every rank that
                maps it; `scale` names the per-channel scale of an INT8 weight, `scale_of` the weight of a scale.
+  experts    {redundant, nodes, layers {experts prefix: [logical expert of each physical slot]}} | null: where the
+             routed experts' replicas are (family/expert_map.py); null: EP rank k holds the k-th block of experts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dsconv.convert.safetensors_io import DTYPE_NAMES, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "dsconv-manifest"
-VERSION = 2  # 2: the layout's oproj_tp and embed_tp
+VERSION = 3  # 2: the layout's oproj_tp and embed_tp; 3: the expert map
+READABLE_VERSIONS = (2, 3)
 HASH_CHUNK_BYTES = 16 << 20
 
 TOP_LEVEL_KEYS = {"schema": str, "version": int, "model": dict, "precision": str, "layout": dict, "files": list,
@@ -86,6 +89,7 @@ def build_manifest(plan, out: Path) -> dict:
         "files": _file_records(out, [f.part.name for f in plan.files]),
         "side_files": _file_records(out, side),
         "tensors": tensors,
+        "experts": plan.experts.to_json() if plan.experts else None,
     }
 
 

@@ -2,7 +2,8 @@
 
 Checks, in order: schema; every path stays inside OUT; every file present with its size (sha256 with
 --full); every tensor present in its file with the declared dtype and shape; coverage against the
-architecture's inventory and the placement table (each expert on exactly one EP rank per EP group, vocab and
+architecture's inventory and the placement table (each expert on exactly one EP rank per EP group, or where the
+expert map puts its replicas, every logical expert at least once; with --full, every replica's bytes equal; vocab and
 head slices tiling their dimension exactly within each group, every replicated tensor reachable by every
 rank, every INT8 weight's scale reachable wherever the weight is).
 """
@@ -16,8 +17,9 @@ from pathlib import Path
 from dsconv.family.arch import family_for
 from dsconv.errors import InputError
 from dsconv.convert.safetensors_io import DTYPE_NAMES, read_header
-from dsconv.manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, SCHEMA, TENSOR_KEYS, TOP_LEVEL_KEYS, VERSION,
-                             sha256_of)
+from dsconv.manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, READABLE_VERSIONS, SCHEMA, TENSOR_KEYS,
+                                    TOP_LEVEL_KEYS, VERSION, sha256_of)
+from dsconv.family.expert_map import ExpertMap, ModelKey
 from dsconv.family.layout import Layout
 from dsconv.family.placement import SPLIT_GROUPS, Mode, check_layout, place, sliced_shape
 
@@ -46,12 +48,15 @@ def check_schema(manifest: object) -> list[str]:
     problems: list[str] = []
     if not isinstance(manifest, dict):
         return ["manifest: not a JSON object"]
-    if manifest.get("schema") != SCHEMA or manifest.get("version") != VERSION:
+    if manifest.get("schema") != SCHEMA or manifest.get("version") not in READABLE_VERSIONS:
         return [f"manifest: schema {manifest.get('schema')!r} version {manifest.get('version')!r} is not "
                 f"{SCHEMA!r} version {VERSION} (shards written by another dsconv: run `dsconv shard` again)"]
     if not _typed(manifest, TOP_LEVEL_KEYS, "manifest", problems):
         return problems
     _typed(manifest["layout"], LAYOUT_KEYS, "layout", problems)
+    experts = manifest.get("experts")
+    if experts is not None and not (isinstance(experts, dict) and isinstance(experts.get("layers"), dict)):
+        problems.append("experts: needs layers (an object), or null")
     for i, record in enumerate(manifest["files"] + manifest["side_files"]):
         if not isinstance(record, dict):
             problems.append(f"files[{i}]: not an object")
@@ -156,7 +161,8 @@ def check_coverage(manifest: dict) -> list[str]:
     arch = family.parse_config(config)
     lay = manifest["layout"]
     layout = Layout.from_json(lay)
-    check_layout(family, arch, layout)
+    experts = expert_map_of(manifest)
+    check_layout(family, arch, layout, experts.redundant if experts else 0)
     if layout.to_json() != lay:
         problems.append("layout: dp or groups do not follow from world_size, ep, tp, attn_tp, oproj_tp, embed_tp")
     world = set(range(layout.world_size))
@@ -176,7 +182,8 @@ def check_coverage(manifest: dict) -> list[str]:
             if t["source"]["shape"] != list(spec.shape) or t["shape"] != list(sliced_shape(spec.shape, dim_split)):
                 problems.append(f"{spec.name} ({t['file']}): shape {t['shape']} of source {t['source']['shape']} "
                                 f"does not match the model's {list(spec.shape)} split as {t['split']}")
-        expected = {(tuple(p.ranks), p.split) for p in place(spec, family, arch, layout)}
+        placements = place(spec, family, arch, layout, experts)
+        expected = {(tuple(p.ranks), p.split) for p in placements}
         actual = {(tuple(t["ranks"]), None if t["split"] is None else
                    (t["split"]["dim"], t["split"]["start"], t["split"]["stop"])) for t in found}
         mode = found[0]["mode"]
@@ -188,8 +195,9 @@ def check_coverage(manifest: dict) -> list[str]:
         if mode == Mode.EXPERT.value:
             for group in layout.groups()["ep"]:
                 holders = sorted({r for t in found for r in t["ranks"] if r in group})
-                if len(holders) != 1:
-                    problems.append(f"{spec.name}: expert held by {len(holders)} ranks of EP group {group}: {holders}")
+                if len(holders) != len(placements):
+                    problems.append(f"{spec.name}: expert held by {len(holders)} ranks of EP group {group}: {holders}"
+                                    f"; the expert map gives it {len(placements)}")
         if mode == Mode.REPLICATED.value and {r for t in found for r in t["ranks"]} != world:
             problems.append(f"{spec.name}: replicated but not reachable by ranks "
                             f"{sorted(world - {r for t in found for r in t['ranks']})}")
@@ -200,6 +208,47 @@ def check_coverage(manifest: dict) -> list[str]:
     for name in sorted(entries):
         problems.append(f"{name}: not a tensor of {family.name} with this config")
     return problems + _check_scales(manifest)
+
+
+def expert_map_of(manifest: dict) -> ExpertMap | None:
+    """The manifest's expert map, checked against its own model (InputError when it omits an expert, names a layer
+    the model lacks or lacks one it has, ...); None without one."""
+    data = manifest.get("experts")
+    if data is None:
+        return None
+    config = manifest["model"]["config"]
+    experts, ep = family_for(config).parse_config(config).n_routed_experts, manifest["layout"]["ep"]
+    key = ModelKey.of(manifest["model"]["family"], experts, (t["name"] for t in manifest["tensors"]))
+    if set(data["layers"]) != set(key.layers):
+        raise InputError(f"the expert map's layers are not the model's {len(key.layers)} MoE layers")
+    return ExpertMap.from_json(data, experts, ep)
+
+
+def check_replicas(out: Path, manifest: dict, readable: set[str]) -> list[str]:
+    """--full: every replica of a routed expert's tensor holds the same bytes as its first copy."""
+    problems = []
+    copies: dict[str, list[dict]] = defaultdict(list)
+    for t in manifest["tensors"]:
+        if t["mode"] == Mode.EXPERT.value and t["file"] in readable:
+            copies[t["name"]].append(t)
+    headers: dict[str, dict] = {}
+    for name, found in copies.items():
+        if len(found) < 2:
+            continue
+        first, *rest = [_tensor_bytes(out, t, headers) for t in found]
+        for t, data in zip(found[1:], rest):
+            if data != first:
+                problems.append(f"{name} ({t['file']}): a replica whose bytes differ from {found[0]['file']}'s")
+    return problems
+
+
+def _tensor_bytes(out: Path, t: dict, headers: dict[str, dict]) -> bytes:
+    if t["file"] not in headers:
+        headers[t["file"]] = read_header(out / t["file"])
+    entry = headers[t["file"]][t["name"]]
+    with open(out / t["file"], "rb") as f:
+        f.seek(entry.offset)
+        return f.read(entry.nbytes)
 
 
 def _check_scales(manifest: dict) -> list[str]:
@@ -242,6 +291,8 @@ def verify(out: Path, full: bool = False) -> list[str]:
         return problems
     file_problems, readable = check_files(out, manifest, full)
     problems += file_problems + check_headers(out, manifest, readable)
+    if full:
+        problems += check_replicas(out, manifest, readable)
     try:
         problems += check_coverage(manifest)
     except InputError as exc:

@@ -76,6 +76,20 @@ PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enabl
     "Reuse the KV cache of prompt blocks an earlier request on the same attention-DP rank has computed (vLLM's flag "
     "and default): a request computes only what follows its longest cached run of full --block-size blocks, and "
     "usage.prompt_tokens_details.cached_tokens says how many it reused."))]
+EnableEplb = Annotated[bool, typer.Option("--enable-eplb", help=(
+    "Expert-parallel load balancing while running (vLLM's flag): each MoE layer's per-expert load is counted over a "
+    "sliding window, and every step_interval steps the experts are placed anew (DeepSeek's EPLB policy) over the "
+    "shards' physical slots (`dsconv shard --num-redundant-experts`), their weights moving between EP ranks, one "
+    "layer per step. The tokens are the same. CPU and CUDA; on --device npu place them statically with `dsconv shard "
+    "--expert-load`."))]
+EplbConfigOption = Annotated[Optional[str], typer.Option("--eplb-config", help=(
+    "With --enable-eplb, vLLM's JSON: {\"window_size\": 1000, \"step_interval\": 3000, \"num_redundant_experts\": "
+    "the shards' (checked), \"log_balancedness\": false, \"use_async\": true (one layer per step; false: every "
+    "layer at one step)}."))]
+ExpertLoadRecord = Annotated[Optional[Path], typer.Option(help=(
+    "Write the run's tokens per logical expert of every MoE layer, summed over the ranks, to this JSON file at the "
+    "end (SGLang's expert-distribution recorder): `dsconv shard --expert-load FILE` places redundant experts by "
+    "it."))]
 Speculative = Annotated[Optional[str], typer.Option(help=(
     "Speculative decoding, vLLM's JSON: '{\"method\": \"mtp\", \"num_speculative_tokens\": k}', k 1 to 3. The "
     "checkpoint's MTP layer drafts k tokens a step for each request and one target step verifies them: greedy output "
@@ -154,6 +168,9 @@ def generate(
     overlap_shared_experts: Overlap = True,
     enable_prefix_caching: PrefixCaching = True,
     speculative_config: Speculative = None,
+    enable_eplb: EnableEplb = False,
+    eplb_config: EplbConfigOption = None,
+    expert_load_record: ExpertLoadRecord = None,
 ) -> None:
     """Generate from PROMPT on every rank of the shard set (greedily unless --temperature is given) and print the
     text on rank 0."""
@@ -232,6 +249,9 @@ def serve(
     overlap_shared_experts: Overlap = True,
     enable_prefix_caching: PrefixCaching = True,
     speculative_config: Speculative = None,
+    enable_eplb: EnableEplb = False,
+    eplb_config: EplbConfigOption = None,
+    expert_load_record: ExpertLoadRecord = None,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM: seconds requests in flight may take to finish "
                                                       "before they are aborted.")] = 30.0,
     api_key: Annotated[Optional[str], typer.Option(

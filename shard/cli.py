@@ -54,6 +54,19 @@ def shard(
     world_size: Annotated[Optional[int], typer.Option(
         help="Number of ranks; every size must divide it. Default: the largest of --ep, --tp, --attn-tp, "
              "--oproj-tp and --embed-tp (16 with the defaults; 1 for --ep 1 --tp 1).")] = None,
+    num_redundant_experts: Annotated[Optional[int], typer.Option(help=(
+        "Redundant experts per MoE layer (vLLM's and SGLang's name): each EP rank holds (n_routed_experts + this) "
+        "/ ep experts, replicas of the hottest placed by --expert-load (DeepSeek's EPLB policy), else round-robin. "
+        "The sum must divide by --ep. Default: 0, or as many as --expert-placement has."))] = None,
+    expert_load: Annotated[Optional[Path], typer.Option(help=(
+        "A load record (`dsrun generate/serve --expert-load-record FILE`) of this model: the replicas go where "
+        "the load was."))] = None,
+    expert_placement: Annotated[Optional[Path], typer.Option(help=(
+        "A placement of this model's experts (format dsrun-expert-placement: per layer, the logical expert of "
+        "each physical slot), used as it is."))] = None,
+    num_nodes: Annotated[int, typer.Option(help=(
+        "Nodes the EP ranks span, for --expert-load's hierarchical policy (each node's expert groups stay on its "
+        "ranks)."))] = 1,
     max_file_size: Annotated[str, typer.Option(help="Cap on each shard file.")] = "4GB",
     workers: Annotated[Optional[int], typer.Option(help="Worker threads (default: all cores).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print per-rank bytes and write nothing.")] = False,
@@ -62,18 +75,20 @@ def shard(
 
     Replicated tensors are written once under OUT/common/ and read by every rank; experts go to
     OUT/ep-XXXXX/, lm_head vocabulary slices to OUT/tp-XXXXX/, attention head slices to OUT/attn-tp-XXXXX/,
-    o_proj row slices to OUT/oproj-tp-XXXXX/, embedding vocabulary slices to OUT/embed-tp-XXXXX/.
+    o_proj row slices to OUT/oproj-tp-XXXXX/, embedding vocabulary slices to OUT/embed-tp-XXXXX/. With
+    redundant experts, each replica goes to its EP rank's directory and the manifest records the map.
     """
-    from dsconv.shard.shard import make_shard_plan, run_shard
+    from dsconv.shard.shard import ExpertRequest, make_shard_plan, run_shard
 
     with user_errors():
         n_workers = resolve_workers(workers)
         layout = Layout.sized(world_size, ep, tp, attn_tp, oproj_tp, embed_tp)
-        plan = make_shard_plan(src, layout, parse_size(max_file_size))
+        experts = ExpertRequest(num_redundant_experts, expert_load, expert_placement, num_nodes)
+        plan = make_shard_plan(src, layout, parse_size(max_file_size), experts)
         if dry_run:
             console.print(rank_table(plan))
             console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
-                          f"directories; {layout_line(layout)}; groups {layout.to_json()['groups']}",
+                          f"directories; {layout_line(layout, plan.experts)}; groups {layout.to_json()['groups']}",
                           highlight=False)
             return
         with byte_progress("shard", plan.nbytes) as update:
@@ -82,12 +97,13 @@ def shard(
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
                   f"{out} in {result.seconds:.2f} s ({plan.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
-                  f"GB/s in); {layout_line(layout)}", highlight=False)
+                  f"GB/s in); {layout_line(layout, plan.experts)}", highlight=False)
 
 
-def layout_line(layout: Layout) -> str:
+def layout_line(layout: Layout, experts=None) -> str:
+    redundant = f" with {experts.redundant} redundant experts a layer" if experts and experts.redundant else ""
     return (f"world size {layout.world_size}: attention DP {layout.dp} x attention TP {layout.attn_tp}, EP "
-            f"{layout.ep}, lm_head TP {layout.tp}")
+            f"{layout.ep}{redundant}, lm_head TP {layout.tp}")
 
 
 def verify(

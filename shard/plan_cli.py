@@ -23,7 +23,7 @@ from dsconv.family.recipes import Recipe
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_WORLD_SIZE, Layout
 from dsconv.family.placement import CATEGORIES, check_layout
 from dsconv.shard.sizes import (CACHE_DTYPE, entries, footprint, kv_cache_bytes, kv_cache_bytes_per_sequence,
-                                kv_cache_bytes_per_token, moe_exchange_worst_case)
+                                kv_cache_bytes_per_token, moe_exchange_worst_case, redundant_map)
 
 GB = 10**9  # every figure is printed in decimal GB, card capacity included
 CONFIG_NAME = "config.json"
@@ -65,8 +65,10 @@ def _tokens(count: int) -> str:
 
 def build_report(family: Family, arch: object, layout: Layout, precisions: list[tuple[str, Recipe | None]],
                  kv_cache_dtype: str, card_gb: float, batch: int, seq: int, mtp: bool,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> dict:
-    """Everything `dsconv plan` shows, as one JSON-able object (what --json prints)."""
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, redundant: int = 0) -> dict:
+    """Everything `dsconv plan` shows, as one JSON-able object (what --json prints). redundant: the redundant
+    experts (`dsconv shard --num-redundant-experts`), counted with the experts."""
+    experts = redundant_map(family, arch, layout, redundant)
     per_token = kv_cache_bytes_per_token(family, arch, kv_cache_dtype)
     per_sequence = kv_cache_bytes_per_sequence(family, arch, kv_cache_dtype)
     token_bytes, sequence_bytes = sum(per_token.values()), sum(per_sequence.values())
@@ -74,14 +76,14 @@ def build_report(family: Family, arch: object, layout: Layout, precisions: list[
     card = round(card_gb * GB)
     report = {
         "model": family.name, "layout": {k: v for k, v in layout.to_json().items() if k != "groups"},
-        "card_bytes": card, "batch": batch, "seq": seq, "mtp_counted": mtp,
+        "card_bytes": card, "batch": batch, "seq": seq, "mtp_counted": mtp, "redundant_experts": redundant,
         "kv_cache": {"dtype": kv_cache_dtype, "entry_dtype": str(CACHE_DTYPE).removeprefix("torch."),
                      "bytes_per_token": per_token, "bytes_per_token_total": token_bytes,
                      "bytes_per_sequence": per_sequence, "bytes_for_batch": kv_bytes},
         "precisions": [],
     }
     for label, chosen in precisions:
-        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family, arch, layout)
+        per_rank, on_disk = footprint(entries(family, arch, chosen, mtp=mtp), family, arch, layout, experts)
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank, by_category in per_rank.items():
             groups.setdefault(tuple(by_category[c] for c in CATEGORIES), []).append(rank)
@@ -187,6 +189,9 @@ def plan(
     # inline, not a module-level alias: recipes_help() lists the families registered when the command is built
     recipe: Annotated[Optional[str], typer.Option(help="Recipe of the W8A8 table. " + recipes_help())] = None,
     mtp: Mtp = True,
+    num_redundant_experts: Annotated[int, typer.Option(help=(
+        "Redundant experts per MoE layer (as `dsconv shard --num-redundant-experts`), counted with each rank's "
+        "experts: (n_routed_experts + this) / ep slots a rank."))] = 0,
     json_output: JsonOutput = False,
 ) -> None:
     """Per-rank memory for a parallel layout, from config.json alone: plan before downloading 160-700 GB.
@@ -200,7 +205,8 @@ def plan(
         family = family_for(raw)
         arch = family.parse_config(raw)
         layout = Layout.sized(world_size, ep=ep, tp=tp, attn_tp=attn_tp, oproj_tp=oproj_tp, embed_tp=embed_tp)
-        check_layout(family, arch, layout)
+        check_layout(family, arch, layout, num_redundant_experts)
+        redundant_map(family, arch, layout, num_redundant_experts)  # refuses a count the ranks cannot share
         check_kv_cache_dtype(family, kv_cache_dtype)
         _check_positive({"--batch": batch, "--seq": seq, "--card-gb": card_gb,
                          "--max-num-batched-tokens": max_num_batched_tokens})
@@ -209,7 +215,7 @@ def plan(
         fail(str(exc))
 
     report = build_report(family, arch, layout, precisions, kv_cache_dtype, card_gb, batch, seq, mtp,
-                          max_num_batched_tokens)
+                          max_num_batched_tokens, num_redundant_experts)
     if json_output:
         print(json.dumps(report, indent=1))
         return
@@ -228,6 +234,8 @@ def _print_report(report: dict, arch: object, layout: Layout, config: Path, card
     batch, seq, kv = report["batch"], report["seq"], report["kv_cache"]
     fine = "".join(f", {name} {size}" for name, size in (("o_proj TP", layout.oproj_tp),
                                                          ("embedding TP", layout.embed_tp)) if size > 1)
+    if report["redundant_experts"]:
+        fine += f", {report['redundant_experts']} redundant experts a layer"
     console.print(f"[bold]dsconv plan[/]: {report['model']} from {escape(str(config))}; {layout.world_size} ranks: "
                   f"attention DP {layout.dp} x TP {layout.attn_tp}, MoE EP {layout.ep}, lm_head TP {layout.tp}{fine}")
     mtp_note = "MTP layer included" if report["mtp_counted"] else "MTP layer not counted"

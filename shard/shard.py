@@ -22,6 +22,7 @@ from dsconv.convert.formats import DESCRIPTION_NAME, is_side_file
 from dsconv.convert.plan import DECODED, KEEP, PART_METADATA, TO_BF16, Item, Part, job_digest, output_tensors, pack
 from dsconv.convert.safetensors_io import OutTensor, file_size, write_bytes_atomic, write_json_atomic
 from dsconv.convert.source import Checkpoint, SourceWeight, open_checkpoint
+from dsconv.family.expert_map import ExpertMap, ModelKey, read_loads, read_placement
 from dsconv.family.layout import Layout
 from dsconv.family.placement import Placement, check_layout, place, place_companion, sliced_shape, stack_of
 
@@ -44,11 +45,44 @@ class ShardFile:
 
 
 @dataclass(frozen=True)
+class ExpertRequest:
+    """Where `dsconv shard` puts the routed experts (family/expert_map.py): `redundant` extra physical experts
+    (None: as many as the placement file has, else 0), placed by a recorded `load`, or as a `placement` file says,
+    or round-robin; `nodes`: the nodes the EP ranks span, for the hierarchical policy."""
+    redundant: int | None = None
+    load: Path | None = None
+    placement: Path | None = None
+    nodes: int = 1
+
+    def expert_map(self, checkpoint: Checkpoint, layout: Layout) -> ExpertMap | None:
+        """The map for these shards; None for the placement table's blocks (nothing asked)."""
+        if not self.redundant and self.load is None and self.placement is None:
+            return None
+        if self.load is not None and self.placement is not None:
+            raise InputError("--expert-load and --expert-placement both place the experts: give one")
+        arch = checkpoint.arch
+        key = ModelKey.of(checkpoint.family.name, arch.n_routed_experts, (w.spec.name for w in checkpoint.weights))
+        if self.placement is not None:
+            experts_map = read_placement(self.placement, key, layout.ep)
+            if self.redundant is not None and self.redundant != experts_map.redundant:
+                raise InputError(f"{self.placement} places {experts_map.redundant} redundant experts, not "
+                                 f"--num-redundant-experts {self.redundant}")
+            return experts_map
+        redundant = self.redundant or 0
+        if self.load is None:
+            return ExpertMap.round_robin(list(key.layers), key.experts, redundant, layout.ep, self.nodes)
+        groups = getattr(arch, "n_group", None) or 1  # V3's expert groups; V4 routes without groups
+        return ExpertMap.from_loads(read_loads(self.load, key), key.experts, redundant, layout.ep, groups,
+                                    self.nodes)
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     checkpoint: Checkpoint
     layout: Layout
     precision: str  # W8A8 when the input holds INT8 weights, else BF16
     files: tuple[ShardFile, ...]
+    experts: ExpertMap | None = None  # where the routed experts' replicas are; None: the placement table's blocks
 
     @property
     def config(self) -> dict:
@@ -65,7 +99,9 @@ class ShardPlan:
     def job(self) -> dict:
         """Identifies the run for resume: changes whenever any output byte or the manifest could."""
         return {"command": "dsconv shard", "source": str(self.checkpoint.root.resolve()),
-                "plan_digest": job_digest(self.checkpoint.files, [self.layout.to_json()], (f.part for f in self.files))}
+                "plan_digest": job_digest(self.checkpoint.files,
+                                          [self.layout.to_json()] + ([self.experts.to_json()] if self.experts else []),
+                                          (f.part for f in self.files))}
 
 
 def _companion(weight: SourceWeight) -> SourceWeight:
@@ -81,7 +117,7 @@ def _check_symmetric(weight: SourceWeight) -> None:
         raise InputError(f"{weight.offset.entry.name} is not all zeros: asymmetric INT8 is not supported")
 
 
-def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
+def _shard_tensors(checkpoint: Checkpoint, layout: Layout, experts: ExpertMap | None) -> list[ShardTensor]:
     family, arch = checkpoint.family, checkpoint.arch
     shards: list[ShardTensor] = []
     seen: set[tuple[str, str]] = set()  # (directory, name): a replicated companion is listed once
@@ -92,7 +128,7 @@ def _shard_tensors(checkpoint: Checkpoint, layout: Layout) -> list[ShardTensor]:
         action = TO_BF16 if weight.encoding in DECODED else KEEP
         # an INT8 weight is kept as stored, alone: its scale becomes a tensor of its own below
         (whole,) = output_tensors(weight.spec, weight.encoding, weight.value.entry.dtype)
-        for placement in place(weight.spec, family, arch, layout):
+        for placement in place(weight.spec, family, arch, layout, experts):
             out = OutTensor(whole.name, whole.dtype, sliced_shape(whole.shape, placement.split))
             scale = _companion(weight) if weight.encoding == "w8a8" else None
             shards.append(ShardTensor(Item(main, action, (out,), placement.split), placement, weight.spec,
@@ -132,16 +168,18 @@ def _pack(directory: str, shards: list[ShardTensor], max_file_bytes: int, family
             for i, g in enumerate(groups)]
 
 
-def make_shard_plan(src: Path, layout: Layout, max_file_bytes: int) -> ShardPlan:
+def make_shard_plan(src: Path, layout: Layout, max_file_bytes: int,
+                    experts: ExpertRequest = ExpertRequest()) -> ShardPlan:
     checkpoint = open_checkpoint(src)
-    check_layout(checkpoint.family, checkpoint.arch, layout)
+    experts_map = experts.expert_map(checkpoint, layout)
+    check_layout(checkpoint.family, checkpoint.arch, layout, experts_map.redundant if experts_map else 0)
     by_directory: dict[str, list[ShardTensor]] = {}
-    for shard in _shard_tensors(checkpoint, layout):
+    for shard in _shard_tensors(checkpoint, layout, experts_map):
         by_directory.setdefault(shard.placement.directory, []).append(shard)
     files = [f for directory in sorted(by_directory)
              for f in _pack(directory, by_directory[directory], max_file_bytes, checkpoint.family)]
     precision = W8A8 if any(w.encoding == "w8a8" for w in checkpoint.weights) else BF16
-    return ShardPlan(checkpoint, layout, precision, tuple(files))
+    return ShardPlan(checkpoint, layout, precision, tuple(files), experts_map)
 
 
 @dataclass(frozen=True)

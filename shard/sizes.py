@@ -16,6 +16,7 @@ import torch
 from dsconv.family.arch import Family, TensorSpec
 from dsconv.convert.formats import WEIGHT_AND_SCALE
 from dsconv.convert.plan import STORED_DTYPES, output_tensors
+from dsconv.family.expert_map import ExpertMap, ModelKey
 from dsconv.family.recipes import Recipe
 from dsconv.family.layout import Layout
 from dsconv.family.placement import CATEGORIES, Placement, category, place, place_companion
@@ -48,6 +49,15 @@ def entries(family: Family, arch: object, recipe: Recipe | None, mtp: bool = Tru
         yield Entry(spec, weight.nbytes, sum(t.nbytes for t in companions))
 
 
+def redundant_map(family: Family, arch: object, layout: Layout, redundant: int) -> ExpertMap | None:
+    """The round-robin map of `redundant` extra experts, for counting their bytes (every placement of R redundant
+    experts gives each EP rank the same slots); None for none."""
+    if not redundant:
+        return None
+    key = ModelKey.of(family.name, arch.n_routed_experts, (spec.name for spec in family.inventory(arch)))
+    return ExpertMap.round_robin(list(key.layers), key.experts, redundant, layout.ep)
+
+
 def _share(nbytes: int, spec: TensorSpec, split: tuple[int, int, int] | None) -> int:
     if split is None:
         return nbytes
@@ -56,12 +66,12 @@ def _share(nbytes: int, spec: TensorSpec, split: tuple[int, int, int] | None) ->
     return nbytes * (stop - start) // spec.shape[dim]
 
 
-def _pieces(items: Iterable[Entry], family: Family, arch: object,
-            layout: Layout) -> Iterator[tuple[Placement, str, int]]:
+def _pieces(items: Iterable[Entry], family: Family, arch: object, layout: Layout,
+            experts: ExpertMap | None = None) -> Iterator[tuple[Placement, str, int]]:
     """(placement, category, bytes) for every shard piece; a column-split weight's whole scale once."""
     for spec, weight_bytes, companion_bytes in items:
         bucket = category(spec)
-        placements = place(spec, family, arch, layout)
+        placements = place(spec, family, arch, layout, experts)
         for placement in placements:
             yield placement, bucket, _share(weight_bytes, spec, placement.split)
         if not companion_bytes:
@@ -75,12 +85,12 @@ def _empty() -> dict[str, int]:
     return dict.fromkeys(CATEGORIES, 0)
 
 
-def footprint(items: Iterable[Entry], family: Family, arch: object,
-              layout: Layout) -> tuple[dict[int, dict[str, int]], dict[str, dict[str, int]]]:
-    """rank_bytes and directory_bytes in one pass over the tensors."""
+def footprint(items: Iterable[Entry], family: Family, arch: object, layout: Layout,
+              experts: ExpertMap | None = None) -> tuple[dict[int, dict[str, int]], dict[str, dict[str, int]]]:
+    """rank_bytes and directory_bytes in one pass over the tensors (with an expert map, each replica counted)."""
     per_rank = {rank: _empty() for rank in range(layout.world_size)}
     per_dir: dict[str, dict[str, int]] = defaultdict(_empty)
-    for placement, bucket, nbytes in _pieces(items, family, arch, layout):
+    for placement, bucket, nbytes in _pieces(items, family, arch, layout, experts):
         per_dir[placement.directory][bucket] += nbytes
         for rank in placement.ranks:
             per_rank[rank][bucket] += nbytes

@@ -26,7 +26,7 @@ from dsconv.runner.models.dist import Dist
 from dsconv.runner.engine.batch import Batch
 from dsconv.runner.models.step import StepMeta
 from dsconv.runner.models.v4_cache import V4Cache
-from dsconv.shard.shard import make_shard_plan, run_shard
+from dsconv.shard.shard import ExpertRequest, make_shard_plan, run_shard
 from tests.rank_entries import recorded
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
@@ -167,8 +167,8 @@ def quantize(src, out, fmt="ascend", recipe=None):
     return run_quantize(build_plan(src, recipe, fmt, SMALL_FILES), out, workers=2, on_progress=lambda n: None)
 
 
-def shard(src, out, layout):
-    return run_shard(make_shard_plan(src, layout, SMALL_FILES), out, 2, lambda n: None)
+def shard(src, out, layout, experts=ExpertRequest()):
+    return run_shard(make_shard_plan(src, layout, SMALL_FILES, experts), out, 2, lambda n: None)
 
 
 def read_all(directory, index_name):
@@ -225,12 +225,14 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
 
 def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
                max_num_seqs=16, max_num_batched_tokens=4096, block_size=DEFAULT_BLOCK_SIZE,
-               overlap_shared_experts=True, enable_prefix_caching=True, speculative=None) -> RunConfig:
+               overlap_shared_experts=True, enable_prefix_caching=True, speculative=None, eplb=None,
+               expert_load_record=None) -> RunConfig:
     return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype, block_size),
                           scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size,
                                                     cp_min_tokens=cp_min_tokens,
                                                     enable_prefix_caching=enable_prefix_caching),
-                          overlap_shared_experts=overlap_shared_experts, speculative=speculative)
+                          overlap_shared_experts=overlap_shared_experts, speculative=speculative, eplb=eplb,
+                          expert_load_record=expert_load_record)
 
 
 def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
@@ -246,11 +248,13 @@ def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
 
 def generate_ranks(shards, results, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS, kv_cache_dtype="auto",
                    cp_size=1, cp_min_tokens=None, entry=generate, block_size=DEFAULT_BLOCK_SIZE,
-                   overlap_shared_experts=True, speculative=None, **extra) -> dict:
+                   overlap_shared_experts=True, speculative=None, eplb=None, expert_load_record=None,
+                   **extra) -> dict:
     """dsrun generate's ranks (entry: generate, or one that installs a test double first) -> rank 0's account
-    (generate.Generated as a dict)."""
+    (generate.Generated as a dict). eplb, expert_load_record: as RunConfig's."""
     run = run_config(shards, dtype, 256, kv_cache_dtype, cp_size, cp_min_tokens, max(1, len(prompts)),
-                     sum(map(len, prompts)), block_size, overlap_shared_experts, speculative=speculative)
+                     sum(map(len, prompts)), block_size, overlap_shared_experts, speculative=speculative, eplb=eplb,
+                     expert_load_record=expert_load_record)
     return launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, **extra}, run, results)
 
 

@@ -33,18 +33,21 @@ def rank_rows(rank: int, rows: int, hidden: int, n_experts: int, k: int):
     return x, experts, weights / weights.sum(-1, keepdim=True)
 
 
-def mc2_layer(result_dir: str, hidden: int, n_experts: int, inter: int, k: int, rows: list[int], int8: bool) -> None:
+def mc2_layer(result_dir: str, hidden: int, n_experts: int, inter: int, k: int, rows: list[int], int8: bool,
+              redundant: int = 0) -> None:
     """On every rank: install the double, build EP16's groups (MC2's communicator among them), plan the step from
     `rows` (each rank's tokens), and run the layer through MC2 and through the all-to-all path (a hash layer's
-    `distinct=False` takes it). Writes rank{R}.pt: both outputs, the op calls of each run, and how many
-    all_to_all_single calls each made."""
+    `distinct=False` takes it). redundant: physical experts beyond the logical ones, placed round-robin
+    (family/expert_map.py), which both paths route to (MC2 then takes physical ids). Writes rank{R}.pt: both
+    outputs, the op calls of each run, and how many all_to_all_single calls each made."""
     import torch
     import torch.distributed as dist
 
+    from dsconv.family.expert_map import ExpertMap
     from dsconv.family.layout import Layout
-    from dsconv.family.placement import local_experts
     from dsconv.kernels.moe import ExpertWeights
     from dsconv.runner.models.dist import Dist
+    from dsconv.runner.models.eplb import ExpertRouting
     from dsconv.runner.models.layers import RoutedExperts
     from dsconv.runner.models.moe import expert_parallel
     from tests.npu_double import forbid_cpu_int8_path, install
@@ -63,12 +66,14 @@ def mc2_layer(result_dir: str, hidden: int, n_experts: int, inter: int, k: int, 
     mesh = Dist.from_layout(Layout(world, ep=world, tp=world, attn_tp=1), torch.device("cpu"))
     mesh.plan_step([(n, n) for n in rows])
     w13, w2, s13, s2 = layer_experts(n_experts, hidden, inter, int8)
-    mine = local_experts(n_experts, mesh.ep, mesh.ep_rank)
+    physical = ExpertMap.round_robin(["layer"], n_experts, redundant, mesh.ep).layers["layer"]
     local = RoutedExperts.__new__(RoutedExperts)  # the runner's class, its weights from tensors, not a shard
-    local.n_routed_experts, local.limit, local.ids = n_experts, None, mine
-    local.weights = ExpertWeights(w13[mine.start:mine.stop], w2[mine.start:mine.stop],
-                                  None if s13 is None else s13[mine.start:mine.stop],
-                                  None if s2 is None else s2[mine.start:mine.stop])
+    local.experts, local.n_physical, local.limit = n_experts, len(physical), None
+    mine = list(physical[mesh.ep_rank * len(physical) // mesh.ep:(mesh.ep_rank + 1) * len(physical) // mesh.ep])
+    local.ids = tuple(mine)
+    local.routing = ExpertRouting(physical, n_experts, torch.device("cpu")) if redundant else None
+    local.weights = ExpertWeights(w13[mine], w2[mine], None if s13 is None else s13[mine],
+                                  None if s2 is None else s2[mine])
     local.int8 = int8
     x, experts, weights = rank_rows(mesh.rank, rows[mesh.rank], hidden, n_experts, k)
 

@@ -10,12 +10,12 @@ from dsconv.errors import InputError
 from dsconv.family.eplb import balancedness, pack, place, replicate
 
 LPT_BOUND = 4 / 3  # longest-first packing of whole items into equal-count bins stays within this of the best
-# The whole policy (replica counts, then packing) against the best of every replica count and assignment: the
-# replica counts are chosen for the largest share, not for how the shares pack, so the packing's 4/3 does not carry
-# over. Measured worst over the cases below: 1.568 (4 experts on 4 ranks of 2 slots: a hot expert's 5 replicas
-# cannot all be apart). Asserted: within 2, the list-scheduling bound's size (every rank's load is below the mean
-# plus the largest share, and each is a lower bound of the best).
-JOINT_BOUND = 2.0
+# The whole policy (replica counts, then packing) against the best of every replica count and assignment, replicas on
+# one rank allowed (so the search's optimum is at most the best placement with replicas apart). Measured worst over
+# the cases below: 1.138 (4 experts on 4 ranks of 2 slots). Greedy replica counts alone (DeepSeek's step 2) measured
+# 1.568 on the same cases: a hot expert's 5 replicas on 4 ranks. Asserted: within the packing's 4/3; the cases are
+# seeded, so the figure is the same on every machine.
+JOINT_BOUND = LPT_BOUND
 
 
 def best_max_load(loads: list[float], slots: int, ranks: int) -> float:
@@ -64,6 +64,10 @@ def test_the_global_policy_against_exhaustive_search(experts, slots, ranks):
         placement = place(loads, slots, groups=1, nodes=1, ranks=ranks)
         assert sorted(set(placement.physical)) == list(range(experts))  # every expert at least once
         assert all(placement.replicas[e] for e in range(experts)) and len(placement.physical) == slots
+        per_rank = slots // ranks
+        for r in range(ranks):  # replicas apart, each rank's in ascending order
+            held = placement.physical[r * per_rank:(r + 1) * per_rank]
+            assert list(held) == sorted(set(held))
         got = max(placement.rank_loads(loads, ranks))
         assert sum(placement.rank_loads(loads, ranks)) == pytest.approx(sum(loads))  # every token somewhere
         worst = max(worst, got / best_max_load(loads, slots, ranks))
@@ -108,16 +112,34 @@ def test_groups_that_do_not_divide_over_the_nodes_take_the_global_policy():
     assert place(loads, 8, groups=3, nodes=2, ranks=2) == place(loads, 8, groups=1, nodes=1, ranks=2)
 
 
+@pytest.mark.parametrize("experts,hot,slots", [(64, 4, 80), (32, 2, 48)])
+def test_a_few_equally_hot_experts_split_exactly(experts, hot, slots):
+    """tests/test_skewed_routing.py's workload at world 16 with 16 redundant experts: every token to the same `hot`
+    experts. The greedy rule alone gives each hot expert 20 / hot replicas, which 16 ranks cannot share evenly
+    (0.625 for V3.2's 4); the best j gives 16 hot replicas, one a rank."""
+    loads = [30.0] * hot + [0.0] * (experts - hot)
+    placement = place(loads, slots, groups=1, nodes=1, ranks=16)
+    assert balancedness(placement.rank_loads(loads, 16)) == 1.0
+    assert sum(len(placement.replicas[e]) for e in range(hot)) == 16
+
+
 def test_the_parts():
     assert replicate([10.0, 1.0, 4.0], 6) == [3, 1, 2]  # 10/3 > 4/2 > 10/4: the fifth slot to 0, the sixth to 2
     assert pack([5.0, 4.0, 3.0, 3.0], 2) == [[0, 3], [1, 2]]
+    assert replicate([10.0, 1.0, 4.0], 6, cap=2) == [2, 2, 2]  # at most 2 each
+    assert replicate([10.0, 1.0, 4.0], 6, greedy=1) == [2, 3, 1]  # one by the greedy rule, two to the coolest
+    assert pack([5.0, 4.0, 3.0, 1.0], 2, kinds=[0, 1, 2, 0]) == [[0, 2], [1, 3]]  # kind 0 apart
+    # the last item (kind 4) finds the only open bin holding kind 4: the full bin gives up its lightest item that
+    # the open bin lacks (item 1), and takes it
+    assert pack([10.0, 3.0, 3.0, 3.0, 1.0, 1.0], 2, kinds=[0, 1, 2, 3, 4, 4]) == [[0, 4, 1], [2, 3, 5]]
     assert balancedness([1.0, 1.0]) == 1.0 and balancedness([3.0, 1.0]) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("args,needle", [
     ((4, 3, 1, 1, 1), "cannot hold 4 logical experts"),
     ((4, 7, 1, 1, 2), "do not divide over 2 EP ranks"),
-    ((4, 8, 3, 1, 2), "must divide evenly"),
+    ((4, 8, 1, 3, 4), "do not divide over 3 nodes"),
+    ((4, 12, 1, 1, 2), "exceed the 4 experts a node holds"),
 ])
 def test_bad_input(args, needle):
     experts, slots, groups, nodes, ranks = args

@@ -4,7 +4,6 @@ output, bit for bit under BF16 and within the rows' INT8 rounding under W8A8, wi
 all-to-all; outside MC2's documented limits the layer takes the all-to-all path. The tiny models' hidden sizes are
 below MC2's 1024, so their 16-rank runs on the double (test_npu_contract) take the all-to-all path."""
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -117,15 +116,16 @@ def test_combine_v2_needs_its_dispatch(double):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "w8a8"])
-def test_ep16_layer_through_mc2_equals_the_all_to_all_path(int8, tmp_path):
+@pytest.mark.parametrize("int8,redundant", [(False, 16), (True, 0)], ids=["bf16-redundant16", "w8a8"])
+def test_ep16_layer_through_mc2_equals_the_all_to_all_path(int8, redundant, tmp_path):
     """16 ranks, idle ones among them (padded to the step's most rows and masked out): MC2's two ops per layer, no
     all-to-all, each expert owner's grouped matmuls on exactly its rows; the output equals the all-to-all path's, bit
     for bit under BF16. Under W8A8 MC2 quantizes each row by its documented formula, int8(x * (127 / max|x|)), where
-    npu_dynamic_quant divides by max|x| / 127: a row may round one step apart, so the outputs agree within that."""
+    npu_dynamic_quant divides by max|x| / 127: a row may round one step apart, so the outputs agree within that.
+    The BF16 case runs 16 redundant experts (48 physical, 3 a rank): MC2 takes the physical ids and slots."""
     assert launch(mc2_layer, dict(result_dir=str(tmp_path), hidden=HIDDEN, n_experts=EXPERTS, inter=INTER, k=TOP_K,
-                                  rows=ROWS, int8=int8), world_size=16, device="cpu", timeout_s=600,
-                  log_dir=tmp_path / "logs") == 0
+                                  rows=ROWS, int8=int8, redundant=redundant), world_size=16, device="cpu",
+                  timeout_s=600, log_dir=tmp_path / "logs") == 0
     for rank, rows in enumerate(ROWS):
         runs = torch.load(tmp_path / f"rank{rank}.pt")
         mc2_run, all_to_all = runs["mc2"], runs["all_to_all"]

@@ -22,6 +22,7 @@ from dsconv.kernels.moe import ACL_FORMAT_FRACTAL_NZ, ExpertWeights, grouped_mlp
 from dsconv.runner.models import mc2
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
+from dsconv.shard.shard import ExpertRequest
 from tests.helpers import greedy
 from dsconv.runner.models.weights import load_manifest
 from dsconv.family.layout import Layout
@@ -440,9 +441,10 @@ def test_world_16_idle_dp_ranks_npu_path_gives_the_cpu_tokens(family, npu_source
     """One prompt on DP16 / EP16: 15 ranks have no sequence in any step, yet enter every collective and expert
     group, each with a throwaway token. Every rank runs the double with the CPU INT8 kernels refused, the shared
     experts overlapped with the exchange on a second stream; the CPU path runs them after the exchange
-    (--no-overlap-shared-experts): the same tokens, bit for bit, from both orders."""
+    (--no-overlap-shared-experts): the same tokens, bit for bit, from both orders. The shards hold 16 redundant
+    experts (round-robin): the grouped matmuls run on each rank's physical slots."""
     shards = tmp_path / "w16"
-    shard(npu_source(family), shards, Layout(16, 16, 16, 1))
+    shard(npu_source(family), shards, Layout(16, 16, 16, 1), ExpertRequest(16))
     prompts = [PROMPTS[1]]
     want = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", overlap_shared_experts=False)
     got = run_ranks(shards, tmp_path, prompts, dtype="bfloat16", entry=generate_on_double,

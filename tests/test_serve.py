@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dsconv.family.layout import Layout
+from dsconv.shard.shard import ExpertRequest
 from tests.helpers import Server, shard
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,10 @@ pytestmark = pytest.mark.slow
 CASES = {"v32-w1": ("deepseek_v32", Layout(1, 1, 1, 1)), "v4-w1": ("deepseek_v4", Layout(1, 1, 1, 1)),
          "v32-w16": ("deepseek_v32", Layout(16, 16, 16, 1)), "v4-w16": ("deepseek_v4", Layout(16, 16, 16, 1))}
 FLAGS = ("--dtype", "float32", "--max-num-batched-tokens", "24", "--cache-tokens", "1024")
+# The world-16 servers run with 16 redundant experts placed round-robin and EPLB rebalancing every 16 steps: every
+# test of theirs then crosses rebalances, experts moving between ranks with requests in flight
+EPLB_FLAGS = ("--enable-eplb", "--eplb-config", json.dumps({"window_size": 16, "step_interval": 16,
+                                                            "num_redundant_experts": 16, "log_balancedness": True}))
 LENGTHS = (5, 23, 40, 9, 17, 31)  # six prompts; 40 > the step budget of 24
 NEW_TOKENS = 8
 KILL_DEADLINE_S = 60
@@ -38,8 +43,9 @@ def servers(tiny_source, tmp_path_factory):
         if case not in running:
             family, layout = CASES[case]
             shards = tmp_path_factory.mktemp(case) / case
-            shard(tiny_source(family, "fp8"), shards, layout)
-            running[case] = Server(shards, shards.parent / "server.log", *FLAGS)
+            eplb = layout.world_size == 16
+            shard(tiny_source(family, "fp8"), shards, layout, ExpertRequest(16) if eplb else ExpertRequest())
+            running[case] = Server(shards, shards.parent / "server.log", *FLAGS, *(EPLB_FLAGS if eplb else ()))
         return running[case]
 
     get.running = running
@@ -222,6 +228,34 @@ def test_prefix_cache_usage_and_metrics(case_name, servers, tiny_source):
     assert second.choices[0].text == first.choices[0].text
     assert metric("prefix_cache_hits") - hits_before == 2 * want
     assert metric("prefix_cache_queries") >= 3 * len(prompt)
+
+
+@pytest.mark.parametrize("case_name", ["v32-w16", "v4-w16"])
+def test_eplb_rebalances_and_exports_its_figures(case_name, servers, tiny_source):
+    """The world-16 servers rebalance while serving (EPLB_FLAGS): /metrics counts the rebalances and holds each one's
+    balancedness, overall and per layer, measured and planned; the log says it."""
+    family, _ = CASES[case_name]
+    server = servers(case_name)
+    model = server.openai().models.list().data[0].id
+    prompt = prompts(family, tiny_source)[1]
+
+    def rebalances():
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return float(re.search(r"^dsrun:eplb_rebalances_total{[^}]*} (\S+)$", text, re.M).group(1)), text
+
+    for _ in range(4):  # 16 steps each at most; earlier tests have usually run them already
+        if rebalances()[0] >= 1:
+            break
+        server.openai().completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    count, text = rebalances()
+    assert count >= 1
+    figures = {}
+    for labels, value in re.findall(r"^dsrun:eplb_balancedness{([^}]*)} (\S+)$", text, re.M):
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        figures[named["layer"], named["stage"]] = float(value)
+    assert {stage for _, stage in figures} == {"measured", "planned"} and ("all", "planned") in figures
+    assert all(0 < value <= 1 for value in figures.values()), figures
+    assert "dsrun: eplb rebalance 1 after 16 steps" in server.log()
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])

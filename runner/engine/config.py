@@ -13,6 +13,7 @@ from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, ch
                                check_kv_cache_dtype, family_for)
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
 from dsconv.kernels.device import NPU_DEVICE_TYPE
+from dsconv.runner.models.eplb import EplbConfig
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
 from dsconv.runner.engine.request import resolve_max_model_len
@@ -88,6 +89,13 @@ class EngineConfig:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
+def eplb_config(enable: bool, text: str | None) -> EplbConfig | None:
+    """--enable-eplb and --eplb-config -> EPLB's settings, or None when off."""
+    if text is not None and not enable:
+        raise InputError("--eplb-config needs --enable-eplb")
+    return EplbConfig.parse(text or "{}") if enable else None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a rank needs to build its part of the engine. `manifest` is the checked manifest of `shards`
@@ -108,6 +116,8 @@ class RunConfig:
     # the MoE's shared expert computes while the expert exchange travels (runner/models/moe.py)
     overlap_shared_experts: bool = True
     speculative: SpeculativeConfig | None = None  # --speculative-config (engine/speculative.py)
+    eplb: EplbConfig | None = None  # --enable-eplb with --eplb-config (runner/models/eplb.py)
+    expert_load_record: Path | None = None  # rank 0 writes the run's expert loads here (family/expert_map.py)
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
@@ -127,6 +137,7 @@ class RunConfig:
             raise InputError(f"--world-size {world_size} does not match the shards' world size "
                              f"{run.layout.world_size}")
         run._check_speculative()
+        run._check_experts()
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
@@ -143,6 +154,32 @@ class RunConfig:
                                                                 cache_tokens),
                             keepalive_s=self.keepalive_s, drain_timeout_s=self.drain_timeout_s,
                             speculative=self.speculative)
+
+    def _check_experts(self) -> None:
+        """--enable-eplb and --expert-load-record: the shards' redundant experts as --eplb-config says, a record
+        file that can be written."""
+        experts = self.manifest.get("experts")
+        redundant = experts["redundant"] if experts else 0
+        wanted = self.eplb.num_redundant_experts if self.eplb is not None else None
+        if wanted is not None and wanted != redundant:
+            raise InputError(f"--eplb-config num_redundant_experts {wanted}: {self.shards} holds {redundant} "
+                             f"redundant experts a layer (`dsconv shard --num-redundant-experts` sets them)")
+        if self.eplb is not None and self.device == NPU_DEVICE_TYPE:
+            raise InputError("--enable-eplb: moving experts while serving is not built for --device npu yet (its "
+                             "experts are kept in the grouped matmul's own form); place them statically with "
+                             "`dsconv shard --expert-load`")
+        record = self.expert_load_record
+        if record is not None and not Path(record).parent.is_dir():
+            raise InputError(f"--expert-load-record {record}: {Path(record).parent} is not a directory")
+
+    @property
+    def experts_summary(self) -> str:
+        """What the ready line says of the experts: redundant ones, EPLB."""
+        experts = self.manifest.get("experts")
+        parts = [f"{experts['redundant']} redundant experts a layer"] if experts and experts["redundant"] else []
+        if self.eplb is not None:
+            parts.append(f"EPLB every {self.eplb.step_interval} steps over {self.eplb.window_size}")
+        return "; ".join(parts)
 
     def _check_speculative(self) -> None:
         """MTP speculative decoding needs the MTP layer in the shards, a family the runner drafts for, no

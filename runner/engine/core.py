@@ -42,6 +42,8 @@ from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.engine.shapes import ShapeRecorder
 from dsconv.runner.engine.worker import Transfer, Worker
 from dsconv.runner.engine.batch import Batch
+from dsconv.family.expert_map import ModelKey
+from dsconv.runner.models.eplb import ExpertBalancer
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import DTYPES, build_model
 
@@ -162,6 +164,12 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
         engine.shapes = ShapeRecorder.of(run, run.record_shapes, run.command)
     if run.scheduler.kv_transfer is not None:
         engine.attach_transfer(cache, run.scheduler.kv_transfer)
+    if run.eplb is not None or run.expert_load_record is not None:
+        experts, arch = run.manifest.get("experts") or {}, run.family.parse_config(run.model_config)
+        groups = getattr(arch, "n_group", None) or 1  # V4 routes without groups
+        key = ModelKey.of(run.family.name, arch.n_routed_experts, (t["name"] for t in run.manifest["tensors"]))
+        engine.worker.balancer = ExpertBalancer(dist, key, run.eplb, run.expert_load_record, groups,
+                                                experts.get("nodes", 1))
     return engine
 
 
@@ -262,6 +270,7 @@ class EngineCore:
                     _deliver(request.on_output, out)
         finally:
             self._send(Plan(stop=True))
+            self.worker.finish()
             if self.shapes is not None:
                 self.shapes.flush()
 
@@ -302,6 +311,7 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.record_step(self.scheduler, step, outputs)
             self.metrics.record_loads(reports)
+            self.metrics.record_eplb(self.worker.balancer)
         return outputs
 
     def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport]]:
@@ -330,6 +340,7 @@ class EngineCore:
         while True:
             plan: Plan = pickle.loads(broadcast_bytes(None, self._host, 0, PLAN_BYTES))
             if plan.stop:
+                self.worker.finish()
                 return
             if plan.batches is None:  # keep-alive
                 continue

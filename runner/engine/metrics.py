@@ -60,6 +60,7 @@ class ServeMetrics:
                                              registry=registry)
 
         self._transfer_metrics(per_model)
+        self._eplb_metrics(per_model)
         self._transfer_seen = (0, 0, 0)  # the scheduler's failed loads, expired leases, received tokens counted
         self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already counted
         self._spec_seen = SpecCounts()  # and its speculative-decoding counts
@@ -97,6 +98,17 @@ class ServeMetrics:
         self.kv_transfer_seconds = Histogram("dsrun:kv_transfer_seconds", "One rank's read of one hand-over",
                                              per_model, buckets=LATENCY_BUCKETS, registry=registry)
 
+    def _eplb_metrics(self, per_model: list[str]) -> None:
+        """EPLB (runner/models/eplb.py): each rebalance's balancedness, per layer (label `layer`, "all" overall),
+        measured over the window before it and planned for the new placement (label `stage`)."""
+        self.eplb_balancedness = Gauge("dsrun:eplb_balancedness", "Mean over max of the tokens per EP rank at the "
+                                       "last EPLB rebalance, measured over its window or planned",
+                                       per_model + ["layer", "stage"], registry=self.registry)
+        self.eplb_rebalances = Counter("dsrun:eplb_rebalances", "EPLB rebalances run", per_model,
+                                       registry=self.registry)
+        self.eplb_rebalances.labels(self.model_name)  # from the start, at 0
+        self._eplb_seen = 0  # the balancer's rebalances already counted
+
     def rank(self, metric, rank: int):
         return metric.labels(self.model_name, str(rank))
 
@@ -117,6 +129,16 @@ class ServeMetrics:
                                        now, self._transfer_seen):
             self.model(metric).inc(count - seen)
         self._transfer_seen = now
+
+    def record_eplb(self, balancer) -> None:
+        """A rebalance since the last call: its figures (balancer: runner.models.eplb.ExpertBalancer or None)."""
+        if balancer is None or balancer.rebalances == self._eplb_seen:
+            return
+        self.model(self.eplb_rebalances).inc(balancer.rebalances - self._eplb_seen)
+        self._eplb_seen = balancer.rebalances
+        for stage, figures in (("measured", balancer.figures.measured), ("planned", balancer.figures.planned)):
+            for layer, value in figures.items():
+                self.eplb_balancedness.labels(self.model_name, layer, stage).set(value)
 
     def record_loads(self, reports: list) -> None:
         """The ranks' reports of one step's hand-over reads (kv_transfer.LoadReport)."""

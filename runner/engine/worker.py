@@ -23,6 +23,7 @@ from dsconv.runner.engine.v4_inputs import V4Inputs
 from dsconv.runner.engine.batch import DUMMY_SEQ_ID, Batch, CPShare, dummy_batch, slots
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.draw import Draw
+from dsconv.runner.models.eplb import ExpertBalancer
 from dsconv.runner.models.kv_cache import KVCache
 from dsconv.runner.models.step import (CPStep, DecodeRows, SeqStep, StepMeta, concat, gather_groups, lengths_mask,
                                        range_start)
@@ -211,12 +212,15 @@ class Worker:
         self.steps = 0  # steps this rank has run
         self.transfer: Transfer | None = None  # P/D disaggregation: this rank's transfer engine and cache views
         self.load_reports: list[LoadReport] = []  # the loads run since rank 0 last took them
+        self.balancer: ExpertBalancer | None = None  # EPLB and the expert-load record (runner/models/eplb.py)
 
     @torch.inference_mode()
     def execute(self, batch: Batch, plan: list[Batch] | None = None) -> list[SeqResult] | None:
         """-> one result per sequence of the batch from the reporting rank of the DP index (None from the
         others). plan: every DP index's batch of the step (as every rank received it), from which each rank's
         rows are known without exchanging them."""
+        if self.balancer is not None:  # a step boundary, on every rank: the load counted, experts moved when due
+            self.balancer.before_step()
         for load in batch.loads:  # before anything reads the blocks: a prefix that arrives whole starts next step
             if self.transfer is None:
                 raise ValueError(f"invalid step batch: sequence {load.seq_id} loads blocks on a rank without a "
@@ -262,6 +266,11 @@ class Worker:
         for result, proposed in zip(results, drafts or ()):
             result.drafts.extend(proposed)
         return results
+
+    def finish(self) -> None:
+        """The end of the run, on every rank at once (the expert-load record is summed and written)."""
+        if self.balancer is not None:
+            self.balancer.finish()
 
     def _draft(self, batch: Batch, inputs: StepInputs, logits: torch.Tensor, plan: list[Batch] | None
                ) -> list[list[int]]:

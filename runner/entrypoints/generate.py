@@ -20,7 +20,7 @@ from dsconv.comm.launch import launch
 from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.family.text import Detokenizer, TextTokenizer
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig, eplb_config
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, check_prompt, \
     resolve_max_model_len
@@ -58,6 +58,9 @@ class GenerateOptions:
     overlap_shared_experts: bool
     enable_prefix_caching: bool
     speculative_config: str | None
+    enable_eplb: bool
+    eplb_config: str | None
+    expert_load_record: Path | None
 
     @property
     def sampling(self) -> dict:
@@ -106,7 +109,8 @@ def _open(o: GenerateOptions) -> RunConfig:
                                                    cp_min_tokens=o.prefill_cp_min_tokens,
                                                    enable_prefix_caching=o.enable_prefix_caching),
                          record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
-                         speculative=SpeculativeConfig.parse(o.speculative_config))
+                         speculative=SpeculativeConfig.parse(o.speculative_config),
+                         eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
     # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for each
     # of a rank's prompts
     return run.with_max_num_seqs(-(-len(o.prompt) // run.layout.dp))
@@ -149,6 +153,7 @@ class Generated:
     cached_tokens: list[int] = field(default_factory=list)  # per prompt: its tokens found in the prefix cache
     ranks: list[dict] = field(default_factory=list)  # per rank: comm_s (inside collectives), steps
     speculative: dict | None = None  # --speculative-config: the drafts, accepted ones, mean acceptance length
+    eplb: list[dict] | None = None  # --enable-eplb: each rebalance's step, balancedness measured and planned
 
 
 def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_token=None,
@@ -192,6 +197,9 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
                                   "num_accepted_tokens": spec.accepted_tokens,
                                   "accepted_per_pos": spec.accepted_per_pos or [],
                                   "mean_acceptance_length": spec.mean_acceptance_length}
+        balancer = engine.worker.balancer
+        if run.eplb is not None:
+            result.eplb = [figures.summary() for figures in balancer.history]
     else:
         engine.run()
     ranks = gather_to_rank0({"comm_s": engine.worker.dist.comm_seconds, "steps": engine.worker.steps})
@@ -253,7 +261,8 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                   "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                               "wall_s": seconds},
                   "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap,
-                  "cached_prompt_tokens": result.cached_tokens, "speculative": result.speculative}
+                  "cached_prompt_tokens": result.cached_tokens, "speculative": result.speculative,
+                  "eplb": result.eplb}
         if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
             report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
                                     "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}
@@ -266,7 +275,15 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                   f"{sum(map(len, result.generated))} new tokens; "
                   f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall; "
                   f"shared experts {'overlapped' if overlap else 'not overlapped'}"
-                  f"{_speculative_line(result.speculative)}[/]", highlight=False)
+                  f"{_speculative_line(result.speculative)}{_eplb_line(result.eplb)}[/]", highlight=False)
+
+
+def _eplb_line(rebalances: list[dict] | None) -> str:
+    if not rebalances:
+        return "" if rebalances is None else "; EPLB: no rebalance within the run"
+    last = rebalances[-1]
+    return (f"; EPLB: {len(rebalances)} rebalances, the last at step {last['step']}: balancedness "
+            f"{last['measured']:.3f} measured, {last['planned']:.3f} planned")
 
 
 def _speculative_line(spec: dict | None) -> str:

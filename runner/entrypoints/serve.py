@@ -22,7 +22,7 @@ import torch
 from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig, eplb_config
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.runner.engine.kv_transfer import KVTransferConfig, check_transfer_engine
@@ -63,6 +63,9 @@ class ServeOptions:
     overlap_shared_experts: bool
     enable_prefix_caching: bool
     speculative_config: str | None
+    enable_eplb: bool
+    eplb_config: str | None
+    expert_load_record: Path | None
     drain_timeout: float
     api_key: str | None
     kv_transfer_config: str | None = None
@@ -90,7 +93,8 @@ def main(o: ServeOptions) -> int:
                          cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes, o.kv_cache_dtype, o.block_size),
                          scheduler=scheduler, max_model_len=o.max_model_len, drain_timeout_s=o.drain_timeout,
                          record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
-                         speculative=SpeculativeConfig.parse(o.speculative_config))
+                         speculative=SpeculativeConfig.parse(o.speculative_config),
+                         eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
     run.check_holds(o.max_model_len)
     resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
     return launch(rank_main, {"run": run, "host": o.host, "port": o.port,
@@ -134,7 +138,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
               f"DP {layout.dp} x attention TP {layout.attn_tp}, EP {layout.ep}); {run.cache_summary()}; "
               f"max_model_len {engine.max_model_len}; {run.overlap_summary}"
               f"{'; ' + run.speculative.summary if run.speculative is not None else ''}"
-              f"{'; ' + run.scheduler.kv_transfer.summary if run.scheduler.kv_transfer is not None else ''}",
+              f"{'; ' + run.scheduler.kv_transfer.summary if run.scheduler.kv_transfer is not None else ''}"
+              f"{'; ' + run.experts_summary if run.experts_summary else ''}",
               flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)

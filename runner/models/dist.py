@@ -42,6 +42,9 @@ class Dist:
     step_counts: dict = field(default_factory=dict)
     # the shared expert computes while the MoE's dispatch travels (models/moe.py); False: after the combine
     overlap_shared_experts: bool = True
+    # this rank's routed experts of every MoE layer (layers.RoutedExperts), in build order: what EPLB's balancer
+    # (models/eplb.py) walks
+    experts: list = field(default_factory=list, repr=False)
     _side_stream: SideStream | None = field(default=None, repr=False)
     _planned: list[tuple[int, int]] | None = field(default=None, repr=False)  # `plan_step`
 
@@ -91,6 +94,17 @@ class Dist:
         if self._planned is None:
             return None
         return max(-(-tokens // self.attn_tp) for tokens, _ in self._planned)
+
+    def moe_row_position(self) -> tuple[int, int] | None:
+        """(the number of this rank's first MoE row among every rank's this step, every rank's rows), from the step
+        plan (None without one): DP index by DP index, each attention-TP rank's share (parallel.py,
+        attention_tp_share) in group order. EPLB's routing numbers rows by it (models/eplb.py)."""
+        if self._planned is None:
+            return None
+        dp_index = self.rank // self.attn_tp
+        before = sum(tokens for tokens, _ in self._planned[:dp_index])
+        share = -(-self._planned[dp_index][0] // self.attn_tp)
+        return before + self.attn_tp_rank * share, sum(tokens for tokens, _ in self._planned)
 
     def start_step(self, rows: int) -> None:
         """Called by the model at the top of each step with its row count: the rows each member of each

@@ -21,6 +21,7 @@ from dsconv.kernels.moe import ExpertWeights, grouped_mlp, swiglu, token_mlp
 from dsconv.kernels.norm import UNWEIGHTED, WEIGHT_AFTER_CAST, rms_norm
 from dsconv.kernels.rope import cos_sin_at, half_split_tables, rope_inv_freq
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.eplb import ExpertRouting, move_experts
 from dsconv.runner.models.weights import RankWeights
 from dsconv.family.placement import local_experts
 
@@ -183,7 +184,8 @@ class GatedMLP:
 
 
 class RoutedExperts:
-    """This rank's routed experts, the placement table's `local_experts` for its EP rank, run by the grouped
+    """This rank's routed experts, the placement table's `local_experts` for its EP rank (or, with redundant
+    experts, its slots of the manifest's expert map, routed to by `routing`: models/eplb.py), run by the grouped
     kernel (kernels.moe.grouped_mlp). Their weights are stacked (views of the shard, `_take_stacked`): w13
     [E, 2 * inter, hidden] with each expert's gate rows, then its up rows (as GatedMLP merges them), w2 [E, hidden,
     inter]; INT8 with [E, n, 1] scales under W8A8. names: an expert's gate, up and down projections under
@@ -192,8 +194,16 @@ class RoutedExperts:
 
     def __init__(self, weights: RankWeights, prefix: str, names: tuple[str, str, str], n_routed_experts: int,
                  dist: Dist, dtype: torch.dtype, limit: float | None = None):
-        self.n_routed_experts, self.limit = n_routed_experts, limit
-        self.ids = local_experts(n_routed_experts, dist.ep, dist.ep_rank)  # global expert ids, in local order
+        self.prefix, self.experts, self.limit = prefix, n_routed_experts, limit
+        experts_map = weights.experts
+        if experts_map is None:  # the placement table's blocks
+            self.ids = tuple(local_experts(n_routed_experts, dist.ep, dist.ep_rank))
+            self.n_physical, self.routing = n_routed_experts, None
+        else:  # physical experts (family/expert_map.py): this rank's slots, and the routing to them (models/eplb.py)
+            self.ids = experts_map.held(prefix, dist.ep_rank)
+            self.n_physical = experts_map.slots
+            self.routing = ExpertRouting(experts_map.layers[prefix], n_routed_experts, weights.device)
+        dist.experts.append(self)
         gate, up, down = names
         w13, w13_scale = _take_stacked(weights, [[f"{prefix}.{e}.{gate}", f"{prefix}.{e}.{up}"] for e in self.ids],
                                        dtype)
@@ -209,6 +219,21 @@ class RoutedExperts:
         rows in their dtype, INT8 rows quantized by their sender with per-token scales x_scale [N, 1] in
         out_dtype."""
         return grouped_mlp(x, counts, self.weights, x_scale, out_dtype, self.limit)
+
+    def counted(self) -> None:
+        """Counts the load from now on (EPLB, --expert-load-record), routing through the identity where there are
+        no replicas."""
+        if self.routing is None:
+            device = (self.weights.w13 if self.weights.npu is None else self.weights.npu.w13).device
+            self.routing = ExpertRouting(tuple(range(self.experts)), self.experts, device)
+        self.routing.counting = True
+
+    def move(self, physical: tuple[int, ...], dist: Dist) -> None:
+        """Takes a new placement: this rank's experts exchanged (models/eplb.move_experts), then the routing."""
+        self.weights = move_experts(self.weights, self.routing.physical, physical, dist)
+        per_rank = len(physical) // dist.ep
+        self.ids = physical[dist.ep_rank * per_rank:(dist.ep_rank + 1) * per_rank]
+        self.routing.set(physical)
 
     def token(self, x: torch.Tensor, local_ids: list[int], x_scale: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -74,7 +74,7 @@ def fits(x: torch.Tensor, k: int, local: RoutedExperts, dist: Dist, distinct: bo
     if not is_npu(x) or groups is None or groups.mc2 is None or not distinct or x.dtype not in DTYPES:
         return False
     most = dist.most_moe_rows()
-    experts, ep, hidden = local.n_routed_experts, dist.ep, x.shape[1]
+    experts, ep, hidden = local.n_physical, dist.ep, x.shape[1]
     if most is None or not 0 < most <= MAX_TOKENS or not 0 < k <= MAX_TOP_K:
         return False
     if not HIDDEN[0] <= hidden <= HIDDEN[1] or not EP_SIZES[0] <= ep <= EP_SIZES[1]:
@@ -100,7 +100,7 @@ def routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local:
         ids = torch.cat([ids, torch.arange(k, dtype=torch.int32, device=ids.device).expand(padding, k)])
         weights = torch.cat([weights, weights.new_zeros(padding, k)])
     active = torch.arange(most, device=x.device) < rows
-    common = dict(group_ep=name, ep_world_size=dist.ep, ep_rank_id=group.rank, moe_expert_num=local.n_routed_experts,
+    common = dict(group_ep=name, ep_world_size=dist.ep, ep_rank_id=group.rank, moe_expert_num=local.n_physical,
                   shared_expert_num=SHARED_EXPERTS_IN_OP, global_bs=most * dist.ep)
     with dist.timed(), record_function(DISPATCH):
         expand_x, scales, assist, counts, ep_counts, tp_counts, _ = torch_npu.npu_moe_distribute_dispatch_v2(

@@ -63,7 +63,11 @@ def expert_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
                     dist: Dist, shared: Callable[[torch.Tensor], torch.Tensor], distinct: bool = True) -> torch.Tensor:
     """x [T, H]; experts, weights [T, k] from the router (global expert ids); local: this rank's experts; shared:
     the shared expert -> routed + shared(x), [T, H]. distinct: each token's k experts are distinct (a router's
-    top-k; a hash layer's table may repeat one), which MC2 requires (models/mc2.py)."""
+    top-k; a hash layer's table may repeat one), which MC2 requires (models/mc2.py). With physical experts (or
+    counting the load) the logical ids become physical slots first (models/eplb.py), distinct when they were:
+    everything below sees slots."""
+    if local.routing is not None:
+        experts = local.routing(experts, dist)
     if not dist.overlap_shared_experts:
         routed = _routed(x, experts, weights, local, dist, None, distinct)
         with record_function(SHARED_EXPERT):
@@ -93,8 +97,8 @@ def _routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, local
     flat = experts.flatten()  # [T*k] one row per (token, expert) pair
     # grouped by owning EP rank (sorting by expert id also groups each destination's rows by expert)
     order = torch.argsort(flat, stable=True)
-    send_counts = _count(expert_owner(flat, local.n_routed_experts, dist.ep), dist.ep)
-    # each row's expert as its index among its owner's local experts (owners hold contiguous blocks)
+    send_counts = _count(expert_owner(flat, local.n_physical, dist.ep), dist.ep)
+    # each row's expert as its index among its owner's local experts (owners hold contiguous blocks of slots)
     rows, local_ids = x[order // k], flat[order] % per_rank
     # EP dispatch: each row goes to its expert's owner with the expert's local index
     columns = dispatch_columns(rows, local_ids, local.int8)

@@ -19,7 +19,8 @@ import torch
 from dsconv.errors import InputError
 from dsconv.convert.safetensors_io import read_header
 from dsconv.manifest.schema import MANIFEST_NAME
-from dsconv.manifest.verify import verify
+from dsconv.family.expert_map import ExpertMap
+from dsconv.manifest.verify import expert_map_of, verify
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RankWeights:
     tensors: dict[str, torch.Tensor]  # name -> this rank's tensor (its slice, when split)
     splits: dict[str, dict | None]  # name -> {dim, start, stop} of the source tensor, or None
     device: torch.device = torch.device("cpu")  # where take() delivers: a CPU tensor stays the mapped view
+    experts: ExpertMap | None = None  # the manifest's expert map (family/expert_map.py); None: the table's blocks
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
     # name -> (index into _maps, byte offset, bytes): where a mapped tensor lies, for take_stacked
     _spans: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
@@ -100,7 +102,7 @@ def load_rank(shards: Path, manifest: dict, rank: int, device: torch.device | st
     if not 0 <= rank < world:
         raise InputError(f"rank {rank} is outside the manifest's world size {world}")
     mine = [t for t in manifest["tensors"] if rank in t["ranks"]]
-    weights = RankWeights(rank, manifest, {}, {}, torch.device(device))
+    weights = RankWeights(rank, manifest, {}, {}, torch.device(device), expert_map_of(manifest))
     by_file: dict[str, list[dict]] = {}
     for t in mine:
         by_file.setdefault(t["file"], []).append(t)
