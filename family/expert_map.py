@@ -71,8 +71,13 @@ class ExpertMap:
     layers: dict[str, tuple[int, ...]]  # experts prefix -> the logical expert of each physical slot
 
     def __post_init__(self):
+        if self.nodes < 1 or self.ep % self.nodes:
+            raise InputError(f"{self.ep} EP ranks do not divide over {self.nodes} nodes")
         for prefix, physical in self.layers.items():
             check_physical(prefix, physical, self.experts, self.ep)
+        if len({len(physical) for physical in self.layers.values()}) > 1:
+            raise InputError(f"the layers' physical experts differ in number "
+                             f"({sorted({len(p) for p in self.layers.values()})}): every layer has the same slots")
 
     @property
     def slots(self) -> int:

@@ -18,7 +18,7 @@ from dsconv.family.arch import family_for
 from dsconv.errors import InputError
 from dsconv.convert.safetensors_io import DTYPE_NAMES, read_header
 from dsconv.manifest.schema import (FILE_KEYS, LAYOUT_KEYS, MANIFEST_NAME, READABLE_VERSIONS, SCHEMA, TENSOR_KEYS,
-                                    TOP_LEVEL_KEYS, VERSION, sha256_of)
+                                    TOP_LEVEL_KEYS, sha256_of)
 from dsconv.family.expert_map import ExpertMap, ModelKey
 from dsconv.family.layout import Layout
 from dsconv.family.placement import SPLIT_GROUPS, Mode, check_layout, place, sliced_shape
@@ -50,13 +50,17 @@ def check_schema(manifest: object) -> list[str]:
         return ["manifest: not a JSON object"]
     if manifest.get("schema") != SCHEMA or manifest.get("version") not in READABLE_VERSIONS:
         return [f"manifest: schema {manifest.get('schema')!r} version {manifest.get('version')!r} is not "
-                f"{SCHEMA!r} version {VERSION} (shards written by another dsconv: run `dsconv shard` again)"]
+                f"{SCHEMA!r} version {' or '.join(map(str, READABLE_VERSIONS))} (shards written by another dsconv: run "
+                f"`dsconv shard` again)"]
     if not _typed(manifest, TOP_LEVEL_KEYS, "manifest", problems):
         return problems
     _typed(manifest["layout"], LAYOUT_KEYS, "layout", problems)
     experts = manifest.get("experts")
-    if experts is not None and not (isinstance(experts, dict) and isinstance(experts.get("layers"), dict)):
-        problems.append("experts: needs layers (an object), or null")
+    if experts is not None and not (isinstance(experts, dict) and _ints([experts.get("redundant"),
+                                                                          experts.get("nodes")])
+                                    and isinstance(experts.get("layers"), dict)
+                                    and all(_ints(physical) for physical in experts["layers"].values())):
+        problems.append("experts: needs redundant and nodes (ints) and layers (an object of lists of ints), or null")
     for i, record in enumerate(manifest["files"] + manifest["side_files"]):
         if not isinstance(record, dict):
             problems.append(f"files[{i}]: not an object")
@@ -196,8 +200,9 @@ def check_coverage(manifest: dict) -> list[str]:
             for group in layout.groups()["ep"]:
                 holders = sorted({r for t in found for r in t["ranks"] if r in group})
                 if len(holders) != len(placements):
+                    source = "the placement table" if experts is None else "the expert map"
                     problems.append(f"{spec.name}: expert held by {len(holders)} ranks of EP group {group}: {holders}"
-                                    f"; the expert map gives it {len(placements)}")
+                                    f"; {source} gives it {len(placements)}")
         if mode == Mode.REPLICATED.value and {r for t in found for r in t["ranks"]} != world:
             problems.append(f"{spec.name}: replicated but not reachable by ranks "
                             f"{sorted(world - {r for t in found for r in t['ranks']})}")
@@ -221,7 +226,11 @@ def expert_map_of(manifest: dict) -> ExpertMap | None:
     key = ModelKey.of(manifest["model"]["family"], experts, (t["name"] for t in manifest["tensors"]))
     if set(data["layers"]) != set(key.layers):
         raise InputError(f"the expert map's layers are not the model's {len(key.layers)} MoE layers")
-    return ExpertMap.from_json(data, experts, ep)
+    experts_map = ExpertMap.from_json(data, experts, ep)
+    if data["redundant"] != experts_map.redundant:
+        raise InputError(f"the expert map says {data['redundant']} redundant experts; its layers hold "
+                         f"{experts_map.redundant}")
+    return experts_map
 
 
 def check_replicas(out: Path, manifest: dict, readable: set[str]) -> list[str]:
@@ -233,6 +242,7 @@ def check_replicas(out: Path, manifest: dict, readable: set[str]) -> list[str]:
             copies[t["name"]].append(t)
     headers: dict[str, dict] = {}
     for name, found in copies.items():
+        found = [t for t in found if name in _header(out, t["file"], headers)]  # check_headers names the others
         if len(found) < 2:
             continue
         first, *rest = [_tensor_bytes(out, t, headers) for t in found]
@@ -242,10 +252,18 @@ def check_replicas(out: Path, manifest: dict, readable: set[str]) -> list[str]:
     return problems
 
 
+def _header(out: Path, rel: str, headers: dict[str, dict]) -> dict:
+    """A file's header, read once; empty when it cannot be read (check_headers reports that)."""
+    if rel not in headers:
+        try:
+            headers[rel] = read_header(out / rel)
+        except InputError:
+            headers[rel] = {}
+    return headers[rel]
+
+
 def _tensor_bytes(out: Path, t: dict, headers: dict[str, dict]) -> bytes:
-    if t["file"] not in headers:
-        headers[t["file"]] = read_header(out / t["file"])
-    entry = headers[t["file"]][t["name"]]
+    entry = _header(out, t["file"], headers)[t["name"]]
     with open(out / t["file"], "rb") as f:
         f.seek(entry.offset)
         return f.read(entry.nbytes)

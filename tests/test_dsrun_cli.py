@@ -13,8 +13,10 @@ import time
 
 import psutil
 import pytest
+from typer.testing import CliRunner
 
 from dsconv.family.layout import Layout
+from dsconv.runner.cli import app as dsrun_app
 from dsconv.shard.demo import demo_shards
 from tests.helpers import shard
 
@@ -42,6 +44,14 @@ def tiny_shards(tiny_source, tmp_path_factory):
         return cache[family]
 
     return build
+
+
+def refused(*args, command="generate"):
+    """dsrun's bad input, in this process (typer's runner: a subprocess spends 2 s importing torch to reach the same
+    line) -> (exit code, stderr's non-blank lines). Refused before any rank starts; the tests of real runs and of
+    the console script keep their subprocesses."""
+    result = CliRunner().invoke(dsrun_app, [command, *map(str, args)], env={"COLUMNS": "300"})
+    return result.exit_code, [line for line in result.stderr.splitlines() if line.strip()]
 
 
 def dsrun(demo, *args, timeout=300, command="generate", tmpdir=None):
@@ -267,10 +277,8 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
      "num_speculative_tokens 4 must be an integer from 1 to 3"),
 ])
 def test_bad_input(demo, args, needle):
-    proc = dsrun(demo, "--shards", demo, *args)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+    code, lines = refused("--shards", demo, *args)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -280,10 +288,8 @@ def test_bad_input(demo, args, needle):
 ])
 def test_serve_refuses_a_max_model_len_that_cannot_run(demo, args, needle):
     """An explicit --max-model-len beyond what one request can ever hold: one line and exit 2, before any rank."""
-    proc = dsrun(demo, "--shards", demo, "--port", "0", *args, command="serve")
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+    code, lines = refused("--shards", demo, "--port", "0", *args, command="serve")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
 
 
 def test_shards_that_fail_verify(demo, tmp_path):
@@ -357,10 +363,8 @@ def test_perplexity_json_on_the_demo(demo, tmp_path):
 ])
 def test_perplexity_bad_input(demo, tmp_path, make, args, needle):
     make(tmp_path / "t.txt")
-    proc = dsrun(demo, "--shards", demo, "--file", tmp_path / "t.txt", *args, command="perplexity")
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+    code, lines = refused("--shards", demo, "--file", tmp_path / "t.txt", *args, command="perplexity")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
 
 
 def fake_torch_npu_without_cann(root):

@@ -110,6 +110,8 @@ def test_the_hierarchical_policy_keeps_each_nodes_groups_on_its_ranks():
 def test_groups_that_do_not_divide_over_the_nodes_take_the_global_policy():
     loads = [float(e + 1) for e in range(6)]
     assert place(loads, 8, groups=3, nodes=2, ranks=2) == place(loads, 8, groups=1, nodes=1, ranks=2)
+    # 2 nodes of 3 experts each, but 4 slots a rank: only the global policy can fill a rank with distinct experts
+    assert place(loads, 8, groups=2, nodes=2, ranks=2) == place(loads, 8, groups=1, nodes=1, ranks=2)
 
 
 @pytest.mark.parametrize("experts,hot,slots", [(64, 4, 80), (32, 2, 48)])

@@ -44,6 +44,14 @@ def test_a_bad_physical_list_is_refused(physical, needle):
     assert needle in str(caught.value)
 
 
+def test_a_map_needs_equal_layers_and_nodes_that_divide_the_ranks():
+    with pytest.raises(InputError, match=r"differ in number \(\[4, 8\]\)"):
+        ExpertMap(4, 2, 1, {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3, 0, 1, 2, 3)})
+    for nodes in (0, 3):
+        with pytest.raises(InputError, match=f"2 EP ranks do not divide over {nodes} nodes"):
+            ExpertMap(4, 2, nodes, {"a": (0, 1, 2, 3)})
+
+
 def model_key(src: Path) -> ModelKey:
     checkpoint = open_checkpoint(src)
     return ModelKey.of(checkpoint.family.name, checkpoint.arch.n_routed_experts,
@@ -86,10 +94,14 @@ def test_replicas_follow_a_recorded_load_and_verify_checks_them(w8a8_source, tmp
     assert [p for p in verify(out, full=True) if "replica" in p] == \
         [f"{name} ({entry['file']}): a replica whose bytes differ from ep-00000/part-00001-of-00001.safetensors's"]
 
-    # a map that omits an expert
+    # a map that omits an expert; one that is not lists of ints
     manifest["experts"]["layers"][key.layers[0]] = [0] * len(manifest["experts"]["layers"][key.layers[0]])
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert any("omits experts" in p for p in verify(out))
+    manifest["experts"]["layers"][key.layers[0]] = "0, 1"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(out) == ["experts: needs redundant and nodes (ints) and layers (an object of lists of ints), or "
+                           "null"]
 
 
 def test_a_placement_file_is_taken_as_it_is(w8a8_source, tmp_path):

@@ -47,7 +47,7 @@ def _mesh(most: int | None = 4, ep: int = 16) -> Dist:
 
 def _fits(mesh=None, hidden=7168, k=8, experts=256, dtype=torch.bfloat16, distinct=True) -> bool:
     x = torch.zeros(2, hidden, dtype=dtype)
-    return mc2.fits(x, k, SimpleNamespace(n_routed_experts=experts), mesh or _mesh(), distinct)
+    return mc2.fits(x, k, SimpleNamespace(n_physical=experts), mesh or _mesh(), distinct)
 
 
 def test_mc2_takes_the_steps_within_its_limits(double, monkeypatch):

@@ -158,7 +158,7 @@ class RunConfig:
     def _check_experts(self) -> None:
         """--enable-eplb and --expert-load-record: the shards' redundant experts as --eplb-config says, a record
         file that can be written."""
-        experts = self.manifest.get("experts")
+        experts = self.manifest.get("experts")  # `dsconv verify` checked it (load_manifest)
         redundant = experts["redundant"] if experts else 0
         wanted = self.eplb.num_redundant_experts if self.eplb is not None else None
         if wanted is not None and wanted != redundant:

@@ -228,6 +228,8 @@ class Worker:
             self.load_reports.append(run_load(self.transfer.agent, self.transfer.views, load,
                                               self.dist.attn_tp_rank))
         inputs = self.inputs(batch)
+        if self.balancer is not None:  # an idle rank's throwaway token is no load
+            self.balancer.count(not inputs.dummy)
         if self.grammars is not None:
             for seq_id in batch.releases:
                 self.grammars.release(seq_id)

@@ -197,7 +197,7 @@ class RoutedExperts:
         self.prefix, self.experts, self.limit = prefix, n_routed_experts, limit
         experts_map = weights.experts
         if experts_map is None:  # the placement table's blocks
-            self.ids = tuple(local_experts(n_routed_experts, dist.ep, dist.ep_rank))
+            self.ids = local_experts(n_routed_experts, dist.ep, dist.ep_rank)
             self.n_physical, self.routing = n_routed_experts, None
         else:  # physical experts (family/expert_map.py): this rank's slots, and the routing to them (models/eplb.py)
             self.ids = experts_map.held(prefix, dist.ep_rank)
