@@ -275,6 +275,8 @@ def test_streamed_text_and_closing_line(demo, tmp_path):
      "method 'eagle' is not one of mtp"),
     (["--prompt", "hi", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'],
      "num_speculative_tokens 4 must be an integer from 1 to 3"),
+    (["--prompt", "hi", "--enable-eplb", "--eplb-config", '{"num_redundant_experts": 16}'],
+     "holds 0 redundant experts a layer"),
 ])
 def test_bad_input(demo, args, needle):
     code, lines = refused("--shards", demo, *args)
