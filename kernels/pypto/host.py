@@ -1,0 +1,185 @@
+"""Running PyPTO kernels on the host: the pass-verify interpreter, made to compute on host tensors.
+
+PyPTO 0.2.0 (`pypto.frontend.jit`) compiles a kernel and, with `verify_options={"enable_pass_verify": True}`, runs a
+torch-based interpreter (its "calculator") over the kernel's tensor graph and over the graph after each compiler pass,
+comparing them. Without an NPU, as shipped, the interpreter sees zeros: the jit wrapper copies the inputs through a
+device-to-host copy that the runtime stub leaves empty, and it builds the calculator in a temporary directory on every
+process's first kernel. This module, the one place that touches those private pieces:
+- hands the interpreter the host tensors themselves (`pypto_impl.SetVerifyData` with the runtime's own tensor-data
+  conversion), so the outputs land in the torch tensors passed to the kernel;
+- builds the calculator once (PyPTO's own CMake build, about 15-35 s) into the dsconv cache, per torch version, and
+  loads it from there;
+- writes PyPTO's per-call output (about 1 MB: the cost model's trace, the verify tables) under a directory of its
+  own (TILE_FWK_OUTPUT_DIR) and reads the verify table back: a pass whose result is not PASS raises, it is never a
+  log line. (The call's SIM run, PyPTO's cost model, is what copies the interpreter's outputs into the tensors: it
+  stays.)
+It checks at import that the pieces it relies on are there, and names the missing ones in one line (InputError).
+The interpreter gives the tensor graph's meaning in torch arithmetic, not the AICore code a CANN build generates.
+"""
+
+import csv
+import ctypes
+import importlib
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from dsconv.errors import InputError
+
+PYPTO_VERSION = "0.2.0"  # the private pieces below are 0.2.0's; the [pypto] extra pins it
+# (module, attribute path) this module relies on
+PRIVATE = (("pypto.frontend.parser.entry", "JitCallableWrapper._setup_verify_data"),
+           ("pypto.runtime", "_pto_to_tensor_data"), ("pypto.runtime", "_pto_verify_datas.get_data"),
+           ("pypto._utils", "BuildOnlineManager._CMakeContext.CompileContext"),
+           ("pypto._utils", "BuildOnlineManager._TorchContext"), ("pypto", "pypto_impl.SetVerifyData"),
+           ("pypto", "get_verify_options"))
+CALCULATOR = "lib/libtile_fwk_calculator.so"  # where PyPTO's CMake install puts it
+VERIFY_TABLE = "verify_result_brief.csv"
+PASS = "PASS"
+
+
+def _resolve(module: str, path: str):
+    value = importlib.import_module(module)
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def check() -> None:
+    """PyPTO installed, at the pinned version, with every private piece this module uses (one InputError naming the
+    missing)."""
+    try:
+        version = metadata.version("pypto")
+    except metadata.PackageNotFoundError:
+        raise InputError(f"PyPTO is not installed: pip install -e \".[pypto]\" (pypto=={PYPTO_VERSION})") from None
+    if version != PYPTO_VERSION:
+        raise InputError(f"pypto {version} is installed; the host shim (kernels/pypto/host.py) is written against "
+                         f"{PYPTO_VERSION}'s internals: pip install pypto=={PYPTO_VERSION}")
+    missing = []
+    for module, path in PRIVATE:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+    if not missing:  # the build manager's own state (a singleton's instance attributes)
+        manager = _resolve("pypto._utils", "BuildOnlineManager")()
+        missing += [f"pypto._utils.BuildOnlineManager().{name}" for name in ("pkg_lib_dir", "calculator_loaded")
+                    if not hasattr(manager, name)]
+    if missing:
+        raise InputError(f"pypto {version} lacks what kernels/pypto/host.py relies on: {', '.join(missing)}")
+
+
+def _cache_root() -> Path:
+    # the dsconv cache, by convert/demo.cache_dir's rule (the kernels sit below convert and cannot import it)
+    root = os.environ.get("DSCONV_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsconv"
+    return Path(root)
+
+
+def calculator_path() -> Path:
+    """The interpreter's library, built once per torch version into the dsconv cache (whole or not at all)."""
+    import torch
+    from pypto._utils import BuildOnlineManager
+
+    final = _cache_root() / f"pypto-{PYPTO_VERSION}-calculator-torch{torch.__version__}" / "libtile_fwk_calculator.so"
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    manager = BuildOnlineManager()
+    with tempfile.TemporaryDirectory(dir=final.parent) as scratch:
+        context = BuildOnlineManager._CMakeContext()
+        compile_context = BuildOnlineManager._CMakeContext.CompileContext(
+            src_dir=Path(manager.pkg_lib_dir, "calculator"), tmp_dir=Path(scratch))
+        torch_context = BuildOnlineManager._TorchContext()  # the installed torch, as PyPTO's own build passes it
+        compile_context.cfg_cmd_ext = (f"-DPY3_MOD_TORCH_VERSION={torch_context.torch_version}"
+                                       f" -DPY3_MOD_TORCH_ROOT_PATH={torch_context.torch_root_dir}"
+                                       f" -DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI="
+                                       f"{torch_context.torch_c_use_cxx11_abi}")
+        built = Path(context.compile(ctx=compile_context), CALCULATOR)
+        staged = Path(scratch, final.name)
+        shutil.copyfile(built, staged)
+        os.replace(staged, final)
+    return final
+
+
+_installed = False
+
+
+def install() -> None:
+    """Checks PyPTO, loads the calculator and hands the interpreter host data (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    check()
+    import pypto
+    from pypto import pypto_impl
+    from pypto._utils import BuildOnlineManager
+    from pypto.frontend.parser.entry import JitCallableWrapper
+    from pypto.runtime import _pto_to_tensor_data, _pto_verify_datas
+
+    ctypes.CDLL(str(calculator_path()), mode=ctypes.RTLD_GLOBAL)
+    BuildOnlineManager().calculator_loaded = True  # the jit wrapper then builds nothing
+
+    def host_verify_data(pto_tensors) -> None:  # the wrapper's _setup_verify_data, with the host tensors as they are
+        if pypto.get_verify_options().get("enable_pass_verify"):
+            pypto_impl.SetVerifyData(_pto_to_tensor_data(pto_tensors), [], _pto_verify_datas.get_data())
+
+    JitCallableWrapper._setup_verify_data = staticmethod(host_verify_data)
+    _installed = True
+
+
+def run(kernel, *tensors) -> None:
+    """kernel(*tensors) through the interpreter (the kernel jitted with enable_pass_verify): its outputs written into
+    the output tensors passed; raises when any verified pass's result is not PASS. PyPTO's files go to a scratch
+    directory, removed after.
+
+    PyPTO writes a call's verify table through a buffered stream that it closes only when the next call's
+    verification starts (measured: the table stops at 4,096 bytes, mid-row, until then). So a one-element kernel runs
+    after each call, into the same directory, and the call's table is read once that has closed it."""
+    install()
+    with tempfile.TemporaryDirectory(prefix="dsconv-pypto-") as scratch:
+        previous = os.environ.get("TILE_FWK_OUTPUT_DIR")
+        os.environ["TILE_FWK_OUTPUT_DIR"] = scratch
+        try:
+            kernel(*tensors)
+            tables = list(Path(scratch).rglob(VERIFY_TABLE))
+            _close_table()
+        finally:
+            if previous is None:
+                os.environ.pop("TILE_FWK_OUTPUT_DIR", None)
+            else:
+                os.environ["TILE_FWK_OUTPUT_DIR"] = previous
+        results = [row for table in tables for row in csv.DictReader(table.open())]
+    check_results(getattr(kernel, "__name__", str(kernel)), results)
+
+
+def check_results(name: str, results: list[dict]) -> None:
+    """A call's verify table (rows of verify_result_brief.csv): an error unless it has rows and every one PASSed."""
+    if not results:
+        raise RuntimeError(f"{name}: PyPTO wrote no verify results (was the kernel jitted with "
+                           f"verify_options={{'enable_pass_verify': True}}?)")
+    failed = [f"{row.get('passName')} ({row.get('verifyResult')}, max abs diff {row.get('maxAbsDiff')})"
+              for row in results if row.get("verifyResult") != PASS]
+    if failed:
+        raise RuntimeError(f"{name}: PyPTO's pass verification failed: {'; '.join(failed)}")
+
+
+_closer = None
+
+
+def _close_table() -> None:
+    """A one-element copy, verified: its call closes the previous call's verify table (run's docstring)."""
+    global _closer
+    import torch
+
+    if _closer is None:
+        import pypto
+
+        @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+        def close_previous_table(x: pypto.Tensor((1, 8), pypto.DT_FP32), out: pypto.Tensor((1, 8), pypto.DT_FP32)):
+            pypto.set_vec_tile_shapes(1, 8)
+            out[:] = pypto.add(x, 0.0)
+
+        _closer = close_previous_table
+    _closer(torch.zeros(1, 8), torch.zeros(1, 8))
