@@ -7,8 +7,8 @@ device-to-host copy that the runtime stub leaves empty, and it builds the calcul
 process's first kernel. This module, the one place that touches those private pieces:
 - hands the interpreter the host tensors themselves (`pypto_impl.SetVerifyData` with the runtime's own tensor-data
   conversion), so the outputs land in the torch tensors passed to the kernel;
-- builds the calculator once (PyPTO's own CMake build, about 15-35 s) into the dsconv cache, per torch version, and
-  loads it from there;
+- builds the calculator once (PyPTO's own CMake build, about 15-35 s, in a child process) into the dsconv cache, per
+  torch version, and loads it from there;
 - writes PyPTO's per-call output (about 1 MB: the cost model's trace, the verify tables) under a directory of its
   own (TILE_FWK_OUTPUT_DIR) and reads the verify table back: a pass whose result is not PASS raises, it is never a
   log line. (The call's SIM run, PyPTO's cost model, is what copies the interpreter's outputs into the tensors: it
@@ -22,6 +22,8 @@ import ctypes
 import importlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -78,17 +80,29 @@ def _cache_root() -> Path:
 
 
 def calculator_path() -> Path:
-    """The interpreter's library, built once per torch version into the dsconv cache (whole or not at all)."""
+    """The interpreter's library, built once per torch version into the dsconv cache (whole or not at all). The build
+    runs in a child process: building in this one leaves PyPTO writing every later call's files to ./output,
+    whatever TILE_FWK_OUTPUT_DIR says (measured)."""
     import torch
-    from pypto._utils import BuildOnlineManager
 
     final = _cache_root() / f"pypto-{PYPTO_VERSION}-calculator-torch{torch.__version__}" / "libtile_fwk_calculator.so"
-    if final.is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    if not final.is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([sys.executable, "-c", f"from {__name__} import build_calculator; "
+                               f"build_calculator({str(final)!r})"], capture_output=True, text=True)
+        if done.returncode or not final.is_file():
+            raise RuntimeError(f"building PyPTO's calculator failed ({done.returncode}): {done.stderr[-2000:]}")
+    return final
+
+
+def build_calculator(final: str) -> None:
+    """PyPTO's own CMake build of its calculator against the installed torch (what BuildOnlineManager runs in a
+    temporary directory), its library copied to `final` (calculator_path's child process)."""
+    from pypto._utils import BuildOnlineManager
+
+    final = Path(final)
     manager = BuildOnlineManager()
     with tempfile.TemporaryDirectory(dir=final.parent) as scratch:
-        context = BuildOnlineManager._CMakeContext()
         compile_context = BuildOnlineManager._CMakeContext.CompileContext(
             src_dir=Path(manager.pkg_lib_dir, "calculator"), tmp_dir=Path(scratch))
         torch_context = BuildOnlineManager._TorchContext()  # the installed torch, as PyPTO's own build passes it
@@ -96,11 +110,10 @@ def calculator_path() -> Path:
                                        f" -DPY3_MOD_TORCH_ROOT_PATH={torch_context.torch_root_dir}"
                                        f" -DPY3_MOD_TORCH_C_GLIBCXX_USE_CXX11_ABI="
                                        f"{torch_context.torch_c_use_cxx11_abi}")
-        built = Path(context.compile(ctx=compile_context), CALCULATOR)
+        built = Path(BuildOnlineManager._CMakeContext().compile(ctx=compile_context), CALCULATOR)
         staged = Path(scratch, final.name)
         shutil.copyfile(built, staged)
         os.replace(staged, final)
-    return final
 
 
 _installed = False
@@ -150,7 +163,7 @@ def run(kernel, *tensors) -> None:
                 os.environ.pop("TILE_FWK_OUTPUT_DIR", None)
             else:
                 os.environ["TILE_FWK_OUTPUT_DIR"] = previous
-        results = [row for table in tables for row in csv.DictReader(table.open())]
+        results = [row for table in tables for row in csv.DictReader(table.read_text().splitlines())]
     check_results(getattr(kernel, "__name__", str(kernel)), results)
 
 
