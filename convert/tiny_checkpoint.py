@@ -318,6 +318,27 @@ def plan_files(items: list[Stored], cap: int) -> list[list[Stored]]:
     return files
 
 
+class EveryTokenToRankZero(TensorMaker):
+    """The skewed routing workload (tests/test_skewed_routing.py, scripts/bench_eplb.py): the tiny tensors, but every
+    router sends every token to EP rank 0's experts at EP `EP` (experts 0 .. n_routed_experts / EP - 1). A selection
+    bias of FORCING_BIAS on them (V3.2's e_score_correction_bias, V4's gate.bias): the routers' scores (sigmoid,
+    sqrt-softplus) are far below it, so every top-k, and V3.2's group choice, picks them; the weights come from the
+    scores alone, so the bias decides only where tokens go. V4's hash layers map every token to them."""
+
+    EP = 16
+    FORCING_BIAS = 100.0
+
+    def produce(self, item: Stored) -> torch.Tensor:
+        value = super().produce(item)
+        rank_zero = self.arch.n_routed_experts // self.EP
+        if item.spec.name.endswith(("gate.e_score_correction_bias", "gate.bias")):
+            value = value.clone()
+            value[:rank_zero] += self.FORCING_BIAS
+        elif item.spec.name.endswith("gate.tid2eid"):
+            value = torch.arange(value.shape[1], dtype=value.dtype).expand_as(value).contiguous()
+        return value
+
+
 def make_tiny_checkpoint(out_dir, family: str, *, encoding: str = "fp8", seed: int = 0,
                          real_vocab: bool = False, partial_block: bool = False,
                          config_overrides: dict | None = None, max_file_bytes: int | None = None,

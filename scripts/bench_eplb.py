@@ -36,32 +36,16 @@ import torch
 
 from dsconv.comm.launch import launch
 from dsconv.convert.quantize import build_plan, run_quantize
-from dsconv.convert.tiny_checkpoint import Stored, TensorMaker, make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import EveryTokenToRankZero, make_tiny_checkpoint
 from dsconv.family.layout import Layout
 from dsconv.scripts.bench_serve import machine, print_machine
 from dsconv.shard.shard import ExpertRequest, make_shard_plan, run_shard
 
-WORLD = 16
+WORLD = EveryTokenToRankZero.EP  # 16
 LAYOUT = Layout(WORLD, WORLD, WORLD, 1)
 EXPERTS = {"deepseek_v32": 64, "deepseek_v4": 32}  # rank 0 then holds as many experts as a token picks
-FORCING_BIAS = 100.0  # far above any router score: the selection bias alone decides where tokens go
 PROMPT_TOKENS = 64  # a prefill step of 16 x 64 rows: the experts' matmuls compute-bound
 TIMEOUT_S = 1800
-
-
-class EveryTokenToRankZero(TensorMaker):
-    """The tiny checkpoint's random tensors, every router's selection bias (and V4's hash table) on EP rank 0's
-    experts."""
-
-    def produce(self, item: Stored) -> torch.Tensor:
-        value = super().produce(item)
-        rank_zero = self.arch.n_routed_experts // WORLD
-        if item.spec.name.endswith(("gate.e_score_correction_bias", "gate.bias")):
-            value = value.clone()
-            value[:rank_zero] += FORCING_BIAS
-        elif item.spec.name.endswith("gate.tid2eid"):
-            value = torch.arange(value.shape[1], dtype=value.dtype).expand_as(value).contiguous()
-        return value
 
 
 def timed_generate(run, prompts: list[list[int]], max_new_tokens: int, out: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsconv.convert.tiny_checkpoint import Stored, TensorMaker, make_tiny_checkpoint
+from dsconv.convert.tiny_checkpoint import EveryTokenToRankZero, make_tiny_checkpoint
 from dsconv.family.layout import Layout
 from dsconv.runner.models.eplb import EplbConfig, overall
 from dsconv.shard.shard import ExpertRequest
@@ -19,13 +19,9 @@ from tests.helpers import PROMPTS, generate_ranks, run_ranks, shard
 
 pytestmark = pytest.mark.slow  # 16 ranks
 
-LAYOUT = Layout(16, 16, 16, 1)  # attention DP16, MoE EP16, lm_head TP16
+LAYOUT = Layout(16, EveryTokenToRankZero.EP, 16, 1)  # attention DP16, MoE EP16 (the maker's), lm_head TP16
 # Experts per layer so that EP rank 0 owns as many as a token picks: V3.2 top-4 of 64 (4 per rank), V4 top-2 of 32
 EXPERTS = {"deepseek_v32": 64, "deepseek_v4": 32}
-# Added to the routers' selection bias of rank 0's experts: their scores (sigmoid for V3.2, sqrt-softplus for V4)
-# are far below it, so every top-k (and V3.2's group choice) picks them; the routing weights come from the scores
-# alone, so the bias decides only where tokens go
-FORCING_BIAS = 100.0
 REDUNDANT = 16  # the issue's R at world 16
 # A rebalance every 8 steps over a window of 8: the hot experts' replicas then take the same rows (V4's 2 hot experts
 # get 8 replicas each, and 8 decode steps give each replica 3 of the 3 prompts' 24 rows). 17 new tokens give two
@@ -34,22 +30,6 @@ REDUNDANT = 16  # the issue's R at world 16
 EPLB = EplbConfig(window_size=8, step_interval=8)
 EPLB_TOKENS = 17
 BALANCED = 0.85  # the issue's floor, with R = 16 at world 16
-
-
-class EveryTokenToRankZero(TensorMaker):
-    """The tiny fixture's random tensors, but every router sends every token to EP rank 0's experts: a selection
-    bias on them (V3.2's e_score_correction_bias, V4's gate.bias), and V4's hash layers' token-to-expert table
-    mapping every token to them."""
-
-    def produce(self, item: Stored) -> torch.Tensor:
-        value = super().produce(item)
-        rank_zero = self.arch.n_routed_experts // LAYOUT.ep  # experts 0 .. rank_zero - 1 live on EP rank 0
-        if item.spec.name.endswith(("gate.e_score_correction_bias", "gate.bias")):
-            value = value.clone()
-            value[:rank_zero] += FORCING_BIAS
-        elif item.spec.name.endswith("gate.tid2eid"):
-            value = torch.arange(value.shape[1], dtype=value.dtype).expand_as(value).contiguous()
-        return value
 
 
 def rank_balancedness(record: Path, ep: int) -> float:
