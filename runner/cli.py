@@ -76,6 +76,12 @@ PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enabl
     "Reuse the KV cache of prompt blocks an earlier request on the same attention-DP rank has computed (vLLM's flag "
     "and default): a request computes only what follows its longest cached run of full --block-size blocks, and "
     "usage.prompt_tokens_details.cached_tokens says how many it reused."))]
+Kernels = Annotated[str, typer.Option(help=(
+    "Which kernels the decode steps run: torch (the default), or pypto, the PyPTO kernels of kernels/pypto/ (V3.2: "
+    "RMSNorm with the residual add, the lightning indexer, sparse MLA, the MoE gate, the W8A8 experts; V4: its "
+    "decode attention and MoE gate). On CPU they run through PyPTO's interpreter, seconds a call: for checking "
+    "them against torch, not for speed. Prefill steps (all of perplexity's) and collectives stay torch. Needs "
+    "`pip install -e \".[pypto]\"`."))]
 EnableEplb = Annotated[bool, typer.Option("--enable-eplb", help=(
     "Expert-parallel load balancing while running (vLLM's flag): each MoE layer's per-expert load is counted over a "
     "sliding window, and every step_interval steps the experts are placed anew (DeepSeek's EPLB policy) over the "
@@ -166,6 +172,7 @@ def generate(
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     record_shapes: RecordShapes = None,
     overlap_shared_experts: Overlap = True,
+    kernels: Kernels = "torch",
     enable_prefix_caching: PrefixCaching = True,
     speculative_config: Speculative = None,
     enable_eplb: EnableEplb = False,
@@ -204,6 +211,7 @@ def perplexity(
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     record_shapes: RecordShapes = None,
     overlap_shared_experts: Overlap = True,
+    kernels: Kernels = "torch",
 ) -> None:
     """Perplexity of FILE under the model: exp(mean negative log-likelihood) of its tokens (BOS in front where the
     tokenizer's config says add_bos_token), in consecutive windows of --context tokens spread over the attention-DP
@@ -247,6 +255,7 @@ def serve(
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     record_shapes: RecordShapes = None,
     overlap_shared_experts: Overlap = True,
+    kernels: Kernels = "torch",
     enable_prefix_caching: PrefixCaching = True,
     speculative_config: Speculative = None,
     enable_eplb: EnableEplb = False,

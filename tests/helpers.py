@@ -226,13 +226,13 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
 def run_config(shards, dtype="float32", cache_tokens=256, kv_cache_dtype="auto", cp_size=1, cp_min_tokens=None,
                max_num_seqs=16, max_num_batched_tokens=4096, block_size=DEFAULT_BLOCK_SIZE,
                overlap_shared_experts=True, enable_prefix_caching=True, speculative=None, eplb=None,
-               expert_load_record=None) -> RunConfig:
+               expert_load_record=None, kernels="torch") -> RunConfig:
     return RunConfig.open(shards, dtype=dtype, cache=CacheConfig(cache_tokens, None, kv_cache_dtype, block_size),
                           scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, cp_size=cp_size,
                                                     cp_min_tokens=cp_min_tokens,
                                                     enable_prefix_caching=enable_prefix_caching),
                           overlap_shared_experts=overlap_shared_experts, speculative=speculative, eplb=eplb,
-                          expert_load_record=expert_load_record)
+                          expert_load_record=expert_load_record, kernels=kernels)
 
 
 def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
@@ -249,12 +249,12 @@ def launch_ranks(entry, args: dict, run: RunConfig, results) -> dict:
 def generate_ranks(shards, results, prompts=PROMPTS, dtype="float32", new_tokens=NEW_TOKENS, kv_cache_dtype="auto",
                    cp_size=1, cp_min_tokens=None, entry=generate, block_size=DEFAULT_BLOCK_SIZE,
                    overlap_shared_experts=True, speculative=None, eplb=None, expert_load_record=None,
-                   **extra) -> dict:
+                   kernels="torch", **extra) -> dict:
     """dsrun generate's ranks (entry: generate, or one that installs a test double first) -> rank 0's account
     (generate.Generated as a dict). eplb, expert_load_record: as RunConfig's."""
     run = run_config(shards, dtype, 256, kv_cache_dtype, cp_size, cp_min_tokens, max(1, len(prompts)),
                      sum(map(len, prompts)), block_size, overlap_shared_experts, speculative=speculative, eplb=eplb,
-                     expert_load_record=expert_load_record)
+                     expert_load_record=expert_load_record, kernels=kernels)
     return launch_ranks(entry, {"prompts": prompts, "max_new_tokens": new_tokens, **extra}, run, results)
 
 

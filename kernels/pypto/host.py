@@ -9,6 +9,9 @@ process's first kernel. This module, the one place that touches those private pi
   conversion), so the outputs land in the torch tensors passed to the kernel;
 - builds the calculator once (PyPTO's own CMake build, about 15-35 s, in a child process) into the dsconv cache, per
   torch version, and loads it from there;
+- skips the three trace renderers PyPTO's cost model starts through `python3` after every call (its swim-lane
+  PNG, HTML and Perfetto files: about 0.25 s a call, half of a small kernel's), through a `python3` first on PATH
+  during the call that exits at once for those scripts and runs the real one for anything else (`_trace_shim`);
 - writes PyPTO's per-call output (about 1 MB: the cost model's trace, the verify tables) under a directory of its
   own (TILE_FWK_OUTPUT_DIR) and reads the verify table back: a pass whose result is not PASS raises, it is never a
   log line. (The call's SIM run, PyPTO's cost model, is what copies the interpreter's outputs into the tensors: it
@@ -17,7 +20,9 @@ It checks at import that the pieces it relies on are there, and names the missin
 The interpreter gives the tensor graph's meaning in torch arithmetic, not the AICore code a CANN build generates.
 """
 
+import atexit
 import csv
+from collections import Counter
 import ctypes
 import importlib
 import os
@@ -25,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -39,6 +45,13 @@ PRIVATE = (("pypto.frontend.parser.entry", "JitCallableWrapper._setup_verify_dat
            ("pypto", "get_verify_options"))
 CALCULATOR = "lib/libtile_fwk_calculator.so"  # where PyPTO's CMake install puts it
 VERIFY_TABLE = "verify_result_brief.csv"
+# What every kernel is jitted with: the interpreter on, and the comparison after four of PyPTO's six default passes.
+# The other two (InferParamIndex, CodegenPreproc) write every leaf function's inputs to disk, whole weights
+# included, once per tile: with them a V3.2 expert's call took 60 s. (ExpandFunction alone wrote no verify table
+# at the real attention sizes.)
+VERIFY_OPTIONS = {"enable_pass_verify": True,
+                  "pass_verify_pass_filter": ["ExpandFunction", "SplitK", "L1CopyInReuseMerge", "InferDynShape"]}
+TRACE_RENDERERS = "*/pypto/lib/scripts/*swim_lane.py"  # a shell pattern: the scripts the cost model runs per call
 PASS = "PASS"
 
 
@@ -117,6 +130,23 @@ def build_calculator(final: str) -> None:
 
 
 _installed = False
+_shim_dir: str | None = None
+
+
+def _trace_shim() -> str:
+    """A directory holding a `python3` that exits 0 for PyPTO's trace renderers (TRACE_RENDERERS) and runs the
+    python3 the PATH had for anything else; made once per process, removed at exit."""
+    global _shim_dir
+    if _shim_dir is None:
+        real = shutil.which("python3")
+        fallback = f'exec "{real}" "$@"' if real else 'echo "python3: not found" >&2; exit 127'
+        _shim_dir = tempfile.mkdtemp(prefix="dsconv-pypto-shim-")
+        shim = Path(_shim_dir, "python3")
+        shim.write_text(f'#!/bin/sh\n# dsconv kernels/pypto/host.py: PyPTO\'s trace renderers skipped\n'
+                        f'case "$1" in {TRACE_RENDERERS}) exit 0;; esac\n{fallback}\n')
+        shim.chmod(0o755)
+        atexit.register(shutil.rmtree, _shim_dir, True)
+    return _shim_dir
 
 
 def install() -> None:
@@ -143,28 +173,116 @@ def install() -> None:
 
 
 def run(kernel, *tensors) -> None:
-    """kernel(*tensors) through the interpreter (the kernel jitted with enable_pass_verify): its outputs written into
-    the output tensors passed; raises when any verified pass's result is not PASS. PyPTO's files go to a scratch
-    directory, removed after.
+    """kernel(*tensors) through the interpreter (the kernel jitted with VERIFY_OPTIONS): its outputs written into
+    the output tensors passed; raises when a verified pass's result is not PASS, at once, or inside
+    `deferred_checks` when the block ends. PyPTO's files go to a scratch directory per call, removed once read.
 
     PyPTO writes a call's verify table through a buffered stream that it closes only when the next call's
-    verification starts (measured: the table stops at 4,096 bytes, mid-row, until then). So a one-element kernel runs
-    after each call, into the same directory, and the call's table is read once that has closed it."""
+    verification starts (measured: the table stops at 4,096 bytes, mid-row, until then). So a call's table is read
+    after the next call, or after a one-element kernel that `flush` runs for that: after every call, or once at the
+    end of a `deferred_checks` block (a decode step's dozen calls then pay for one).
+
+    PyPTO's runtime writes through every tensor it is handed, inputs too (measured: a weight memory-mapped read-only
+    from its shard crashed it in a memcpy). So the kernel gets copies, and each tensor whose copy changed (an
+    output) takes the copy's values."""
+    import torch
+
     install()
-    with tempfile.TemporaryDirectory(prefix="dsconv-pypto-") as scratch:
-        previous = os.environ.get("TILE_FWK_OUTPUT_DIR")
-        os.environ["TILE_FWK_OUTPUT_DIR"] = scratch
-        try:
-            kernel(*tensors)
-            tables = list(Path(scratch).rglob(VERIFY_TABLE))
-            _close_table()
-        finally:
-            if previous is None:
-                os.environ.pop("TILE_FWK_OUTPUT_DIR", None)
+    name = getattr(kernel, "__name__", str(kernel))
+    _check_operands(name, kernel, tensors)
+    CALLS[name] += 1
+    copies = [t.clone() for t in tensors]
+    scratch = _call(kernel, copies)
+    for original, result in zip(tensors, copies):
+        if not torch.equal(original, result):
+            original.copy_(result)
+    earlier = list(_pending)  # this call's verification has closed their tables
+    _pending[:] = [(name, scratch)]
+    _check(earlier)
+    if not _deferring:
+        flush()
+
+
+def _check_operands(name: str, kernel, tensors) -> None:
+    """Every tensor as the kernel's parameter declares it (shape and dtype): PyPTO reads and writes through raw
+    pointers at the declared sizes, so a mismatch corrupts memory instead of failing (measured: a BF16 router handed
+    to a float32 parameter). The declarations are the jitted function's annotations (JitCallableWrapper keeps it as
+    _original_func)."""
+    import pypto
+    import torch
+
+    dtypes = {pypto.DT_FP32: torch.float32, pypto.DT_BF16: torch.bfloat16, pypto.DT_FP16: torch.float16,
+              pypto.DT_INT8: torch.int8, pypto.DT_INT32: torch.int32, pypto.DT_INT64: torch.int64}
+    function = getattr(kernel, "_original_func", None)
+    if function is None:
+        raise InputError(f"{name}: pypto's jit wrapper has no _original_func (kernels/pypto/host.py reads the "
+                         f"kernel's declared operands from it)")
+    declared = [spec for param, spec in function.__annotations__.items() if param != "return"]
+    if len(declared) != len(tensors):
+        raise ValueError(f"{name}: {len(tensors)} tensors for {len(declared)} parameters")
+    for index, (spec, tensor) in enumerate(zip(declared, tensors)):
+        if list(spec.shape) != list(tensor.shape) or dtypes.get(spec.dtype) != tensor.dtype:
+            raise ValueError(f"{name}: operand {index} is {tensor.dtype} {tuple(tensor.shape)}, the kernel declares "
+                             f"{spec.dtype} {tuple(spec.shape)}")
+
+
+CALLS: Counter = Counter()  # this process's kernel calls, by kernel name (what `dsrun generate --json` reports)
+_pending: list[tuple[str, str]] = []  # (kernel name, scratch directory) of calls whose tables are not read yet
+_deferring = 0  # the depth of `deferred_checks` blocks
+
+
+@contextmanager
+def deferred_checks():
+    """Inside the block, each call's verify table is read after the next call; the last ones when it ends."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring:
+            flush()
+
+
+def flush() -> None:
+    """Reads and checks the pending calls' verify tables, after a one-element kernel has closed them."""
+    if not _pending:
+        return
+    shutil.rmtree(_call(_closer(), [_one_row(), _one_row()]), ignore_errors=True)
+    pending = list(_pending)
+    _pending.clear()
+    _check(pending)
+
+
+def _call(kernel, tensors: list) -> str:
+    """kernel(*tensors) with PyPTO's files in a new scratch directory (returned) and its trace renderers skipped."""
+    scratch = tempfile.mkdtemp(prefix="dsconv-pypto-")
+    previous = {name: os.environ.get(name) for name in ("TILE_FWK_OUTPUT_DIR", "PATH")}
+    os.environ["TILE_FWK_OUTPUT_DIR"] = scratch
+    os.environ["PATH"] = os.pathsep.join(p for p in (_trace_shim(), previous["PATH"]) if p)
+    try:
+        kernel(*tensors)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["TILE_FWK_OUTPUT_DIR"] = previous
-        results = [row for table in tables for row in csv.DictReader(table.read_text().splitlines())]
-    check_results(getattr(kernel, "__name__", str(kernel)), results)
+                os.environ[name] = value
+    return scratch
+
+
+def _check(calls: list[tuple[str, str]]) -> None:
+    """Each call's verify table checked (check_results), its scratch directory removed."""
+    try:
+        for name, scratch in calls:
+            tables = Path(scratch).rglob(VERIFY_TABLE)
+            check_results(name, [row for table in tables for row in csv.DictReader(table.read_text().splitlines())])
+    finally:
+        for _, scratch in calls:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_results(name: str, results: list[dict]) -> None:
@@ -178,21 +296,25 @@ def check_results(name: str, results: list[dict]) -> None:
         raise RuntimeError(f"{name}: PyPTO's pass verification failed: {'; '.join(failed)}")
 
 
-_closer = None
+_closer_kernel = None
 
 
-def _close_table() -> None:
+def _closer():
     """A one-element copy, verified: its call closes the previous call's verify table (run's docstring)."""
-    global _closer
-    import torch
-
-    if _closer is None:
+    global _closer_kernel
+    if _closer_kernel is None:
         import pypto
 
-        @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+        @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
         def close_previous_table(x: pypto.Tensor((1, 8), pypto.DT_FP32), out: pypto.Tensor((1, 8), pypto.DT_FP32)):
             pypto.set_vec_tile_shapes(1, 8)
             out[:] = pypto.add(x, 0.0)
 
-        _closer = close_previous_table
-    _closer(torch.zeros(1, 8), torch.zeros(1, 8))
+        _closer_kernel = close_previous_table
+    return _closer_kernel
+
+
+def _one_row():
+    import torch
+
+    return torch.zeros(1, 8)

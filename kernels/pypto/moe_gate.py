@@ -17,7 +17,7 @@ import functools  # no `from __future__ import annotations`: PyPTO's jit reads t
 import pypto
 import torch
 
-from dsconv.kernels.pypto.host import run
+from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
 
 ROUTER_GROUP_TOPK = 2  # experts summed per group when ranking groups (noaux_tc), as runner/models/deepseek_v3.py
 ROUTER_NORM_EPS = 1e-20  # as the runners' (transformers' routers)
@@ -34,7 +34,7 @@ CUBE_M, CUBE_K = 16, 64  # the matmul's tiles (rows, hidden chunk); the experts'
 def _v4_kernel(tokens: int, hidden: int, experts: int, k: int, dtype: torch.dtype, scale: float, wrong=None):
     dt = pypto.DT_FP32 if dtype == torch.float32 else pypto.DT_BF16
 
-    @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+    @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def v4_gate(x: pypto.Tensor((tokens, hidden), dt), router: pypto.Tensor((experts, hidden), dt),
                 bias: pypto.Tensor((1, experts), pypto.DT_FP32), chosen: pypto.Tensor((tokens, k), pypto.DT_INT32),
                 weights: pypto.Tensor((tokens, k), pypto.DT_FP32)):
@@ -64,7 +64,7 @@ def _v4_hash_kernel(tokens: int, hidden: int, experts: int, k: int, dtype: torch
                     wrong=None):
     dt = pypto.DT_FP32 if dtype == torch.float32 else pypto.DT_BF16
 
-    @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+    @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def v4_hash_gate(x: pypto.Tensor((tokens, hidden), dt), router: pypto.Tensor((experts, hidden), dt),
                      tid2eid: pypto.Tensor((vocab, k), pypto.DT_INT32),
                      token_ids: pypto.Tensor((tokens,), pypto.DT_INT32),
@@ -90,7 +90,8 @@ def _v4_hash_kernel(tokens: int, hidden: int, experts: int, k: int, dtype: torch
 def v4_gate(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int, scale: float,
             tid2eid: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
             wrong=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H], router [E, H], bias [E] (None on a hash layer), tid2eid [vocab, k] and tokens [T] on a hash layer ->
+    """x [T, H], router [E, H] (taken in x's dtype: the kernel casts both to float32, as the torch path does), bias [E]
+    (None on a hash layer), tid2eid [vocab, k] and tokens [T] on a hash layer ->
     (experts [T, k] int64, weights [T, k] float32), through PyPTO's interpreter (host.run). wrong: a deliberately
     wrong variant for the negative tests ("shifted": each expert's score read one index off, top-k layers only;
     "no_scale": weights not renormalized)."""
@@ -99,11 +100,11 @@ def v4_gate(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k:
     chosen, weights = torch.empty(tokens_n, k, dtype=torch.int32), torch.empty(tokens_n, k)
     if tid2eid is None:
         kernel = _v4_kernel(tokens_n, hidden, experts, k, x.dtype, scale, wrong)
-        run(kernel, x.contiguous(), router.contiguous(), bias.float().reshape(1, experts).contiguous(), chosen,
-            weights)
+        run(kernel, x.contiguous(), router.to(x.dtype).contiguous(), bias.float().reshape(1, experts).contiguous(),
+            chosen, weights)
     else:
         kernel = _v4_hash_kernel(tokens_n, hidden, experts, k, x.dtype, scale, tid2eid.shape[0], wrong)
-        run(kernel, x.contiguous(), router.contiguous(), tid2eid.to(torch.int32).contiguous(),
+        run(kernel, x.contiguous(), router.to(x.dtype).contiguous(), tid2eid.to(torch.int32).contiguous(),
             tokens.to(torch.int32).contiguous(), chosen, weights)
     return chosen.long(), weights
 
@@ -114,7 +115,7 @@ def _v3_kernel(tokens: int, hidden: int, experts: int, groups: int, topk_group: 
     dt = pypto.DT_FP32 if dtype == torch.float32 else pypto.DT_BF16
     per_group = experts // groups
 
-    @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+    @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def v3_gate(x: pypto.Tensor((tokens, hidden), dt), router: pypto.Tensor((experts, hidden), pypto.DT_FP32),
                 bias: pypto.Tensor((1, experts), pypto.DT_FP32), chosen: pypto.Tensor((tokens, k), pypto.DT_INT32),
                 weights: pypto.Tensor((tokens, k), pypto.DT_FP32)):

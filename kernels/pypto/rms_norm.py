@@ -12,7 +12,7 @@ import functools  # no `from __future__ import annotations`: PyPTO's jit reads t
 import pypto
 import torch
 
-from dsconv.kernels.pypto.host import run
+from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
 
 DTYPES = {torch.float32: pypto.DT_FP32, torch.bfloat16: pypto.DT_BF16}
 ROWS_PER_TILE = 1
@@ -25,7 +25,7 @@ def _kernel(tokens: int, hidden: int, dtype: torch.dtype, eps: float, wrong=None
     normalized by the next row's mean square)."""
     dt = DTYPES[dtype]
 
-    @pypto.frontend.jit(verify_options={"enable_pass_verify": True})
+    @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def add_rms_norm(x: pypto.Tensor((tokens, hidden), dt), residual: pypto.Tensor((tokens, hidden), dt),
                      weight: pypto.Tensor((1, hidden), dt), out: pypto.Tensor((tokens, hidden), dt),
                      residual_out: pypto.Tensor((tokens, hidden), dt)):

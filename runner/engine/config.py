@@ -14,6 +14,7 @@ from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, ch
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
 from dsconv.kernels.device import NPU_DEVICE_TYPE
 from dsconv.runner.models.eplb import EplbConfig
+from dsconv.runner.models.kernel_switch import KERNELS
 from dsconv.runner.models.kv_cache import cache_blocks
 from dsconv.runner.models.registry import DTYPES, model_for
 from dsconv.runner.engine.request import resolve_max_model_len
@@ -118,6 +119,7 @@ class RunConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config (engine/speculative.py)
     eplb: EplbConfig | None = None  # --enable-eplb with --eplb-config (runner/models/eplb.py)
     expert_load_record: Path | None = None  # rank 0 writes the run's expert loads here (family/expert_map.py)
+    kernels: str = "torch"  # --kernels (runner/models/kernel_switch.py)
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
@@ -138,6 +140,7 @@ class RunConfig:
                              f"{run.layout.world_size}")
         run._check_speculative()
         run._check_experts()
+        run._check_kernels()
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
@@ -171,6 +174,22 @@ class RunConfig:
         record = self.expert_load_record
         if record is not None and not Path(record).parent.is_dir():
             raise InputError(f"--expert-load-record {record}: {Path(record).parent} is not a directory")
+
+    def _check_kernels(self) -> None:
+        """--kernels: one of KERNELS; pypto installed (at the version its host shim is written for), on CPU or CUDA,
+        without speculative decoding: each refusal one line."""
+        if self.kernels not in KERNELS:
+            raise InputError(f"--kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.kernels == "torch":
+            return
+        if self.device == NPU_DEVICE_TYPE:
+            raise InputError("--kernels pypto: the compiled PyPTO kernels (CANN) are not wired in yet; on --device npu "
+                             "run --kernels torch")
+        if self.speculative is not None:
+            raise InputError("--kernels pypto runs decode steps of one token each: not with --speculative-config")
+        from dsconv.kernels.pypto.host import check
+
+        check()
 
     @property
     def experts_summary(self) -> str:

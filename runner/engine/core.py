@@ -45,6 +45,7 @@ from dsconv.runner.engine.batch import Batch
 from dsconv.family.expert_map import ModelKey
 from dsconv.runner.models.eplb import ExpertBalancer
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.kernel_switch import KernelSwitch
 from dsconv.runner.models.registry import DTYPES, build_model
 
 
@@ -145,6 +146,7 @@ def start_rank(run: RunConfig):
     overlap = run.overlap_shared_experts
     dist = Dist.from_layout(run.layout, rank_device(run.device), run.scheduler.cp_size, overlap) \
         if torch.distributed.is_initialized() else Dist(device=rank_device(run.device), overlap_shared_experts=overlap)
+    dist.kernels = KernelSwitch(run.kernels)
     model, _, new_cache = build_model(run.shards, run.manifest, rank, dist, DTYPES[run.dtype],
                                       speculative_tokens=run.speculative_tokens)
     return dist, model, new_cache

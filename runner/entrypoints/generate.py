@@ -56,6 +56,7 @@ class GenerateOptions:
     timeout: float
     record_shapes: Path | None
     overlap_shared_experts: bool
+    kernels: str
     enable_prefix_caching: bool
     speculative_config: str | None
     enable_eplb: bool
@@ -109,6 +110,7 @@ def _open(o: GenerateOptions) -> RunConfig:
                                                    cp_min_tokens=o.prefill_cp_min_tokens,
                                                    enable_prefix_caching=o.enable_prefix_caching),
                          record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
+                         kernels=o.kernels,
                          speculative=SpeculativeConfig.parse(o.speculative_config),
                          eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
     # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for each
@@ -202,10 +204,20 @@ def generate(run: RunConfig, prompts: list[list[int]], max_new_tokens: int, on_t
             result.eplb = [figures.summary() for figures in balancer.history]
     else:
         engine.run()
-    ranks = gather_to_rank0({"comm_s": engine.worker.dist.comm_seconds, "steps": engine.worker.steps})
+    ranks = gather_to_rank0({"comm_s": engine.worker.dist.comm_seconds, "steps": engine.worker.steps,
+                             "kernel_calls": engine.worker.dist.kernels.calls()})
     if result is not None:
         result.ranks = ranks
     return result
+
+
+def _kernel_calls(ranks: list[dict]) -> dict[str, int]:
+    """--kernels pypto: the PyPTO kernel calls of every rank, by kernel name."""
+    total: dict[str, int] = {}
+    for rank in ranks:
+        for name, count in rank["kernel_calls"].items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 def gather_to_rank0(record: dict) -> list[dict] | None:
@@ -262,7 +274,7 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
                               "wall_s": seconds},
                   "context_parallel_prefills": result.cp_prefills, "overlap_shared_experts": overlap,
                   "cached_prompt_tokens": result.cached_tokens, "speculative": result.speculative,
-                  "eplb": result.eplb}
+                  "eplb": result.eplb, "kernel_calls": _kernel_calls(result.ranks)}
         if result.logprobs is not None:  # per prompt and new token: {"token_id", "logprob", "top_logprobs"}
             report["logprobs"] = [[{"token_id": lp.token_id, "logprob": lp.logprob,
                                     "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top.items()]}

@@ -56,6 +56,7 @@ class PerplexityOptions:
     timeout: float
     record_shapes: Path | None
     overlap_shared_experts: bool
+    kernels: str
 
 
 def main(o: PerplexityOptions) -> int:
@@ -67,7 +68,8 @@ def main(o: PerplexityOptions) -> int:
                                            block_size=o.block_size),
                          scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
                                                    cp_min_tokens=o.prefill_cp_min_tokens),
-                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts)
+                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
+                         kernels=o.kernels)
     text = _read(o.file)
     run.check_holds(o.max_model_len)
     model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings,

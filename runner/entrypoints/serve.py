@@ -61,6 +61,7 @@ class ServeOptions:
     timeout: float
     record_shapes: Path | None
     overlap_shared_experts: bool
+    kernels: str
     enable_prefix_caching: bool
     speculative_config: str | None
     enable_eplb: bool
@@ -93,6 +94,7 @@ def main(o: ServeOptions) -> int:
                          cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes, o.kv_cache_dtype, o.block_size),
                          scheduler=scheduler, max_model_len=o.max_model_len, drain_timeout_s=o.drain_timeout,
                          record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
+                         kernels=o.kernels,
                          speculative=SpeculativeConfig.parse(o.speculative_config),
                          eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
     run.check_holds(o.max_model_len)

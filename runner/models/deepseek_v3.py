@@ -207,6 +207,8 @@ class Attention:
         """B rows at once (their rows of the step: `rows`; one-token sequences', or short chunks' each as one), each
         over its context or, for V3.2 past index_topk, over its chosen positions -> [B, heads, v] (`absorbed`)."""
         cfg = self.cfg
+        if self.dist.kernels.on:
+            return self.decode_pypto(q_nope, q_pe, q_resid, index_k_w, step_rope, rows, cache, layer, decode, scale)
         slots, valid = decode.slots, decode.valid  # [B, C]
         if self.indexer is not None and decode.max_context > cfg.index_topk:
             # V3.2: each query attends over its index_topk chosen positions only, [B, index_topk, lora + rope]
@@ -218,6 +220,27 @@ class Attention:
         else:
             ctx = cache.read_decode(layer, decode, "c_kv_k_pe")  # [B, C, lora + rope]
         return self.absorbed(q_nope, q_pe, ctx, valid, scale)
+
+    def decode_pypto(self, q_nope, q_pe, q_resid, index_k_w, step_rope: StepRope, rows, cache: LatentCache,
+                     layer: int, decode: DecodeRows, scale: float) -> torch.Tensor:
+        """`decode` through the PyPTO kernels (--kernels pypto, runner/models/kernel_switch.py): the indexer's
+        scores and top-k, then the sparse attention over the chosen latent rows; W_UK and W_UV absorbed as `absorbed`
+        does."""
+        from dsconv.kernels.pypto.sparse_mla import sparse_mla_decode
+
+        cfg = self.cfg
+        slots, valid = decode.slots, decode.valid  # [B, C]
+        if self.indexer is not None and decode.max_context > cfg.index_topk:
+            top = self.indexer.select_pypto(q_resid, index_k_w[1], step_rope.index_cos[rows],
+                                            step_rope.index_sin[rows], cache, layer, slots, valid)
+            slots = slots.gather(1, top)
+            valid = None if valid is None else valid.gather(1, top)
+        product_dtype = self.w_uk_t.dtype
+        q_lat = torch.bmm(self.w_uk_t, cast(q_nope, product_dtype).permute(1, 2, 0))  # [heads, lora, B]
+        query = torch.cat([q_lat.permute(2, 0, 1), cast(q_pe, product_dtype)], dim=-1)  # [B, heads, lora + rope]
+        latent = {name: t[layer] for name, t in cache.data.items() if name.split(".")[0] == "c_kv_k_pe"}
+        o_lat = sparse_mla_decode(query, latent, slots, valid, cfg.kv_lora_rank, scale)  # [B, heads, lora]
+        return cast(torch.bmm(self.w_uv, o_lat.permute(1, 2, 0)).permute(2, 0, 1), q_nope.dtype)  # [B, heads, v]
 
     def absorbed(self, q_nope, q_pe, ctx, valid, scale: float) -> torch.Tensor:
         """B queries, each over its own latent rows ctx [B, C, lora + rope] (valid [B, C] or None: all): W_UK
@@ -297,6 +320,20 @@ class Indexer:
         index = self.index(scores, head_weights)
         return self.top(index if decode.valid is None else index.masked_fill(~decode.valid, float("-inf")))
 
+    def select_pypto(self, q_resid, head_weights, cos, sin, cache: LatentCache, layer: int, slots: torch.Tensor,
+                     valid: torch.Tensor | None) -> torch.Tensor:
+        """`select_decode` through the PyPTO kernel (kernels/pypto/indexer.py), over the layer's key cache as stored
+        (INT8 with its scales: A8C8) -> [B, k] positions."""
+        from dsconv.kernels.pypto.indexer import indexer_topk
+
+        q = self.queries(q_resid, cos, sin)  # [B, heads, dim]
+        if cache.is_int8("index_k"):
+            q = self.rotate(q)
+            keys, scales = cache.data["index_k.int8"][layer], cache.data["index_k.scale"][layer]
+        else:
+            keys, scales = cache.data["index_k"][layer], None
+        return indexer_topk(q, head_weights, keys, scales, slots, valid, self.cfg.index_topk)
+
     def queries(self, q_resid, cos, sin) -> torch.Tensor:
         cfg = self.cfg
         q = self.wq_b(q_resid).view(-1, cfg.index_n_heads, cfg.index_head_dim)
@@ -327,6 +364,11 @@ class MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores + bias, best `topk_group` groups, top-k experts; weights from the unbiased scores."""
         cfg = self.cfg
+        if self.dist.kernels.on:  # PyPTO's gate (kernels/pypto/moe_gate.py)
+            from dsconv.kernels.pypto.moe_gate import v3_gate
+
+            return v3_gate(x, self.router, self.bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob, cfg.routed_scaling_factor)
         scores = F.linear(x.float(), self.router).sigmoid()  # [T, E]
         groups = (scores + self.bias).view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
         group_score = groups.topk(ROUTER_GROUP_TOPK, dim=-1).values.sum(-1)  # [T, n_group]
@@ -358,13 +400,20 @@ class DecoderLayer:
         # attention enters no collective (no attention TP, o_proj TP or context-parallel group): a rank with no rows
         # skips it and the norms, whose hundreds of zero-row ops a step its peers would wait for at the exchange
         self.alone = dist.attn_tp == 1 and dist.oproj_tp == 1 and dist.cp == 1
+        self.kernels = dist.kernels
 
     def __call__(self, x, step_rope: StepRope, cache: LatentCache, layer: int, meta: StepMeta, scale: float):
         if x.shape[0] == 0 and self.alone:  # an idle rank (on CPU): only the MoE's exchange has peers to meet
             if isinstance(self.mlp, MoE):
                 self.mlp(x)
             return x
-        x = x + self.attn(self.attn_norm(x), step_rope, cache, layer, meta, scale)
+        attended = self.attn(self.attn_norm(x), step_rope, cache, layer, meta, scale)
+        if self.kernels.on:  # PyPTO's RMSNorm with the residual add (kernels/pypto/rms_norm.py)
+            from dsconv.kernels.pypto.rms_norm import add_rms_norm
+
+            normed, x = add_rms_norm(attended, x, self.mlp_norm.weight, self.mlp_norm.eps)
+            return x + self.mlp(normed)
+        x = x + attended
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -428,6 +477,11 @@ class DeepseekV3:
         """tokens [T] -> logits [len(rows) or T, vocab] (full vocabulary, gathered over lm_head TP); draws (per
         attention-DP index, one per row): -> those rows' drawn tokens [len(rows) or T] (ParallelLMHead: candidates,
         not slices of the vocabulary, travel)."""
+        with self.dist.kernels.step(meta.seqs, meta.cp is not None):
+            return self._forward(tokens, meta, cache, rows, draws)
+
+    def _forward(self, tokens: torch.Tensor, meta: StepMeta, cache: LatentCache, rows: torch.Tensor | None,
+                 draws: list[list[Draw]] | None) -> torch.Tensor:
         self.dist.start_step(tokens.shape[0])
         x = cast(self.embed(tokens), self.dtype)  # embedding TP: an exchange
         step_rope = self.step_rope(meta.positions)  # rotary tables, made once for every layer

@@ -37,6 +37,7 @@ from dsconv.kernels.topk import topk_lowest_index
 from dsconv.runner.models.step import StepMeta, V4Decode, V4Entries, V4Prefill, V4StateWrites, V4Step, query_chunks
 from dsconv.runner.models.v4_cache import CompressorPool, LayerPool, V4Cache
 from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.kernel_switch import KernelSwitch
 from dsconv.runner.models.draw import Draw
 from dsconv.runner.models.layers import GatedMLP, GroupedProj, Proj, RMSNorm, Rope, RoutedExperts, unweighted_rms_norm
 from dsconv.runner.models.moe import expert_parallel
@@ -245,7 +246,9 @@ class Indexer:
 
 
 class Attention:
-    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, ropes: dict, dtype: torch.dtype):
+    def __init__(self, cfg: V4Config, w: RankWeights, prefix: str, ratio: int, ropes: dict, dtype: torch.dtype,
+                 kernels: KernelSwitch):
+        self.kernels = kernels  # --kernels: PyPTO's decode attention on its steps
         attn_type = attn_type_of(ratio)  # DeepSeek's rule: overlap and an indexer at ratio 4 only
         self.cfg, self.attn_type = cfg, attn_type
         self.rope = ropes["main"] if attn_type is AttnType.SLIDING else ropes["compress"]
@@ -348,6 +351,10 @@ class Attention:
                                else torch.ones(B, entries.most, dtype=torch.bool, device=q.device))
         keys, allowed = torch.cat(keys, dim=1), torch.cat(allowed, dim=1)  # [B, K, head_dim], [B, K]
         # each sequence's heads are its queries: [B, heads, head_dim] against its own keys, the masked ones out
+        if self.kernels.on:  # PyPTO's decode attention (kernels/pypto/v4_attention.py)
+            from dsconv.kernels.pypto.v4_attention import v4_decode_attention
+
+            return v4_decode_attention(q, keys, allowed, self.sinks, cfg.head_dim**-0.5)
         return attention(q, keys, keys, cfg.head_dim**-0.5, allowed[:, None], sinks=self.sinks, one_token=True)
 
     def prefill(self, kv, positions, compress: list[torch.Tensor], index: list[torch.Tensor], prefill: V4Prefill,
@@ -405,6 +412,12 @@ class MoE:
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hash layers: experts = tid2eid[token]; others: top-k of score + bias. Weights from the scores."""
+        cfg = self.cfg
+        if self.dist.kernels.on:  # PyPTO's gate (kernels/pypto/moe_gate.py)
+            from dsconv.kernels.pypto.moe_gate import v4_gate
+
+            return v4_gate(x, self.router, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                           self.tid2eid, tokens)
         scores = self.score(F.linear(x.float(), self.router.float()))  # [T, E]
         if self.tid2eid is not None:
             experts = self.tid2eid[tokens].long()
@@ -483,7 +496,7 @@ class Block:
         mlp_type = MlpType.MOE if mtp else cfg.mlp_types[layer]
         self.hc_attn, self.hc_ffn = HyperConnection(cfg, w, f"{p}.hc_attn"), HyperConnection(cfg, w, f"{p}.hc_ffn")
         self.attn_norm = norm(w, f"{p}.attn_norm.weight", cfg)
-        self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype)
+        self.attn = Attention(cfg, w, f"{p}.attn", cfg.compress_ratios[layer], ropes, dtype, dist.kernels)
         self.ffn_norm = norm(w, f"{p}.ffn_norm.weight", cfg)
         self.ffn = MoE(cfg, w, f"{p}.ffn", mlp_type, dist, dtype)
 
@@ -568,6 +581,11 @@ class DeepseekV4:
 
         Every rank enters each layer's EP exchange and the lm_head gather exactly once per step, whatever
         its number of sequences (zero included)."""
+        with self.dist.kernels.step(meta.seqs):
+            return self._forward(tokens, meta, cache, rows, draws)
+
+    def _forward(self, tokens: torch.Tensor, meta: StepMeta, cache: V4Cache, rows: torch.Tensor | None,
+                 draws: list[list[Draw]] | None) -> torch.Tensor:
         self.dist.start_step(tokens.shape[0])
         x = self.embed(tokens).to(self.dtype)  # [T, D]; embedding TP: an exchange
         streams = x[:, None].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, m, D]: m copies

@@ -18,6 +18,7 @@ from dsconv.comm.collectives import all_gather_cat
 from dsconv.family.layout import Layout
 from dsconv.kernels.device import takes_npu_path
 from dsconv.kernels.streams import SideStream
+from dsconv.runner.models.kernel_switch import KernelSwitch
 
 
 PLANNED = ("tokens", "logit_rows")  # what `plan_step` gives per attention-DP index, in this order
@@ -45,6 +46,7 @@ class Dist:
     # this rank's routed experts of every MoE layer (layers.RoutedExperts), in build order: what EPLB's balancer
     # (models/eplb.py) walks
     experts: list = field(default_factory=list, repr=False)
+    kernels: KernelSwitch = field(default_factory=KernelSwitch)  # --kernels, and whether this step runs PyPTO's
     _side_stream: SideStream | None = field(default=None, repr=False)
     _planned: list[tuple[int, int]] | None = field(default=None, repr=False)  # `plan_step`
 

@@ -195,6 +195,7 @@ class RoutedExperts:
     def __init__(self, weights: RankWeights, prefix: str, names: tuple[str, str, str], n_routed_experts: int,
                  dist: Dist, dtype: torch.dtype, limit: float | None = None):
         self.prefix, self.experts, self.limit = prefix, n_routed_experts, limit
+        self.kernels = dist.kernels
         experts_map = weights.experts
         if experts_map is None:  # the placement table's blocks
             self.ids = local_experts(n_routed_experts, dist.ep, dist.ep_rank)
@@ -218,6 +219,11 @@ class RoutedExperts:
         """x [N, hidden] rows grouped by local expert, counts[i] rows for local expert i -> [N, hidden]: float
         rows in their dtype, INT8 rows quantized by their sender with per-token scales x_scale [N, 1] in
         out_dtype."""
+        if self.kernels.on and self.int8:  # PyPTO's W8A8 grouped MLP (kernels/pypto/experts.py)
+            from dsconv.kernels.pypto.experts import grouped_w8a8_mlp
+
+            counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+            return grouped_w8a8_mlp(x, counts, self.weights, x_scale, out_dtype, self.limit)
         return grouped_mlp(x, counts, self.weights, x_scale, out_dtype, self.limit)
 
     def counted(self) -> None:

@@ -1,0 +1,154 @@
+"""DeepSeek-V3.2's lightning indexer for a decode group, in PyPTO: each sequence's index scores over its cached
+keys, read from the paged key cache through its slots, then its top k positions; what runner/models/deepseek_v3.py's
+`Indexer.select_decode` computes in torch.
+
+Per sequence b, with q [heads, dim] its index queries (normed, roped; rotated by the Hadamard matrix for an INT8
+cache) and w [heads] its head weights:
+    scores[h, c] = relu(q[h] . key[c] / sqrt(dim))          INT8 cache (A8C8): q quantized per head as the cache
+                                                             quantizes keys, q_codes . key_codes summed exactly as
+                                                             integers, times both scales
+    index[c]     = sum_h w[h] / sqrt(heads) * scores[h, c]   padded or invalid positions -inf
+    top          = the k best positions, ties toward the lowest position (relu leaves exact zeros)
+
+The tie rule is built from order-free steps, since PyPTO's topk (torch.topk in the interpreter) orders ties as it
+likes: the k-th best score v; every position above v is kept, and of those equal to v the first (k - above) by
+position (a running count); then a topk over (C - position) where kept, 0 elsewhere, returns the kept positions,
+lowest first. The torch path returns them best first: the same set (tests compare sets; attention over the set does
+not depend on its order but for float summation).
+
+Shapes: q [B, heads, dim] float32; head_weights [B, heads] float32; keys [S, dim] (the layer's whole key cache:
+int8 with scales [S, 1] float32, or float32) and slots [B, C] int32 (each sequence's context); valid [B, C] float32,
+1 where a position is real. Out: [B, k] int32. Tiles: at V3.2's real sizes (64 index heads of 128, 8K context,
+top-2048) one sequence's float32 scores are [64, 8192]; the vector tiles take VEC_ROWS x VEC_COLS of them (32 KiB,
+inside the 192 KiB unified buffer of the A2/A3 class the compiler checks), the matmul's cube tiles CUBE_M x CUBE_K
+by CUBE_N.
+"""
+
+import functools  # no `from __future__ import annotations`: PyPTO's jit reads the annotations as objects
+
+import pypto
+import torch
+
+from dsconv.kernels.int8 import AMAX_FLOOR, INT8_MAX
+from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
+
+VEC_ROWS, VEC_COLS = 8, 512
+VEC_ALIGN = 8  # float32 values in 32 bytes
+TOPK_MAX = VEC_COLS  # the largest k PyPTO 0.2.0's topk takes: the vector tile's last axis (measured)
+CUBE_M, CUBE_K, CUBE_N = 64, 128, 64  # float32: L0A 32 KiB, L0B 32 KiB (of 64); K whole at the index head's 128
+
+
+def _aligned(columns: int) -> int:
+    """A vector tile's last axis rounded up to VEC_ALIGN values: the compiler wants reductions' tiles 32-byte
+    aligned."""
+    return -(-columns // VEC_ALIGN) * VEC_ALIGN
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(batch: int, heads: int, dim: int, context: int, k: int, int8: bool, wrong=None):
+    key_dtype = pypto.DT_INT8 if int8 else pypto.DT_FP32
+    score_scale = dim ** -0.5
+    take = min(TOPK_MAX, _aligned(context), context)
+    head_scale = heads ** -0.5
+
+    @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
+    def indexer_topk(q: pypto.Tensor((batch * heads, dim), pypto.DT_FP32),
+                     head_weights: pypto.Tensor((batch, heads), pypto.DT_FP32),
+                     keys: pypto.Tensor((batch * context, dim), key_dtype),
+                     key_scales: pypto.Tensor((batch * context, 1), pypto.DT_FP32),
+                     valid: pypto.Tensor((batch, context), pypto.DT_FP32),
+                     positions: pypto.Tensor((1, context), pypto.DT_FP32),
+                     top: pypto.Tensor((batch, k), pypto.DT_INT32)):
+        pypto.set_vec_tile_shapes(VEC_ROWS, _aligned(min(context, VEC_COLS)))
+        pypto.set_cube_tile_shapes([CUBE_M, CUBE_M], [CUBE_K, CUBE_K], [CUBE_N, CUBE_N])
+        picks = []
+        for b in range(batch):
+            keys_b = pypto.view(keys, [context, dim], [b * context, 0])  # this sequence's keys, as stored
+            if int8:
+                k_scale = pypto.transpose(pypto.view(key_scales, [context, 1], [b * context, 0]), 0, 1)  # [1, C]
+            index = None
+            for first in range(0, heads, VEC_ROWS):  # VEC_ROWS heads at a time (module docstring), summed
+                rows_n = min(VEC_ROWS, heads - first)
+                query = pypto.view(q, [rows_n, dim], [b * heads + first, 0])
+                if int8:  # A8C8: the query quantized per head (kernels/int8.py's formula), integer sums, both scales
+                    q_scale = pypto.mul(pypto.maximum(pypto.amax(pypto.abs(query), -1, keepdim=True), AMAX_FLOOR),
+                                        1.0 / INT8_MAX)
+                    codes = pypto.cast(pypto.clip(pypto.round(pypto.div(query, q_scale)), -INT8_MAX, INT8_MAX),
+                                       pypto.DT_INT8)
+                    sums = pypto.matmul(codes, keys_b, pypto.DT_INT32, b_trans=True)
+                    scores = pypto.mul(pypto.mul(pypto.cast(sums, pypto.DT_FP32), q_scale), k_scale)
+                else:
+                    scores = pypto.matmul(query, keys_b, pypto.DT_FP32, b_trans=True)
+                scores = pypto.relu(pypto.mul(scores, score_scale))  # [rows, C]
+                weights = pypto.mul(pypto.view(head_weights, [1, rows_n], [b, first]), head_scale)
+                part = pypto.matmul(weights, scores, pypto.DT_FP32)  # [1, C]
+                index = part if index is None else pypto.add(index, part)
+            real = pypto.view(valid, [1, context], [b, 0])
+            index = pypto.where(pypto.gt(real, 0.5), index, float("-inf"))
+            if wrong == "shifted":  # position c's score read at c + 1: every index off by one
+                index = pypto.concat([pypto.view(index, [1, context - 1], [0, 1]),
+                                      pypto.view(index, [1, 1], [0, 0])], -1)
+            # the k-th best score, exactly, with topk calls of at most TOPK_MAX (PyPTO's limit): each round's top
+            # values give it when it lies among them; else every score at or above the round's lowest is set aside
+            # (all of them ranked before it) and the next round looks below
+            remaining, need, kth = index, None, None
+            for _ in range(-(-k // take)):
+                best, _ = pypto.topk(remaining, take, -1, True)  # [1, take], best first
+                lowest = pypto.view(best, [1, 1], [0, take - 1])
+                at_or_above = pypto.sum(pypto.where(pypto.ge(remaining, lowest), 1.0, 0.0), -1, keepdim=True)
+                if need is None:
+                    need = pypto.add(pypto.mul(at_or_above, 0.0), float(k))  # [1, 1]: ranks still to pass
+                pick = pypto.cast(pypto.clip(pypto.add(need, -1.0), 0.0, float(take - 1)), pypto.DT_INT32)
+                here = pypto.where(pypto.le(need, float(take)), pypto.gather(best, 1, pick), lowest)
+                found = pypto.where(pypto.ge(at_or_above, need), 1.0, 0.0)
+                found = pypto.maximum(found, pypto.where(pypto.le(need, float(take)), 1.0, 0.0))
+                if kth is None:
+                    kth, done = here, found
+                else:  # a round counts only while the k-th is not found
+                    kth = pypto.where(pypto.gt(done, 0.5), kth, here)
+                    done = pypto.maximum(done, found)
+                need = pypto.add(need, pypto.mul(at_or_above, -1.0))
+                remaining = pypto.where(pypto.lt(remaining, lowest), remaining, float("-inf"))
+            # kept: every score above the k-th, and of those equal to it the first (k - above) by position; then
+            # each kept position goes to its place among the kept (a running count), the others after them
+            above = pypto.where(pypto.gt(index, kth), 1.0, 0.0)
+            at = pypto.where(pypto.eq(index, kth), 1.0, 0.0)
+            # how many ties are kept: k - above (a scalar first operand of sub mis-compiles: negate and add)
+            room = pypto.add(pypto.mul(pypto.sum(above, -1, keepdim=True), -1.0), float(k))
+            kept = pypto.add(above, pypto.where(pypto.le(pypto.cumsum(at, -1), room), at, 0.0))  # 1 or 0
+            place = pypto.where(pypto.gt(kept, 0.5), pypto.add(pypto.cumsum(kept, -1), -1.0),
+                                pypto.add(pypto.cumsum(pypto.add(pypto.mul(kept, -1.0), 1.0), -1), float(k - 1)))
+            pypto.set_vec_tile_shapes(1, _aligned(context))  # a scatter's axis is not split: a row of C (32 KiB at 8K)
+            ordered = pypto.scatter(pypto.mul(positions, 0.0), 1, pypto.cast(place, pypto.DT_INT32), positions)
+            pypto.set_vec_tile_shapes(VEC_ROWS, _aligned(min(context, VEC_COLS)))
+            picks.append(pypto.cast(pypto.view(ordered, [1, k], [0, 0]), pypto.DT_INT32))
+        if batch == 1:
+            top[:] = picks[0]
+        else:
+            top[:] = pypto.concat(picks, 0)
+
+    return indexer_topk
+
+
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+                 slots: torch.Tensor, valid: torch.Tensor | None, k: int, wrong=None) -> torch.Tensor:
+    """q [B, heads, dim] (rotated for an INT8 cache), head_weights [B, heads], keys [S, dim] the layer's key cache
+    (int8 with key_scales [S, 1], or float), slots [B, C] each sequence's context slots, valid [B, C] bool or None
+    -> [B, min(k, C)] int64 positions into slots' columns, lowest first, through PyPTO's interpreter (host.run).
+    wrong: "shifted", a deliberately wrong variant for the negative test (each position scored as the next)."""
+    batch, heads, dim = q.shape
+    context = slots.shape[1]
+    k = min(k, context)
+    int8 = keys.dtype == torch.int8
+    if int8 == (key_scales is None):
+        raise ValueError("an INT8 key cache needs its scales, a float one takes none")
+    chosen = slots.flatten()  # each sequence's context rows, gathered as stored
+    gathered = keys.index_select(0, chosen)
+    scales = key_scales.index_select(0, chosen) if int8 else torch.ones(chosen.shape[0], 1)
+    real = torch.ones(batch, context) if valid is None else valid.float()
+    positions = torch.arange(context, dtype=torch.float32)[None]
+    top = torch.empty(batch, k, dtype=torch.int32)
+    run(_kernel(batch, heads, dim, context, k, int8, wrong), q.float().reshape(-1, dim).contiguous(),
+        head_weights.float().contiguous(), gathered if int8 else gathered.float(), scales.float(), real, positions,
+        top)
+    return top.long()

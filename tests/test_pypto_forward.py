@@ -1,0 +1,86 @@
+"""--kernels pypto end to end (runner/models/kernel_switch.py): the decode steps' hot parts through the PyPTO kernels
+(kernels/pypto/, PyPTO's interpreter on the host) give the float32 greedy tokens of --kernels torch:
+- `dsrun generate --kernels pypto --device cpu` at world 1, the trained tiny V3.2 (RMSNorm with the residual add,
+  the lightning indexer selecting, sparse MLA, the MoE gate) and V4 (decode attention over the window and the
+  compressed entries, the gate and its hash layers), W8A8 shards;
+- at world 2 (EP2, one prompt a rank), V3.2: the kernels run between gloo's collectives, the routed experts' W8A8
+  grouped MLP on the rows the all-to-all delivers;
+- bad input: one line and exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from importlib import metadata
+from typer.testing import CliRunner
+
+from dsconv.family.layout import Layout
+from dsconv.runner.cli import app as dsrun_app
+from tests.helpers import generate_ranks, shard
+
+NEW_TOKENS = 8
+# 60 and 48 tokens once the chat template wraps them: past the trained V3.2's index_topk (32: the indexer selects
+# from the first decode step on), V4's sliding window (16) and the top 8 of its ratio-4 entries
+PROMPT = "def merge(left, right):\n    result = []\n    while left and right:\n        result.append(left.pop(0))"
+FAMILY_KERNELS = {"deepseek_v32": {"add_rms_norm", "indexer_topk", "sparse_mla_decode", "v3_gate"},
+                  "deepseek_v4": {"v4_decode_attention", "v4_gate", "v4_hash_gate"}}
+PROMPTS = [list(range(100, 148)), list(range(300, 340))]  # token ids, one a rank at world 2
+
+
+def generate(shards, kernels: str) -> tuple[list[int], dict]:
+    """`dsrun generate` at the shards' world size, float32, greedy -> (the new token ids, PyPTO's kernel calls)."""
+    done = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards), "--prompt",
+                           PROMPT, "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--json", "--kernels",
+                           kernels], capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "300"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (generated,) = report["generated_token_ids"]
+    return generated, report["kernel_calls"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_world_1_pypto_gives_the_torch_tokens(family, trained_shards):
+    _, w8a8 = trained_shards(family)
+    expected, none = generate(w8a8, "torch")
+    assert len(expected) == NEW_TOKENS and none == {}
+    tokens, calls = generate(w8a8, "pypto")
+    assert tokens == expected
+    # every decode step (NEW_TOKENS - 1 of them) ran the family's kernels in each of its layers
+    assert set(calls) >= FAMILY_KERNELS[family]
+    assert min(calls[name] for name in FAMILY_KERNELS[family]) >= NEW_TOKENS - 1
+
+
+def test_world_2_ep2_pypto_gives_the_torch_tokens(trained_shards, tmp_path):
+    _, w8a8 = trained_shards("deepseek_v32")
+    shards = tmp_path / "ep2"
+    shard(w8a8.parent / "w8a8", shards, Layout(2, 2, 2))
+    runs = {kernels: generate_ranks(shards, tmp_path / kernels, PROMPTS, new_tokens=NEW_TOKENS, kernels=kernels)
+            for kernels in ("torch", "pypto")}
+    assert runs["pypto"]["generated"] == runs["torch"]["generated"]
+    for rank in runs["pypto"]["ranks"]:  # both ranks ran the kernels, the experts' too
+        assert set(rank["kernel_calls"]) >= FAMILY_KERNELS["deepseek_v32"] | {"grouped_w8a8_mlp"}, rank
+    assert all(len(tokens) == NEW_TOKENS for tokens in runs["torch"]["generated"])
+
+
+def refused(*args):
+    result = CliRunner().invoke(dsrun_app, ["generate", *map(str, args)], env={"COLUMNS": "300"})
+    return result.exit_code, [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def test_bad_kernels_are_one_line(trained_shards, monkeypatch):
+    _, w8a8 = trained_shards("deepseek_v32")
+    cases = [(["--kernels", "triton"], "--kernels 'triton' is not one of torch, pypto"),
+             (["--kernels", "pypto", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+              "--kernels pypto runs decode steps of one token each")]
+    for args, needle in cases:
+        code, lines = refused("--shards", w8a8, "--prompt", "hi", *args)
+        assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr("dsconv.kernels.pypto.host.metadata.version", not_installed)
+    code, lines = refused("--shards", w8a8, "--prompt", "hi", "--kernels", "pypto")
+    assert code == 2 and len(lines) == 1 and "PyPTO is not installed" in lines[0], lines
