@@ -29,27 +29,37 @@ FAMILY_KERNELS = {"deepseek_v32": {"add_rms_norm", "indexer_topk", "sparse_mla_d
 PROMPTS = [list(range(100, 148)), list(range(300, 340))]  # token ids, one a rank at world 2
 
 
-def generate(shards, kernels: str) -> tuple[list[int], dict]:
-    """`dsrun generate` at the shards' world size, float32, greedy -> (the new token ids, PyPTO's kernel calls)."""
-    done = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards), "--prompt",
-                           PROMPT, "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--json", "--kernels",
-                           kernels], capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "300"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    (generated,) = report["generated_token_ids"]
-    return generated, report["kernel_calls"]
+def generate(shards, kernels: str) -> subprocess.Popen:
+    """`dsrun generate` at the shards' world size, float32, greedy, started (`report` reads what it prints)."""
+    return subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "generate", "--shards", str(shards),
+                             "--prompt", PROMPT, "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--json",
+                             "--kernels", kernels], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "300"})
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
-def test_world_1_pypto_gives_the_torch_tokens(family, trained_shards):
-    _, w8a8 = trained_shards(family)
-    expected, none = generate(w8a8, "torch")
-    assert len(expected) == NEW_TOKENS and none == {}
-    tokens, calls = generate(w8a8, "pypto")
-    assert tokens == expected
-    # every decode step (NEW_TOKENS - 1 of them) ran the family's kernels in each of its layers
-    assert set(calls) >= FAMILY_KERNELS[family]
-    assert min(calls[name] for name in FAMILY_KERNELS[family]) >= NEW_TOKENS - 1
+def report(run: subprocess.Popen) -> tuple[list[int], dict]:
+    """A finished `generate` -> (the new token ids, PyPTO's kernel calls by kernel)."""
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    printed = json.loads(out)
+    (generated,) = printed["generated_token_ids"]
+    return generated, printed["kernel_calls"]
+
+
+def test_world_1_pypto_gives_the_torch_tokens(trained_shards):
+    """Both families, each `dsrun generate` a process of one rank: the two families' runs side by side (a core
+    each), --kernels torch then pypto."""
+    shards = {family: trained_shards(family)[1] for family in FAMILY_KERNELS}
+    expected = {family: report(run) for family, run in
+                [(family, generate(shards[family], "torch")) for family in FAMILY_KERNELS]}
+    got = {family: report(run) for family, run in
+           [(family, generate(shards[family], "pypto")) for family in FAMILY_KERNELS]}
+    for family, kernels in FAMILY_KERNELS.items():
+        tokens, calls = got[family]
+        assert len(expected[family][0]) == NEW_TOKENS and expected[family][1] == {}
+        assert tokens == expected[family][0], family
+        # every decode step (NEW_TOKENS - 1 of them) ran the family's kernels in each of its layers
+        assert set(calls) >= kernels and min(calls[name] for name in kernels) >= NEW_TOKENS - 1, (family, calls)
 
 
 def test_world_2_ep2_pypto_gives_the_torch_tokens(trained_shards, tmp_path):

@@ -21,10 +21,15 @@ LAYER_COSINE_MIN = {"bf16": 0.99999, "w8a8": 0.99}
 
 
 def test_the_smaller_variant_runs_every_stage(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--family", *FAMILIES, "--work", str(tmp_path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "real_dims.jsonl").read_text().splitlines()]
+    """One run of the script per family, the two side by side (their single-process stages take a core each)."""
+    runs = [subprocess.Popen([sys.executable, str(SCRIPT), "--tiny", "--family", family, "--work",
+                              str(tmp_path / family)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for family in FAMILIES]
+    for run in runs:
+        out, err = run.communicate()
+        assert run.returncode == 0, out[-3000:] + err[-3000:]
+    records = [json.loads(line) for family in FAMILIES
+               for line in (tmp_path / family / "real_dims.jsonl").read_text().splitlines()]
     assert [r["family"] for r in records] == list(FAMILIES)
     for record in records:
         stages = {name for name, figures in record.items() if isinstance(figures, dict)}

@@ -17,6 +17,9 @@ process's first kernel. This module, the one place that touches those private pi
   log line. (The call's SIM run, PyPTO's cost model, is what copies the interpreter's outputs into the tensors: it
   stays.)
 It checks at import that the pieces it relies on are there, and names the missing ones in one line (InputError).
+One hook for tools, off by default: `on_call`, when set, is called after each `run` call with the kernel's name, the
+tensors it was handed and the call's PyPTO directory, before that is removed (scripts/pypto_cost.py reads the cost
+model's reports there, `CostModelSimulationOutput/` below `output_*`, and the operands' sizes).
 The interpreter gives the tensor graph's meaning in torch arithmetic, not the AICore code a CANN build generates.
 """
 
@@ -30,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -193,6 +197,8 @@ def run(kernel, *tensors) -> None:
     CALLS[name] += 1
     copies = [t.clone() for t in tensors]
     scratch = _call(kernel, copies)
+    if on_call is not None:
+        on_call(name, list(tensors), scratch)
     for original, result in zip(tensors, copies):
         if not torch.equal(original, result):
             original.copy_(result)
@@ -227,6 +233,9 @@ def _check_operands(name: str, kernel, tensors) -> None:
 
 
 CALLS: Counter = Counter()  # this process's kernel calls, by kernel name (what `dsrun generate --json` reports)
+# None, or called as on_call(kernel name, tensors, PyPTO's directory for the call) after each run() call, before that
+# directory is removed (the module docstring's hook)
+on_call: Callable[[str, list, str], None] | None = None
 _pending: list[tuple[str, str]] = []  # (kernel name, scratch directory) of calls whose tables are not read yet
 _deferring = 0  # the depth of `deferred_checks` blocks
 

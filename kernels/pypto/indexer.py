@@ -10,18 +10,27 @@ cache) and w [heads] its head weights:
     index[c]     = sum_h w[h] / sqrt(heads) * scores[h, c]   padded or invalid positions -inf
     top          = the k best positions, ties toward the lowest position (relu leaves exact zeros)
 
-The tie rule is built from order-free steps, since PyPTO's topk (torch.topk in the interpreter) orders ties as it
-likes: the k-th best score v; every position above v is kept, and of those equal to v the first (k - above) by
-position (a running count); then a topk over (C - position) where kept, 0 elsewhere, returns the kept positions,
-lowest first. The torch path returns them best first: the same set (tests compare sets; attention over the set does
-not depend on its order but for float summation).
+The top k are found in steps that do not depend on how PyPTO's topk orders ties (torch.topk in the interpreter,
+unspecified), and with topk calls of at most TOPK_MAX (PyPTO 0.2.0 refuses a k above the vector tile's last axis):
+- the k-th best score v, in rounds: a round's TOPK_MAX best scores give v when it lies among them; else every score
+  at or above the round's lowest is set aside (all of them rank before v) and the next round looks below;
+- kept: every position scoring above v, and of those scoring v the first (k - above) by position (a running count);
+- each kept position goes to its place among the kept (a running count of them), the others after: the kept
+  positions, lowest first, in the output's first k columns (one scatter).
+The torch path lists them best first: the same set (tests compare sets; attention over them differs only in the
+order of its float sums).
 
-Shapes: q [B, heads, dim] float32; head_weights [B, heads] float32; keys [S, dim] (the layer's whole key cache:
-int8 with scales [S, 1] float32, or float32) and slots [B, C] int32 (each sequence's context); valid [B, C] float32,
-1 where a position is real. Out: [B, k] int32. Tiles: at V3.2's real sizes (64 index heads of 128, 8K context,
-top-2048) one sequence's float32 scores are [64, 8192]; the vector tiles take VEC_ROWS x VEC_COLS of them (32 KiB,
-inside the 192 KiB unified buffer of the A2/A3 class the compiler checks), the matmul's cube tiles CUBE_M x CUBE_K
-by CUBE_N.
+Shapes: q [B * heads, dim] float32; head_weights [B, heads] float32; keys [S, dim] (the layer's whole key cache:
+int8 with scales [S, 1] float32, or float32) and slots [B * C] int32 (each sequence's context), gathered in the
+kernel; valid [B, C] float32, 1 where a position is real. Out: [B, k] int32. The heads are scored VEC_ROWS at a
+time and their weighted scores summed (measured: a tensor of more heads than a tile's rows made PyPTO's pass
+verification fail). Tiles: vector VEC_ROWS x VEC_COLS float32 (16 KiB, inside the 192 KiB unified buffer of the
+A2/A3 class the compiler checks); a reduction's tile is 32-byte aligned (VEC_ALIGN), a scatter's axis whole (one
+row of C: 32 KiB at 8K); cube CUBE_M x CUBE_K by CUBE_N.
+
+Checked at V3.2's 64 index heads of 128 over 4,096 positions, top 1,024. At its 8K context and top-2,048 PyPTO
+0.2.0's cost model fails to run the kernel (error FFFFFF) and its pass verification fails to replay an EXPAND of the
+tiled graph: not checked there (docs/pypto.md).
 """
 
 import functools  # no `from __future__ import annotations`: PyPTO's jit reads the annotations as objects
@@ -45,7 +54,7 @@ def _aligned(columns: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(batch: int, heads: int, dim: int, context: int, k: int, int8: bool, wrong=None):
+def _kernel(batch: int, heads: int, dim: int, slots_total: int, context: int, k: int, int8: bool, wrong=None):
     key_dtype = pypto.DT_INT8 if int8 else pypto.DT_FP32
     score_scale = dim ** -0.5
     take = min(TOPK_MAX, _aligned(context), context)
@@ -54,8 +63,9 @@ def _kernel(batch: int, heads: int, dim: int, context: int, k: int, int8: bool, 
     @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def indexer_topk(q: pypto.Tensor((batch * heads, dim), pypto.DT_FP32),
                      head_weights: pypto.Tensor((batch, heads), pypto.DT_FP32),
-                     keys: pypto.Tensor((batch * context, dim), key_dtype),
-                     key_scales: pypto.Tensor((batch * context, 1), pypto.DT_FP32),
+                     keys: pypto.Tensor((slots_total, dim), key_dtype),
+                     key_scales: pypto.Tensor((slots_total, 1), pypto.DT_FP32),
+                     slots: pypto.Tensor((batch * context,), pypto.DT_INT32),
                      valid: pypto.Tensor((batch, context), pypto.DT_FP32),
                      positions: pypto.Tensor((1, context), pypto.DT_FP32),
                      top: pypto.Tensor((batch, k), pypto.DT_INT32)):
@@ -63,9 +73,10 @@ def _kernel(batch: int, heads: int, dim: int, context: int, k: int, int8: bool, 
         pypto.set_cube_tile_shapes([CUBE_M, CUBE_M], [CUBE_K, CUBE_K], [CUBE_N, CUBE_N])
         picks = []
         for b in range(batch):
-            keys_b = pypto.view(keys, [context, dim], [b * context, 0])  # this sequence's keys, as stored
+            rows = pypto.view(slots, [context], [b * context])  # this sequence's context slots of the paged cache
+            keys_b = pypto.index_select(keys, 0, rows)  # its keys as stored
             if int8:
-                k_scale = pypto.transpose(pypto.view(key_scales, [context, 1], [b * context, 0]), 0, 1)  # [1, C]
+                k_scale = pypto.transpose(pypto.index_select(key_scales, 0, rows), 0, 1)  # [1, C]
             index = None
             for first in range(0, heads, VEC_ROWS):  # VEC_ROWS heads at a time (module docstring), summed
                 rows_n = min(VEC_ROWS, heads - first)
@@ -142,13 +153,11 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     int8 = keys.dtype == torch.int8
     if int8 == (key_scales is None):
         raise ValueError("an INT8 key cache needs its scales, a float one takes none")
-    chosen = slots.flatten()  # each sequence's context rows, gathered as stored
-    gathered = keys.index_select(0, chosen)
-    scales = key_scales.index_select(0, chosen) if int8 else torch.ones(chosen.shape[0], 1)
+    scales = key_scales if int8 else torch.ones(keys.shape[0], 1)  # a float cache's: placeholders, never read
     real = torch.ones(batch, context) if valid is None else valid.float()
     positions = torch.arange(context, dtype=torch.float32)[None]
     top = torch.empty(batch, k, dtype=torch.int32)
-    run(_kernel(batch, heads, dim, context, k, int8, wrong), q.float().reshape(-1, dim).contiguous(),
-        head_weights.float().contiguous(), gathered if int8 else gathered.float(), scales.float(), real, positions,
-        top)
+    run(_kernel(batch, heads, dim, keys.shape[0], context, k, int8, wrong), q.float().reshape(-1, dim).contiguous(),
+        head_weights.float().contiguous(), keys.contiguous() if int8 else keys.float().contiguous(),
+        scales.float().contiguous(), slots.to(torch.int32).flatten().contiguous(), real, positions, top)
     return top.long()

@@ -15,8 +15,8 @@ once to the compute dtype, as the cache's `read_slots` does, then multiplied the
 
 Shapes: query [B * H, lora + rope] and out [B * H, lora]; slots [B * K] int32 (each sequence's chosen slots), mask
 [B, K] float32 additive (0 or -inf). Tiles, at V3.2's decode (H = 128 heads, lora 512 + rope 64, K = 2048): vector
-tiles of VEC_ROWS heads by VEC_COLS keys, 8 x 2048 float32 = 64 KiB, inside the unified buffer (192 KiB on the
-A2/A3 class the compiler checks); cube tiles CUBE_M x CUBE_K by CUBE_N, float32 operand tiles of 16 and 32 KiB
+tiles of VEC_ROWS heads by the whole key axis, 8 x 2048 float32 = 64 KiB, inside the unified buffer (192 KiB on the
+A2/A3 class the compiler checks; the softmax's reductions stay in one tile); cube tiles CUBE_M x CUBE_K by CUBE_N, float32 operand tiles of 16 and 32 KiB
 (L0A / L0B, 64 KiB each).
 """
 
@@ -40,7 +40,7 @@ def _cube(size: int, tile: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(batch: int, heads: int, lora: int, rope: int, keys_n: int, dtype: torch.dtype,
+def _kernel(batch: int, heads: int, lora: int, rope: int, slots_total: int, keys_n: int, dtype: torch.dtype,
             int8: bool, scale: float, wrong=None):
     """The jitted kernel for one shape, dtype and cache form. wrong: a deliberately wrong variant for the negative
     tests ("no_scale": the INT8 rows' scales left out, or the softmax scale for a float cache; "shifted": every
@@ -53,23 +53,24 @@ def _kernel(batch: int, heads: int, lora: int, rope: int, keys_n: int, dtype: to
 
     @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def sparse_mla_decode(query: pypto.Tensor((batch * heads, width), dt),
-                          latent: pypto.Tensor((batch * keys_n, latent_width), latent_dtype),
-                          latent_scales: pypto.Tensor((batch * keys_n, 1), pypto.DT_FP32),
-                          rope_keys: pypto.Tensor((batch * keys_n, rope), dt),
+                          latent: pypto.Tensor((slots_total, latent_width), latent_dtype),
+                          latent_scales: pypto.Tensor((slots_total, 1), pypto.DT_FP32),
+                          rope_keys: pypto.Tensor((slots_total, rope), dt),
+                          slots: pypto.Tensor((batch * keys_n,), pypto.DT_INT32),
                           mask: pypto.Tensor((batch, keys_n), pypto.DT_FP32),
                           out: pypto.Tensor((batch * heads, lora), dt)):
         pypto.set_vec_tile_shapes(min(heads, VEC_ROWS), max(keys_n, width))
         outputs = []
         for b in range(batch):
-            rows = [b * keys_n, 0]  # this sequence's gathered rows
+            rows = pypto.view(slots, [keys_n], [b * keys_n])  # this sequence's chosen slots of the paged cache
             if int8:  # stored in 8: codes * scale in float32, rounded once to the compute dtype, rope appended
-                codes = pypto.cast(pypto.view(latent, [keys_n, lora], rows), pypto.DT_FP32)
+                codes = pypto.cast(pypto.index_select(latent, 0, rows), pypto.DT_FP32)
                 if wrong != "no_scale":
-                    codes = pypto.mul(codes, pypto.view(latent_scales, [keys_n, 1], rows))
+                    codes = pypto.mul(codes, pypto.index_select(latent_scales, 0, rows))
                 ctx = pypto.concat([pypto.cast(pypto.cast(codes, dt), pypto.DT_FP32),
-                                    pypto.cast(pypto.view(rope_keys, [keys_n, rope], rows), pypto.DT_FP32)], -1)
+                                    pypto.cast(pypto.index_select(rope_keys, 0, rows), pypto.DT_FP32)], -1)
             else:
-                ctx = pypto.cast(pypto.view(latent, [keys_n, width], rows), pypto.DT_FP32)  # [K, lora + rope]
+                ctx = pypto.cast(pypto.index_select(latent, 0, rows), pypto.DT_FP32)  # [K, lora + rope]
             q_b = pypto.cast(pypto.view(query, [heads, width], [b * heads, 0]), pypto.DT_FP32)
             pypto.set_cube_tile_shapes([cube_m, cube_m], [_cube(width, CUBE_K), _cube(width, CUBE_K)],
                                        [_cube(keys_n, CUBE_N), _cube(keys_n, CUBE_N)])
@@ -105,18 +106,16 @@ def sparse_mla_decode(query: torch.Tensor, cache: dict, slots: torch.Tensor, val
     batch, heads, width = query.shape
     rope, keys_n = width - lora, slots.shape[1]
     int8 = "c_kv_k_pe.int8" in cache
-    chosen = slots.flatten()
-    if int8:  # the chosen rows as stored: INT8 codes, their scales, the rope keys
-        latent, scales, rope_keys = (cache[f"c_kv_k_pe.{part}"].index_select(0, chosen)
-                                     for part in ("int8", "scale", "rest"))
+    if int8:  # the layer's cache as stored: INT8 codes, their scales, the rope keys
+        latent, scales, rope_keys = (cache[f"c_kv_k_pe.{part}"] for part in ("int8", "scale", "rest"))
     else:  # the latent rows hold the rope key: the INT8 form's inputs are placeholders, never read
-        latent = cache["c_kv_k_pe"].index_select(0, chosen).to(query.dtype)
-        scales, rope_keys = torch.ones(chosen.shape[0], 1), torch.zeros(chosen.shape[0], rope, dtype=query.dtype)
+        latent = cache["c_kv_k_pe"].to(query.dtype)
+        scales, rope_keys = torch.ones(latent.shape[0], 1), torch.zeros(latent.shape[0], rope, dtype=query.dtype)
     mask = torch.zeros(batch, keys_n)
     if valid is not None:
         mask = mask.masked_fill(~valid, MASKED)
     out = torch.empty(batch * heads, lora, dtype=query.dtype)
-    run(_kernel(batch, heads, lora, rope, keys_n, query.dtype, int8, float(scale), wrong),
+    run(_kernel(batch, heads, lora, rope, latent.shape[0], keys_n, query.dtype, int8, float(scale), wrong),
         query.reshape(batch * heads, width).contiguous(), latent.contiguous(), scales.float().contiguous(),
-        rope_keys.to(query.dtype).contiguous(), mask, out)
+        rope_keys.to(query.dtype).contiguous(), slots.to(torch.int32).flatten().contiguous(), mask, out)
     return out.reshape(batch, heads, lora)
