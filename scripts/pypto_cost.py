@@ -3,7 +3,8 @@ decode shapes: each kernel's modelled cycles and time, a decode step's (the kern
 and a memory roofline: the bytes the kernel's operands and outputs hold against the chip's memory bandwidth.
 
     python scripts/pypto_cost.py [--only KEY ...] [--context 8192] [--expert-tokens 8] [--kv-cache bf16|int8]
-                                 [--bandwidth-tbs 1.6] [--timeout 1800] [--json FILE]
+                                 [--indexer-context 4096] [--indexer-topk 1024] [--bandwidth-tbs 1.6]
+                                 [--timeout 1800] [--json FILE]
 
 Every figure is a model's estimate, nothing is measured on an NPU: every host call of a PyPTO kernel
 (kernels/pypto/host.py) runs PyPTO's cost model (its SIM run) on the call's tile graph, for the target architecture
@@ -13,18 +14,20 @@ counts). The CPU the script runs on does not enter the model's cycles. Per kerne
   and the AICore end-to-end span (the first task's start to the last task's end on the AIC / AIV cores, as PyPTO's
   draw_swim_lane.py computes its "AICore End-to-End Time" from the swim-lane JSON);
 - time: cycles at CLOCK_MHZ;
-- floor: the kernel's operand and output bytes (weights, the cache rows it reads, activations; placeholder operands
-  a form never reads left out) over the bandwidth, the memory-bound floor; ratio: the model's time over the floor.
+- floor: the kernel's operand and output bytes (weights, the cache rows it gathers through its slots, not the whole
+  cache it is handed, activations; placeholder operands a form never reads left out) over the bandwidth, the
+  memory-bound floor; ratio: the model's time over the floor. The caches hold --context rows (one sequence's).
 A decode step's figure is each kernel times the decoder layers that run it under `--kernels pypto`
 (runner/models/kernel_switch.py), the layer counts from the real configs (tests/data/*.config.json); the MTP layer,
 the projections, the shared expert, the collectives and the lm_head are not in it.
 
-Shapes (batch 1: one token of one sequence per card, attention DP): V3.2: hidden 7168, 128 heads of 512 + 64
-(absorbed MLA), index 64 x 128 with top-2048 over --context positions, 256 experts in 8 groups (4 kept, top-8),
-moe_intermediate 2048; the indexer runs at INDEXER_CONTEXT positions and top-INDEXER_TOPK (PyPTO 0.2.0's cost model
-fails at 8K). V4-Flash: hidden 4096, 64 heads of 512, a 128-key window plus top-512 compressed entries (CSA, ratio 4)
-or every ratio-128 entry (HCA), 256 experts top-6 (3 hash-routed layers). Experts: EP16, 16 experts a card;
---expert-tokens tokens reach the card, each picking top-k of its experts, spread evenly (round robin).
+Shapes (batch 1: one token of one sequence per card, attention DP), from the configs: V3.2: hidden 7168, 128 heads
+of 512 + 64 (absorbed MLA) over top-2048 of --context positions, index 64 x 128, 256 experts in 8 groups (4 kept,
+top-8), moe_intermediate 2048; its indexer runs at 4096 positions and top-1024 by default (--indexer-context,
+--indexer-topk: PyPTO 0.2.0's cost model fails at the real 8K / top-2048). V4-Flash: hidden 4096, 64 heads of 512
+against a 128-key window, plus top-512 compressed entries (CSA, ratio 4) or every ratio-128 entry (HCA), 256
+experts top-6 (3 hash-routed layers). Experts: EP16, 16 experts a card; --expert-tokens tokens reach the card,
+each picking top-k of its experts, the rows spread evenly (round robin).
 
 Each kernel runs in a child process of its own (a PyPTO crash costs one row: its failure is printed in one line).
 """
@@ -47,12 +50,13 @@ CONFIGS = {"V3.2": REPO / "tests" / "data" / "deepseek_v32_exp.config.json",
 # --time_convert_denominator=1800 (cycles / 1800 = microseconds), and the script's trans_cycles_to_time converts
 # with freq_convert = 1800 (pypto/lib/scripts/draw_swim_lane.py)
 CLOCK_MHZ = 1800
-# Ascend 910B (A2) HBM2e bandwidth, about 1.6 TB/s: the public spec figure, not measured (--bandwidth-tbs)
+# Ascend 910B (A2) HBM2e bandwidth, about 1.6 TB/s as commonly quoted: a public spec figure, not measured here
+# and not checked against a datasheet (--bandwidth-tbs for another)
 BANDWIDTH_TBS = 1.6
 TERA = 1e12
 MIB = 2**20
 CONTEXT = 8192  # cached positions per sequence
-INDEXER_CONTEXT, INDEXER_TOPK = 4096, 1024  # the indexer's shape: PyPTO 0.2.0's cost model fails at 8K context
+INDEXER_CONTEXT, INDEXER_TOPK = 4096, 1024  # the indexer's default shape: PyPTO 0.2.0's cost model fails at 8K
 EP = 16  # expert parallelism: a card holds n_routed_experts / EP experts
 EXPERT_TOKENS = 8  # tokens reaching a card's experts in a decode step (--expert-tokens)
 TIMEOUT_S = 1800  # per kernel (its child process)
@@ -74,6 +78,16 @@ class Case:
     layers_note: str
     call: object = field(repr=False, default=None)
     unread: tuple = ()  # operand indices the kernel declares but this form never reads (placeholders)
+    rows_read: dict = field(default_factory=dict)  # operand index -> rows read of it (a cache gathered through slots)
+
+    def operand_bytes(self, index: int, tensor) -> int:
+        """What the kernel moves of operand `index`: nothing for a placeholder, the rows it gathers of a cache,
+        else the whole tensor."""
+        if index in self.unread:
+            return 0
+        if index in self.rows_read:
+            return self.rows_read[index] * tensor.element_size() * (tensor.numel() // tensor.shape[0])
+        return tensor.numel() * tensor.element_size()
 
 
 def config(model: str) -> dict:
@@ -84,6 +98,12 @@ def expert_counts(tokens: int, topk: int, experts: int) -> list[int]:
     """tokens x topk rows spread round robin over a card's experts."""
     rows = tokens * topk
     return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+
+def rows_text(tokens: int, topk: int, experts: int) -> str:
+    counts = expert_counts(tokens, topk, experts)
+    spread = f"{counts[0]}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+    return f"{tokens} tokens x top-{topk} = {sum(counts)} rows ({spread} an expert)"
 
 
 def _rand(*shape, dtype=None):
@@ -153,10 +173,11 @@ def v32_cases(args) -> list[Case]:
 
         from dsconv.kernels.pypto.indexer import indexer_topk
 
-        keys = _int8(INDEXER_CONTEXT, idx_dim) if int8 else _rand(INDEXER_CONTEXT, idx_dim, dtype=torch.bfloat16)
+        positions = args.indexer_context
+        keys = _int8(positions, idx_dim) if int8 else _rand(positions, idx_dim, dtype=torch.bfloat16)
         indexer_topk(_rand(1, idx_heads, idx_dim), _rand(1, idx_heads), keys,
-                     torch.rand(INDEXER_CONTEXT, 1) * 1e-2 if int8 else None, torch.arange(INDEXER_CONTEXT)[None],
-                     None, INDEXER_TOPK)
+                     torch.rand(positions, 1) * 1e-2 if int8 else None, torch.arange(positions)[None], None,
+                     args.indexer_topk)
 
     def mla():
         import torch
@@ -172,21 +193,25 @@ def v32_cases(args) -> list[Case]:
                           (c["qk_nope_head_dim"] + rope) ** -0.5)
 
     cache = "INT8 cache" if int8 else "BF16 cache"
-    rows = expert_counts(args.expert_tokens, topk, local)
+    reduced = (args.indexer_context, args.indexer_topk) != (args.context, c["index_topk"])
+    real = f"; the real {args.context} / top-{c['index_topk']} fails in PyPTO 0.2.0's cost model" if reduced else ""
     return [
         Case("v32.norm", "V3.2", "add_rms_norm", f"1 x {hidden} BF16", layers,
              "every layer (post-attention)", _norm_call(hidden, c["rms_norm_eps"])),
         Case("v32.indexer", "V3.2", "indexer_topk",
-             f"{idx_heads} x {idx_dim} heads, {INDEXER_CONTEXT} positions, top-{INDEXER_TOPK} ({cache}; the real "
-             f"{args.context} / top-{c['index_topk']} fails in PyPTO 0.2.0's cost model)", layers, "every layer",
-             indexer),
+             f"{idx_heads} x {idx_dim} heads, {args.indexer_context} positions, top-{args.indexer_topk} "
+             f"({cache}{real})", layers, "every layer", indexer,
+             # keys [S, dim] and their scales [S, 1] (placeholders for a float cache), every context row read
+             unread=() if int8 else (3,), rows_read={2: args.indexer_context, 3: args.indexer_context}),
         Case("v32.mla", "V3.2", "sparse_mla_decode", f"{heads} heads x {lora}+{rope}, {keys_n} of {args.context} "
-             f"rows ({cache})", layers, "every layer", mla, unread=() if int8 else (2, 3)),
+             f"rows ({cache})", layers, "every layer", mla,
+             # the latent cache [S, ...], its scales and rope keys (placeholders for a BF16 cache): keys_n rows read
+             unread=() if int8 else (2, 3), rows_read={1: keys_n, 2: keys_n, 3: keys_n}),
         Case("v32.gate", "V3.2", "v3_gate", f"1 x {hidden}, {c['n_routed_experts']} experts, {c['n_group']} groups "
              f"(keep {c['topk_group']}), top-{topk}", moe, f"MoE layers ({layers} - {c['first_k_dense_replace']} "
              "dense)", gate),
         Case("v32.experts", "V3.2", "grouped_w8a8_mlp", f"{local} experts {hidden} x {inter} W8A8, "
-             f"{args.expert_tokens} tokens x top-{topk} = {sum(rows)} rows ({rows[0]}-{rows[-1]} each)", moe,
+             f"{rows_text(args.expert_tokens, topk, local)}", moe,
              "MoE layers", _expert_call(args.expert_tokens, topk, local, hidden, inter, None), unread=(1,)),
     ]
 
@@ -227,7 +252,6 @@ def v4_cases(args) -> list[Case]:
                 v4_gate(x, router, torch.zeros(experts), topk, c["routed_scaling_factor"])
         return call
 
-    rows = expert_counts(args.expert_tokens, topk, local)
     attention = [("swa", "window only", window, 0), ("csa", f"window + top-{c['index_topk']} of the ratio-4 entries",
                                                       csa, 4),
                  ("hca", f"window + all {args.context // 128} ratio-128 entries", hca, 128)]
@@ -240,8 +264,8 @@ def v4_cases(args) -> list[Case]:
         Case("v4.gate.hash", "V4-Flash", "v4_hash_gate", f"1 x {hidden}, tid2eid {c['vocab_size']} x {topk}", hashed,
              "hash layers", gate(True)),
         Case("v4.experts", "V4-Flash", "grouped_w8a8_mlp", f"{local} experts {hidden} x {inter} W8A8, "
-             f"{args.expert_tokens} tokens x top-{topk} = {sum(rows)} rows ({rows[-1]}-{rows[0]} each), "
-             f"swiglu limit {c['swiglu_limit']}", layers, "every layer (all MoE)",
+             f"{rows_text(args.expert_tokens, topk, local)}, swiglu limit {c['swiglu_limit']}", layers,
+             "every layer (all MoE)",
              _expert_call(args.expert_tokens, topk, local, hidden, inter, c["swiglu_limit"]), unread=(1,)),
         Case("v4.norm", "V4-Flash", "add_rms_norm", f"1 x {hidden} BF16", 0, "not in V4's step (its norms stay "
              "torch)", _norm_call(hidden, c["rms_norm_eps"])),
@@ -295,7 +319,7 @@ def child(args) -> None:
     calls = []
 
     def record(name: str, tensors: list, directory: str) -> None:
-        moved = sum(t.numel() * t.element_size() for i, t in enumerate(tensors) if i not in case.unread)
+        moved = sum(case.operand_bytes(i, t) for i, t in enumerate(tensors))
         calls.append({"kernel": name, "bytes": moved, **cost_of(directory)})
 
     host.install()  # outside the timing: the calculator's load
@@ -311,8 +335,9 @@ def child(args) -> None:
 def run_case(case: Case, args) -> dict:
     """The case in a child process -> its row: the figures, or `error` (one line)."""
     cmd = [sys.executable, __file__, "--child", case.key, "--context", str(args.context), "--expert-tokens",
-           str(args.expert_tokens), "--kv-cache", args.kv_cache]
-    row = {k: v for k, v in asdict(case).items() if k not in ("call", "unread")}
+           str(args.expert_tokens), "--kv-cache", args.kv_cache, "--indexer-context", str(args.indexer_context),
+           "--indexer-topk", str(args.indexer_topk)]
+    row = {k: v for k, v in asdict(case).items() if k not in ("call", "unread", "rows_read")}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -321,7 +346,8 @@ def run_case(case: Case, args) -> dict:
     if done.returncode or not lines:
         return {**row, "error": failure_line(done)}
     result = json.loads(lines[-1][len(RESULT):])
-    return {**row, **figures(result["calls"], args.bandwidth_tbs * TERA), "host_s": result["host_s"]}
+    cost = figures(result["calls"], args.bandwidth_tbs * TERA)
+    return {**row, **cost, "step_us": cost["model_us"] * case.layers, "host_s": result["host_s"]}
 
 
 def failure_line(done: subprocess.CompletedProcess) -> str:
@@ -367,7 +393,8 @@ def header(rows: list[dict], args) -> dict:
             "device_arch": first.get("device_arch"), "cube_cores": first.get("cube_cores"),
             "vector_cores": first.get("vector_cores"), "clock_mhz": CLOCK_MHZ,
             "bandwidth_bytes_per_s": args.bandwidth_tbs * TERA, "context": args.context,
-            "indexer": {"context": INDEXER_CONTEXT, "topk": INDEXER_TOPK}, "expert_tokens": args.expert_tokens,
+            "indexer": {"context": args.indexer_context, "topk": args.indexer_topk},
+            "expert_tokens": args.expert_tokens,
             "ep": EP, "kv_cache": args.kv_cache}
 
 
@@ -376,10 +403,10 @@ def print_report(head: dict, rows: list[dict], step: dict) -> None:
     from rich.table import Table
 
     console = Console(width=200)
-    console.print(f"[bold]{ESTIMATE}[/bold]: PyPTO {head['pypto']} cost model (SIM run), target {head['npuarch']} "
+    console.print(f"[bold]{ESTIMATE}[/bold]. Cost model (SIM run) target {head['npuarch']} "
                   f"({head['device_arch']}, {head['cube_cores']} cube + {head['vector_cores']} vector cores), "
                   f"cycles at {CLOCK_MHZ} MHz; roofline at {head['bandwidth_bytes_per_s'] / TERA:g} TB/s (Ascend "
-                  f"910B HBM2e public spec, not measured); batch 1, context {head['context']}, "
+                  f"910B HBM2e, the quoted spec figure, not measured); batch 1, context {head['context']}, "
                   f"{head['kv_cache']} KV cache, EP{EP}")
     table = Table(show_lines=False)
     for name in ("model", "kernel", "shape", "cycles", "model µs", "AICore µs", "MiB", "floor µs", "ratio",
@@ -392,8 +419,14 @@ def print_report(head: dict, rows: list[dict], step: dict) -> None:
             continue
         table.add_row(r["model"], r["kernel"], r["shape"], f"{r['total_cycles']:,}", f"{r['model_us']:.1f}",
                       f"{r['aicore_us']:.1f}", f"{r['bytes'] / MIB:.2f}", f"{r['floor_us']:.2f}",
-                      f"{r['ratio']:.1f}x", f"{r['layers']}", f"{r['model_us'] * r['layers']:,.0f}")
+                      f"{r['ratio']:.1f}x", f"{r['layers']}", f"{r['step_us']:,.0f}")
     console.print(table)
+    console.print(f"layers: a decode step's decoder layers that run the kernel (MTP layer not counted); step µs = "
+                  f"model µs x layers; experts: EP{EP}, {head['expert_tokens']} tokens reach the card, spread evenly")
+    if any(r.get("ratio") is not None and r["ratio"] < 1 for r in rows):
+        console.print("ratio < 1: the model's time is under the bandwidth floor; its config "
+                      f"({CONFIG_INI}) sets per-core copy pipes and L2 latencies, no memory bandwidth limit, so "
+                      "there the floor, not the model, is the lower bound")
     for model, s in step.items():
         failed = f"; failed, not counted: {', '.join(s['failed'])}" if s["failed"] else ""
         console.print(f"{model} decode step ({s['layers']} layers), these kernels only: model "
@@ -405,6 +438,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="case keys (default: all)")
     parser.add_argument("--context", type=int, default=CONTEXT)
     parser.add_argument("--expert-tokens", type=int, default=EXPERT_TOKENS)
+    parser.add_argument("--indexer-context", type=int, default=INDEXER_CONTEXT)
+    parser.add_argument("--indexer-topk", type=int, default=INDEXER_TOPK)
     parser.add_argument("--kv-cache", choices=("bf16", "int8"), default="bf16")
     parser.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS)
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S)
@@ -414,7 +449,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    cases = [c for c in all_cases(args) if args.only is None or c.key in args.only]
+    cases = all_cases(args)
+    unknown = set(args.only or ()) - {c.key for c in cases}
+    if unknown:
+        parser.error(f"unknown --only keys {sorted(unknown)}: one of {[c.key for c in cases]}")
+    cases = [c for c in cases if args.only is None or c.key in args.only]
     started = time.perf_counter()
     rows = []
     for case in cases:

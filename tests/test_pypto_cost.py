@@ -7,7 +7,7 @@ import torch
 
 from dsconv.kernels.pypto import host
 from dsconv.kernels.pypto.rms_norm import add_rms_norm
-from dsconv.scripts.pypto_cost import CLOCK_MHZ, aicore_span, cost_of, expert_counts, figures
+from dsconv.scripts.pypto_cost import CLOCK_MHZ, Case, aicore_span, cost_of, expert_counts, figures
 
 OPERANDS = 5  # add_rms_norm's: x, residual, weight, out, residual_out
 
@@ -49,3 +49,9 @@ def test_the_roofline_figures():
     got = figures([call, call], bandwidth=10**12)  # two calls: summed
     assert got["model_us"] == pytest.approx(4.0) and got["aicore_us"] == pytest.approx(2.0)
     assert got["floor_us"] == pytest.approx(2.0) and got["ratio"] == pytest.approx(2.0)
+
+
+def test_a_kernel_moves_the_cache_rows_it_gathers_and_no_placeholder():
+    case = Case("k", "m", "kernel", "shape", 1, "", unread=(2,), rows_read={1: 3})
+    cache, placeholder, out = torch.zeros(100, 8, dtype=torch.bfloat16), torch.zeros(100, 1), torch.zeros(4, 8)
+    assert [case.operand_bytes(i, t) for i, t in enumerate([out, cache, placeholder])] == [4 * 8 * 4, 3 * 8 * 2, 0]

@@ -179,7 +179,8 @@ def install() -> None:
 def run(kernel, *tensors) -> None:
     """kernel(*tensors) through the interpreter (the kernel jitted with VERIFY_OPTIONS): its outputs written into
     the output tensors passed; raises when a verified pass's result is not PASS, at once, or inside
-    `deferred_checks` when the block ends. PyPTO's files go to a scratch directory per call, removed once read.
+    `deferred_checks` when the block ends. PyPTO's files go to a scratch directory per call, removed once read
+    (`on_call`, when set, sees it first).
 
     PyPTO writes a call's verify table through a buffered stream that it closes only when the next call's
     verification starts (measured: the table stops at 4,096 bytes, mid-row, until then). So a call's table is read

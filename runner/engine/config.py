@@ -313,10 +313,11 @@ class RunConfig:
 
     @property
     def overlap_summary(self) -> str:
-        """Which MoE order runs, for the closing or start-up line."""
+        """Which MoE order runs (and, with --kernels pypto, which kernels), for the closing or start-up line."""
+        kernels = "; decode steps through the PyPTO kernels (--kernels pypto)" if self.kernels == "pypto" else ""
         if self.overlap_shared_experts:
-            return "shared experts overlapped with the expert exchange"
-        return "shared experts after the expert exchange (--no-overlap-shared-experts)"
+            return f"shared experts overlapped with the expert exchange{kernels}"
+        return f"shared experts after the expert exchange (--no-overlap-shared-experts){kernels}"
 
     def cache_summary(self) -> str:
         """The KV cache in one line, for the start-up output."""
