@@ -74,7 +74,7 @@ def mc2_layer(result_dir: str, hidden: int, n_experts: int, inter: int, k: int, 
     local.routing = ExpertRouting(physical, n_experts, torch.device("cpu")) if redundant else None
     local.weights = ExpertWeights(w13[mine], w2[mine], None if s13 is None else s13[mine],
                                   None if s2 is None else s2[mine])
-    local.int8 = int8
+    local.int8, local.kernels = int8, mesh.kernels
     x, experts, weights = rank_rows(mesh.rank, rows[mesh.rank], hidden, n_experts, k)
 
     def shared(rows):
