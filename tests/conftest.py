@@ -89,3 +89,13 @@ def trained_shards(trained_source, tmp_path_factory):
         return cache[family]
 
     return build
+
+
+@pytest.fixture
+def pypto_deferred_checks():
+    """The PyPTO kernels' verify tables checked once, at the test's end (kernels/pypto/host.py, deferred_checks):
+    one closing kernel a test instead of one a call. A failed verification still fails the test, at teardown."""
+    from dsconv.kernels.pypto.host import deferred_checks
+
+    with deferred_checks():
+        yield

@@ -10,6 +10,8 @@ from dsconv.kernels.linear import quantize_activations
 from dsconv.kernels.moe import ExpertWeights, grouped_mlp
 from dsconv.kernels.pypto.experts import grouped_w8a8_mlp
 
+pytestmark = pytest.mark.usefixtures("pypto_deferred_checks")
+
 FLOAT32_TOLERANCE = 1e-5  # relative to the output's largest value
 BF16_ULP = 2 ** -7  # relative: one BF16 unit in the last place (8 bits of mantissa)
 INT8_MEAN_ABS = 64  # about the mean |code| of uniform INT8 weights: sets scales that give O(1) activations

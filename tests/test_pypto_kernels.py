@@ -13,6 +13,8 @@ from dsconv.kernels.pypto import host
 from dsconv.kernels.pypto.moe_gate import v3_gate, v4_gate
 from dsconv.kernels.pypto.rms_norm import add_rms_norm
 
+pytestmark = pytest.mark.usefixtures("pypto_deferred_checks")
+
 EPS = 1e-6
 FLOAT32_TOLERANCE = 1e-5
 BF16_HALF_ULP = 2 ** -8  # relative: one rounding of the output to BF16 (8 bits of mantissa), the torch path's too

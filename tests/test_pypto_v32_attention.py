@@ -16,6 +16,8 @@ from dsconv.kernels.pypto.indexer import indexer_topk
 from dsconv.kernels.pypto.sparse_mla import sparse_mla_decode
 from dsconv.kernels.topk import topk_lowest_index
 
+pytestmark = pytest.mark.usefixtures("pypto_deferred_checks")
+
 FLOAT32_TOLERANCE = 1e-5
 
 

@@ -13,6 +13,8 @@ import torch
 from dsconv.kernels.attention import attention_reference
 from dsconv.kernels.pypto.v4_attention import v4_decode_attention
 
+pytestmark = pytest.mark.usefixtures("pypto_deferred_checks")
+
 FLOAT32_TOLERANCE = 1e-5  # measured: 4.6e-7 (tiny), 5.1e-7 (tiny fixture), 3.3e-7 (V4-Flash)
 BF16_HALF_ULP = 2 ** -8  # relative: one rounding to BF16 (8 bits of mantissa)
 # against the BF16 torch path, which rounds its output too, and before that its scores and its probabilities: each
