@@ -91,10 +91,11 @@ def trained_shards(trained_source, tmp_path_factory):
     return build
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pypto_deferred_checks():
-    """The PyPTO kernels' verify tables checked once, at the test's end (kernels/pypto/host.py, deferred_checks):
-    one closing kernel a test instead of one a call. A failed verification still fails the test, at teardown."""
+    """The PyPTO kernels' verify tables checked once, when the module's tests are done (kernels/pypto/host.py,
+    deferred_checks): one closing kernel a module instead of one a call (about 0.25 s each). A failed verification
+    still fails the run, as an error at the module's teardown that names the kernel and the pass."""
     from dsconv.kernels.pypto.host import deferred_checks
 
     with deferred_checks():

@@ -44,9 +44,7 @@ def test_benchmark_bodies_through_the_front_end():
 
 # --- live servers on real-vocabulary tiny models ------------------------------------------------------------------
 
-# the clients' requests and the reports they read do not depend on the family (tests/test_serve.py and
-# tests/test_clients.py serve both): one family's server (the suite's time, docs/testing.md)
-CASES = {"v4-w1": ("deepseek_v4", Layout(1, 1, 1, 1))}
+CASES = {"v32-w1": ("deepseek_v32", Layout(1, 1, 1, 1)), "v4-w1": ("deepseek_v4", Layout(1, 1, 1, 1))}
 GUIDELLM_PROFILES = {"synchronous": ("kind=synchronous", 4), "concurrent": ("kind=concurrent,streams=4", 8)}
 PROMPT_TOKENS = 48
 
@@ -65,6 +63,7 @@ def guidellm(server: Server, shards: Path, profile: str, requests: int, output: 
 
 
 @pytest.mark.slow
+@pytest.mark.manual  # by hand (`pytest -m manual`): the suite's 20 minutes; the bodies are checked above in the suite
 @pytest.mark.parametrize("case", list(CASES))
 def test_benchmark_clients_against_live_servers(case, tiny_source, tmp_path):
     family, layout = CASES[case]

@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from dsconv.family.layout import Layout
 from dsconv.runner.cli import app as dsrun_app
-from tests.helpers import generate_ranks, shard
+from dsconv.runner.engine.config import RunConfig
+from dsconv.runner.engine.core import start_rank
+from tests.helpers import generate_ranks, greedy, shard
 
 NEW_TOKENS = 8
 # 60 and 48 tokens once the chat template wraps them: past the trained V3.2's index_topk (32: the indexer selects
@@ -45,33 +47,32 @@ def report(run: subprocess.Popen) -> tuple[list[int], dict]:
     return generated, printed["kernel_calls"]
 
 
-def test_world_1_pypto_gives_the_torch_tokens(trained_shards):
-    """Both families, each `dsrun generate` a process of one rank: the two families' runs side by side (a core
-    each), --kernels torch then pypto."""
+def test_world_1_and_2_pypto_give_the_torch_tokens(trained_shards, tmp_path):
+    """World 1, both families: `dsrun generate --kernels torch` and `--kernels pypto`, a process of one rank each.
+    World 2 (EP2), V3.2: `dsrun generate`'s ranks with --kernels pypto. All of them side by side: each run's process
+    computes on one core at a time, and none reads another's output."""
     shards = {family: trained_shards(family)[1] for family in FAMILY_KERNELS}
-    expected = {family: report(run) for family, run in
-                [(family, generate(shards[family], "torch")) for family in FAMILY_KERNELS]}
-    got = {family: report(run) for family, run in
-           [(family, generate(shards[family], "pypto")) for family in FAMILY_KERNELS]}
+    ep2 = tmp_path / "ep2"
+    shard(shards["deepseek_v32"].parent / "w8a8", ep2, Layout(2, 2, 2))
+    started = {(family, kernels): generate(shards[family], kernels) for family in FAMILY_KERNELS
+               for kernels in ("torch", "pypto")}
+    world_2 = generate_ranks(ep2, tmp_path / "pypto-ep2", [PROMPT_IDS], new_tokens=NEW_TOKENS, kernels="pypto")
+    done = {key: report(run) for key, run in started.items()}
     for family, kernels in FAMILY_KERNELS.items():
-        tokens, calls = got[family]
-        assert len(expected[family][0]) == NEW_TOKENS and expected[family][1] == {}
-        assert tokens == expected[family][0], family
+        (expected, none), (tokens, calls) = done[family, "torch"], done[family, "pypto"]
+        assert len(expected) == NEW_TOKENS and none == {}
+        assert tokens == expected, family
         # every decode step (NEW_TOKENS - 1 of them) ran the family's kernels in each of its layers
         assert set(calls) >= kernels and min(calls[name] for name in kernels) >= NEW_TOKENS - 1, (family, calls)
-
-
-def test_world_2_ep2_pypto_gives_the_torch_tokens(trained_shards, tmp_path):
-    _, w8a8 = trained_shards("deepseek_v32")
-    shards = tmp_path / "ep2"
-    shard(w8a8.parent / "w8a8", shards, Layout(2, 2, 2))
-    runs = {kernels: generate_ranks(shards, tmp_path / kernels, [PROMPT_IDS], new_tokens=NEW_TOKENS, kernels=kernels)
-            for kernels in ("torch", "pypto")}
-    assert runs["pypto"]["generated"] == runs["torch"]["generated"]
-    assert len(runs["torch"]["generated"][0]) == NEW_TOKENS
+    # world 2 against --kernels torch at world 1, in this process: sharded runs give the unsharded tokens in float32,
+    # which tests/test_runner_dist.py holds every layout to
+    run = RunConfig.open(shards["deepseek_v32"], dtype="float32")
+    _, model, new_cache = start_rank(run)
+    expected = greedy(model, new_cache(256), [PROMPT_IDS], NEW_TOKENS, run.eos_token_id)
+    assert world_2["generated"] == expected and len(expected[0]) == NEW_TOKENS
     # the rank with the sequence ran every kernel, the experts' on the rows the all-to-all brought it; the idle rank
     # has no decode step of its own (its share of the experts runs in torch)
-    busy, idle = (rank["kernel_calls"] for rank in runs["pypto"]["ranks"])
+    busy, idle = (rank["kernel_calls"] for rank in world_2["ranks"])
     assert set(busy) >= FAMILY_KERNELS["deepseek_v32"] | {"grouped_w8a8_mlp"} and idle == {}, (busy, idle)
 
 

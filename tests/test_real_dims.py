@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # 16-rank runs
+# 16-rank runs; by hand (`pytest -m manual tests/test_real_dims.py`): the suite's 20 minutes (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.manual]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "real_dims.py"
-# V4 in the suite (its four layer kinds, the hash layer, FP4 experts); V3.2's stages are the same code with its own
-# layouts, run by hand (`python scripts/real_dims.py --tiny`): the suite's time (docs/testing.md)
-FAMILIES = ("deepseek_v4",)
+FAMILIES = ("deepseek_v32", "deepseek_v4")
 # The tiny configs compare in float32 (the real dimensions in BF16): BF16 shards agree with the FP8 source to float
 # rounding (1e-13 in tests/test_compare.py); W8A8 shards of these random-weight fixtures lose most in their last
 # layer (measured: V3.2 0.99319, V4 0.99894), an error of the quantized weights, not of the CPU's rounding
