@@ -15,9 +15,9 @@ once to the compute dtype, as the cache's `read_slots` does, then multiplied the
 
 Shapes: query [B * H, lora + rope] and out [B * H, lora]; slots [B * K] int32 (each sequence's chosen slots), mask
 [B, K] float32 additive (0 or -inf). Tiles, at V3.2's decode (H = 128 heads, lora 512 + rope 64, K = 2048): vector
-tiles of VEC_ROWS heads by the whole key axis, 8 x 2048 float32 = 64 KiB, inside the unified buffer (192 KiB on the
-A2/A3 class the compiler checks; the softmax's reductions stay in one tile); cube tiles CUBE_M x CUBE_K by CUBE_N, float32 operand tiles of 16 and 32 KiB
-(L0A / L0B, 64 KiB each).
+tiles of VEC_ROWS heads by the whole key axis, 8 x 2048 float32 = 64 KiB, inside the unified buffer (192 KiB on
+the A2/A3 class the compiler checks; the softmax's reductions stay in one tile); cube tiles CUBE_M x CUBE_K by
+CUBE_N, float32 operand tiles of 16 and 32 KiB (L0A / L0B, 64 KiB each).
 """
 
 import functools  # no `from __future__ import annotations`: PyPTO's jit reads the annotations as objects
@@ -26,17 +26,14 @@ import pypto
 import torch
 
 from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
+from dsconv.kernels.pypto.tiles import cube_tile
 
 DTYPES = {torch.float32: pypto.DT_FP32, torch.bfloat16: pypto.DT_BF16}
 VEC_ROWS = 8  # heads per vector tile, the key axis whole (the softmax reduces inside one tile)
 CUBE_M, CUBE_K, CUBE_N = 64, 64, 128
-CUBE_ALIGN = 16  # elements: the compiler refuses cube tiles that are not a multiple of it
 MASKED = float("-inf")
 WRONG = (None, "no_scale", "shifted")
 
-
-def _cube(size: int, tile: int) -> int:
-    return min(tile, -(-size // CUBE_ALIGN) * CUBE_ALIGN)
 
 
 @functools.lru_cache(maxsize=64)
@@ -49,7 +46,7 @@ def _kernel(batch: int, heads: int, lora: int, rope: int, slots_total: int, keys
     width = lora + rope
     latent_dtype = pypto.DT_INT8 if int8 else dt
     latent_width = lora if int8 else width
-    cube_m = _cube(heads, CUBE_M)
+    cube_m = cube_tile(heads, CUBE_M)
 
     @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def sparse_mla_decode(query: pypto.Tensor((batch * heads, width), dt),
@@ -72,8 +69,8 @@ def _kernel(batch: int, heads: int, lora: int, rope: int, slots_total: int, keys
             else:
                 ctx = pypto.cast(pypto.index_select(latent, 0, rows), pypto.DT_FP32)  # [K, lora + rope]
             q_b = pypto.cast(pypto.view(query, [heads, width], [b * heads, 0]), pypto.DT_FP32)
-            pypto.set_cube_tile_shapes([cube_m, cube_m], [_cube(width, CUBE_K), _cube(width, CUBE_K)],
-                                       [_cube(keys_n, CUBE_N), _cube(keys_n, CUBE_N)])
+            pypto.set_cube_tile_shapes([cube_m, cube_m], [cube_tile(width, CUBE_K), cube_tile(width, CUBE_K)],
+                                       [cube_tile(keys_n, CUBE_N), cube_tile(keys_n, CUBE_N)])
             scored = ctx
             if wrong == "shifted":  # position j scored with row j + 1's latent (the values where they were)
                 scored = pypto.concat([pypto.view(ctx, [keys_n - 1, width], [1, 0]),
@@ -84,8 +81,8 @@ def _kernel(batch: int, heads: int, lora: int, rope: int, slots_total: int, keys
             scores = pypto.add(scores, pypto.view(mask, [1, keys_n], [b, 0]))
             weights = pypto.exp(pypto.sub(scores, pypto.amax(scores, -1, keepdim=True)))
             probs = pypto.div(weights, pypto.sum(weights, -1, keepdim=True))
-            pypto.set_cube_tile_shapes([cube_m, cube_m], [_cube(keys_n, CUBE_K), _cube(keys_n, CUBE_K)],
-                                       [_cube(lora, CUBE_N), _cube(lora, CUBE_N)])
+            pypto.set_cube_tile_shapes([cube_m, cube_m], [cube_tile(keys_n, CUBE_K), cube_tile(keys_n, CUBE_K)],
+                                       [cube_tile(lora, CUBE_N), cube_tile(lora, CUBE_N)])
             outputs.append(pypto.matmul(probs, pypto.view(ctx, [keys_n, lora], [0, 0]), pypto.DT_FP32))
         if batch == 1:
             out[:] = pypto.cast(outputs[0], dt)

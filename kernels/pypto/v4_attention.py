@@ -19,7 +19,7 @@ Tiles, at V4-Flash's decode (H = 64 heads a rank, D = 512, K = 128 + 512 = 640):
 - cube: CUBE_M rows of heads, CUBE_K of the reduced axis, CUBE_N of the output's columns: the float32 operand tiles
   are 64 x 64 x 4 = 16 KiB (L0A) and 64 x 128 x 4 = 32 KiB (L0B), the accumulator 64 x 128 x 4 = 32 KiB (L0C),
   each inside its buffer (64 / 64 / 128 KiB on A2/A3). A smaller dimension takes its whole size, rounded up to
-  CUBE_ALIGN (the tiny shapes' 4 heads, 21 keys: tiles of 16 and 32).
+  tiles.CUBE_ALIGN (the tiny shapes' 4 heads, 21 keys: tiles of 16 and 32).
 """
 
 import functools  # no `from __future__ import annotations`: PyPTO's jit reads the annotations as objects
@@ -28,20 +28,13 @@ import pypto
 import torch
 
 from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
+from dsconv.kernels.pypto.tiles import cube_tile
 
 DTYPES = {torch.float32: pypto.DT_FP32, torch.bfloat16: pypto.DT_BF16}
 VEC_ROWS = 8  # heads per vector tile (the key axis whole: the softmax's reductions stay in one tile)
 CUBE_M, CUBE_K, CUBE_N = 64, 64, 128  # the matmuls' tiles (module docstring)
-CUBE_ALIGN = 16  # elements: every cube tile a multiple of it (the compiler's CheckCubeTiling; an unaligned one
-# can also surface later as "REGISTER_COPY tile shape not set")
 MASKED = float("-inf")  # the additive mask's value for a key a query may not see
 WRONG = (None, "no_sink", "shifted")
-
-
-def _cube(size: int, tile: int) -> int:
-    """A cube tile for a dimension of `size`: `tile`, or the whole dimension when smaller, rounded up to the cube's
-    CUBE_ALIGN elements (the compiler refuses unaligned tiles)."""
-    return min(tile, -(-size // CUBE_ALIGN) * CUBE_ALIGN)
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,8 +43,8 @@ def _kernel(batch: int, heads: int, keys_n: int, dim: int, dtype: torch.dtype, s
     deliberately wrong variant for the negative tests ("no_sink": the sink left out of the softmax; "shifted": key
     j's score computed with key j + 1's row, the last with the first, the values where they were)."""
     dt = DTYPES[dtype]
-    cube_m, cube_k_scores, cube_k_out = _cube(heads, CUBE_M), _cube(dim, CUBE_K), _cube(keys_n, CUBE_K)
-    cube_n_scores, cube_n_out = _cube(keys_n, CUBE_N), _cube(dim, CUBE_N)
+    cube_m, cube_k_scores, cube_k_out = cube_tile(heads, CUBE_M), cube_tile(dim, CUBE_K), cube_tile(keys_n, CUBE_K)
+    cube_n_scores, cube_n_out = cube_tile(keys_n, CUBE_N), cube_tile(dim, CUBE_N)
 
     @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
     def v4_decode_attention(q: pypto.Tensor((batch * heads, dim), dt), keys: pypto.Tensor((batch * keys_n, dim), dt),
