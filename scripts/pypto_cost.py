@@ -3,7 +3,7 @@ decode shapes: each kernel's modelled cycles and time, a decode step's (the kern
 and a memory roofline: the bytes the kernel's operands and outputs hold against the chip's memory bandwidth.
 
     python scripts/pypto_cost.py [--only KEY ...] [--context 8192] [--expert-tokens 8] [--kv-cache bf16|int8]
-                                 [--indexer-context 4096] [--indexer-topk 1024] [--bandwidth-tbs 1.6]
+                                 [--bandwidth-tbs 1.6]
                                  [--timeout 1800] [--json FILE]
 
 Every figure is a model's estimate, nothing is measured on an NPU: every host call of a PyPTO kernel
@@ -23,8 +23,8 @@ the projections, the shared expert, the collectives and the lm_head are not in i
 
 Shapes (batch 1: one token of one sequence per card, attention DP), from the configs: V3.2: hidden 7168, 128 heads
 of 512 + 64 (absorbed MLA) over top-2048 of --context positions, index 64 x 128, 256 experts in 8 groups (4 kept,
-top-8), moe_intermediate 2048; its indexer runs at 4096 positions and top-1024 by default (--indexer-context,
---indexer-topk: PyPTO 0.2.0's cost model fails at the real 8K / top-2048). V4-Flash: hidden 4096, 64 heads of 512
+top-8), moe_intermediate 2048, its indexer scoring --context positions for their top index_topk (2048). V4-Flash:
+hidden 4096, 64 heads of 512
 against a 128-key window, plus top-512 compressed entries (CSA, ratio 4) or every ratio-128 entry (HCA), 256
 experts top-6 (3 hash-routed layers). Experts: EP16, 16 experts a card; --expert-tokens tokens reach the card,
 each picking top-k of its experts, the rows spread evenly (round robin).
@@ -56,7 +56,6 @@ BANDWIDTH_TBS = 1.6
 TERA = 1e12
 MIB = 2**20
 CONTEXT = 8192  # cached positions per sequence
-INDEXER_CONTEXT, INDEXER_TOPK = 4096, 1024  # the indexer's default shape: PyPTO 0.2.0's cost model fails at 8K
 EP = 16  # expert parallelism: a card holds n_routed_experts / EP experts
 EXPERT_TOKENS = 8  # tokens reaching a card's experts in a decode step (--expert-tokens)
 TIMEOUT_S = 1800  # per kernel (its child process)
@@ -173,11 +172,11 @@ def v32_cases(args) -> list[Case]:
 
         from dsconv.kernels.pypto.indexer import indexer_topk
 
-        positions = args.indexer_context
+        positions = args.context
         keys = _int8(positions, idx_dim) if int8 else _rand(positions, idx_dim, dtype=torch.bfloat16)
         indexer_topk(_rand(1, idx_heads, idx_dim), _rand(1, idx_heads), keys,
                      torch.rand(positions, 1) * 1e-2 if int8 else None, torch.arange(positions)[None], None,
-                     args.indexer_topk)
+                     c["index_topk"])
 
     def mla():
         import torch
@@ -193,16 +192,14 @@ def v32_cases(args) -> list[Case]:
                           (c["qk_nope_head_dim"] + rope) ** -0.5)
 
     cache = "INT8 cache" if int8 else "BF16 cache"
-    reduced = (args.indexer_context, args.indexer_topk) != (args.context, c["index_topk"])
-    real = f"; the real {args.context} / top-{c['index_topk']} fails in PyPTO 0.2.0's cost model" if reduced else ""
     return [
         Case("v32.norm", "V3.2", "add_rms_norm", f"1 x {hidden} BF16", layers,
              "every layer (post-attention)", _norm_call(hidden, c["rms_norm_eps"])),
         Case("v32.indexer", "V3.2", "indexer_topk",
-             f"{idx_heads} x {idx_dim} heads, {args.indexer_context} positions, top-{args.indexer_topk} "
-             f"({cache}{real})", layers, "every layer", indexer,
+             f"{idx_heads} x {idx_dim} heads, {args.context} positions, top-{c['index_topk']} ({cache})", layers,
+             "every layer", indexer,
              # keys [S, dim] and their scales [S, 1] (placeholders for a float cache), every context row read
-             unread=() if int8 else (3,), rows_read={2: args.indexer_context, 3: args.indexer_context}),
+             unread=() if int8 else (3,), rows_read={2: args.context, 3: args.context}),
         Case("v32.mla", "V3.2", "sparse_mla_decode", f"{heads} heads x {lora}+{rope}, {keys_n} of {args.context} "
              f"rows ({cache})", layers, "every layer", mla,
              # the latent cache [S, ...], its scales and rope keys (placeholders for a BF16 cache): keys_n rows read
@@ -335,8 +332,7 @@ def child(args) -> None:
 def run_case(case: Case, args) -> dict:
     """The case in a child process -> its row: the figures, or `error` (one line)."""
     cmd = [sys.executable, __file__, "--child", case.key, "--context", str(args.context), "--expert-tokens",
-           str(args.expert_tokens), "--kv-cache", args.kv_cache, "--indexer-context", str(args.indexer_context),
-           "--indexer-topk", str(args.indexer_topk)]
+           str(args.expert_tokens), "--kv-cache", args.kv_cache]
     row = {k: v for k, v in asdict(case).items() if k not in ("call", "unread", "rows_read")}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
@@ -393,7 +389,6 @@ def header(rows: list[dict], args) -> dict:
             "device_arch": first.get("device_arch"), "cube_cores": first.get("cube_cores"),
             "vector_cores": first.get("vector_cores"), "clock_mhz": CLOCK_MHZ,
             "bandwidth_bytes_per_s": args.bandwidth_tbs * TERA, "context": args.context,
-            "indexer": {"context": args.indexer_context, "topk": args.indexer_topk},
             "expert_tokens": args.expert_tokens,
             "ep": EP, "kv_cache": args.kv_cache}
 
@@ -438,8 +433,6 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="case keys (default: all)")
     parser.add_argument("--context", type=int, default=CONTEXT)
     parser.add_argument("--expert-tokens", type=int, default=EXPERT_TOKENS)
-    parser.add_argument("--indexer-context", type=int, default=INDEXER_CONTEXT)
-    parser.add_argument("--indexer-topk", type=int, default=INDEXER_TOPK)
     parser.add_argument("--kv-cache", choices=("bf16", "int8"), default="bf16")
     parser.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS)
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S)

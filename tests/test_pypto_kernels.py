@@ -60,10 +60,14 @@ def test_the_shim_names_missing_private_pieces(monkeypatch):
 
 
 def test_a_verify_result_other_than_pass_is_an_error():
-    passed = {"passName": "Pass_04_ExpandFunction", "verifyResult": "PASS", "maxAbsDiff": "0.000000"}
-    host.check_results("k", [passed])
+    """Every verified pass has a PASS row; a FAILED row, or a pass with no row (its replay failed), raises."""
+    passed = [{"passName": f"Pass_{i:02d}_{name}", "verifyResult": "PASS", "maxAbsDiff": "0.000000"}
+              for i, name in enumerate(host.VERIFY_OPTIONS["pass_verify_pass_filter"])]
+    host.check_results("k", passed)
     with pytest.raises(RuntimeError, match=r"k: PyPTO's pass verification failed: Pass_14_SplitK \(FAILED"):
-        host.check_results("k", [passed, {**passed, "passName": "Pass_14_SplitK", "verifyResult": "FAILED"}])
+        host.check_results("k", [*passed, {**passed[0], "passName": "Pass_14_SplitK", "verifyResult": "FAILED"}])
+    with pytest.raises(RuntimeError, match=r"failed: InferDynShape \(no result: its replay failed\)"):
+        host.check_results("k", [{**passed[0], "passName": "Pass_04_ExpandFunction"}])
     with pytest.raises(RuntimeError, match="wrote no verify results"):
         host.check_results("k", [])
 

@@ -2,7 +2,7 @@
 PyPTO 0.2.0's pass-verify interpreter on the host, against the runner's torch path:
 - the lightning indexer: the same positions as runner/models/deepseek_v3.py's `Indexer.select_decode` arithmetic
   (float keys, and A8C8 over an INT8 key cache), ties toward the lowest position, at the tiny fixture's shape and at
-  V3.2's 64 index heads of 128 over 2K positions (top 1024);
+  V3.2's decode size (64 index heads of 128 over 8K positions, top 2048);
 - the absorbed sparse MLA: `kernels.attention.attention_reference` over the chosen latent rows, auto and INT8 cache,
   float32 within 1e-5, at the tiny shape and at V3.2's 128 heads, 512 + 64 latent, top-k 2048 of an 8K cache;
 - a deliberately wrong variant of each fails."""
@@ -68,14 +68,13 @@ def test_indexer_breaks_ties_toward_the_lowest_position():
     assert same_positions(got, expected)
 
 
-def test_indexer_at_v32_heads():
-    """V3.2's 64 index heads of 128, A8C8 over 2,048 cached positions, top 1,024 (the kernel takes the k-th in
-    rounds of PyPTO's largest topk, 512 here). 4,096 positions, top 1,024, gave the same positions too (by hand,
-    docs/pypto.md); 8,192 / top-2,048 does not run in PyPTO 0.2.0."""
-    q, head_weights, keys, slots = indexer_inputs(1, 64, 128, 3000, 2048)
+def test_indexer_at_v32_decode_size():
+    """V3.2's decode: 64 index heads of 128, A8C8 over 8,192 cached positions (of a 9,000-slot cache), top 2,048
+    (the kernel takes the k-th in two rounds of its largest topk, 1,024)."""
+    q, head_weights, keys, slots = indexer_inputs(1, 64, 128, 9000, 8192)
     keys, key_scales = quantize_tokens(keys)
-    got = indexer_topk(q, head_weights, keys, key_scales, slots, None, 1024)
-    assert same_positions(got, index_reference(q, head_weights, keys, key_scales, slots, None, 1024))
+    got = indexer_topk(q, head_weights, keys, key_scales, slots, None, 2048)
+    assert same_positions(got, index_reference(q, head_weights, keys, key_scales, slots, None, 2048))
 
 
 def test_a_wrong_indexer_fails():

@@ -11,12 +11,17 @@ cache) and w [heads] its head weights:
     top          = the k best positions, ties toward the lowest position (relu leaves exact zeros)
 
 The top k are found in steps that do not depend on how PyPTO's topk orders ties (torch.topk in the interpreter,
-unspecified), and with topk calls of at most TOPK_MAX (PyPTO 0.2.0 refuses a k above the vector tile's last axis):
-- the k-th best score v, in rounds: a round's TOPK_MAX best scores give v when it lies among them; else every score
+unspecified), and with topk calls of at most SELECT_COLS (PyPTO 0.2.0 refuses a k above the vector tile's last
+axis):
+- the k-th best score v, in rounds: a round's SELECT_COLS best scores give v when it lies among them; else every score
   at or above the round's lowest is set aside (all of them rank before v) and the next round looks below;
 - kept: every position scoring above v, and of those scoring v the first (k - above) by position (a running count);
 - each kept position goes to its place among the kept (a running count of them), the others after: the kept
   positions, lowest first, in the output's first k columns (one scatter).
+The running counts are taken one selection tile at a time, each tile's cumsum plus the sum of the tiles before it:
+PyPTO 0.2.0's cumsum across tiles carries a tile's last value into the next through an EXPAND that its pass
+verification cannot replay (InferDynShape wrote no result: measured at 2,048 positions), and a cumsum over one tile
+of the whole row does not compile.
 The torch path lists them best first: the same set (tests compare sets; attention over them differs only in the
 order of its float sums).
 
@@ -24,13 +29,12 @@ Shapes: q [B * heads, dim] float32; head_weights [B, heads] float32; keys [S, di
 int8 with scales [S, 1] float32, or float32) and slots [B * C] int32 (each sequence's context), gathered in the
 kernel; valid [B, C] float32, 1 where a position is real. Out: [B, k] int32. The heads are scored VEC_ROWS at a
 time and their weighted scores summed (measured: a tensor of more heads than a tile's rows made PyPTO's pass
-verification fail). Tiles: vector VEC_ROWS x VEC_COLS float32 (16 KiB, inside the 192 KiB unified buffer of the
-A2/A3 class the compiler checks); a reduction's tile is 32-byte aligned (VEC_ALIGN), a scatter's axis whole (one
-row of C: 32 KiB at 8K); cube CUBE_M x CUBE_K by CUBE_N.
+verification fail). Tiles: vector VEC_ROWS x VEC_COLS float32 for the scores (16 KiB, inside the 192 KiB unified
+buffer of the A2/A3 class the compiler checks), 1 x SELECT_COLS for the selection; a reduction's tile is 32-byte
+aligned (VEC_ALIGN), a scatter's axis whole (one row of C: 32 KiB at 8K); cube CUBE_M x CUBE_K by CUBE_N.
 
-Checked at V3.2's 64 index heads of 128 over 4,096 positions, top 1,024. At its 8K context and top-2,048 PyPTO
-0.2.0's cost model fails to run the kernel (error FFFFFF) and its pass verification fails to replay an EXPAND of the
-tiled graph: not checked there (docs/pypto.md).
+Checked at V3.2's decode size: 64 index heads of 128 over 8,192 positions, top 2,048
+(tests/test_pypto_v32_attention.py).
 """
 
 import functools  # no `from __future__ import annotations`: PyPTO's jit reads the annotations as objects
@@ -43,8 +47,15 @@ from dsconv.kernels.pypto.host import VERIFY_OPTIONS, run
 
 VEC_ROWS, VEC_COLS = 8, 512
 VEC_ALIGN = 8  # float32 values in 32 bytes
-TOPK_MAX = VEC_COLS  # the largest k PyPTO 0.2.0's topk takes: the vector tile's last axis (measured)
-CUBE_M, CUBE_K, CUBE_N = 64, 128, 64  # float32: L0A 32 KiB, L0B 32 KiB (of 64); K whole at the index head's 128
+# the selection's tile: one row of 1,024 scores. topk takes k up to the tile's last axis, so V3.2's top-2,048 takes
+# two rounds. Measured: at 8,192 positions the score tile's 8 x 512 made PyPTO 0.2.0's cost model fail (FFFFFF), and
+# a 2,048-wide tile overflowed the unified buffer in topk's transpose (200 KiB of 192).
+SELECT_COLS = 1024
+# cube tiles, K whole at the index head's 128: float32 keys CUBE_M x CUBE_K (L0A 32 KiB) by CUBE_N[False] (L0B 32 KiB of
+# 64); INT8 keys by CUBE_N[True] (L0B 32 KiB; L0C CUBE_M x 256 INT32, 64 KiB of 128). The wider INT8 tile took V3.2's
+# 8K decode from 34 s to 12 s in the interpreter (a quarter of the tiles to compile)
+CUBE_M, CUBE_K = 64, 128
+CUBE_N = {False: 64, True: 256}
 
 
 def _aligned(columns: int) -> int:
@@ -57,7 +68,8 @@ def _aligned(columns: int) -> int:
 def _kernel(batch: int, heads: int, dim: int, slots_total: int, context: int, k: int, int8: bool, wrong=None):
     key_dtype = pypto.DT_INT8 if int8 else pypto.DT_FP32
     score_scale = dim ** -0.5
-    take = min(TOPK_MAX, _aligned(context), context)
+    select_cols = _aligned(min(context, SELECT_COLS))
+    take = min(select_cols, context)
     head_scale = heads ** -0.5
 
     @pypto.frontend.jit(verify_options=VERIFY_OPTIONS)
@@ -70,7 +82,7 @@ def _kernel(batch: int, heads: int, dim: int, slots_total: int, context: int, k:
                      positions: pypto.Tensor((1, context), pypto.DT_FP32),
                      top: pypto.Tensor((batch, k), pypto.DT_INT32)):
         pypto.set_vec_tile_shapes(VEC_ROWS, _aligned(min(context, VEC_COLS)))
-        pypto.set_cube_tile_shapes([CUBE_M, CUBE_M], [CUBE_K, CUBE_K], [CUBE_N, CUBE_N])
+        pypto.set_cube_tile_shapes([CUBE_M, CUBE_M], [CUBE_K, CUBE_K], [CUBE_N[int8], CUBE_N[int8]])
         picks = []
         for b in range(batch):
             rows = pypto.view(slots, [context], [b * context])  # this sequence's context slots of the paged cache
@@ -99,9 +111,10 @@ def _kernel(batch: int, heads: int, dim: int, slots_total: int, context: int, k:
             if wrong == "shifted":  # position c's score read at c + 1: every index off by one
                 index = pypto.concat([pypto.view(index, [1, context - 1], [0, 1]),
                                       pypto.view(index, [1, 1], [0, 0])], -1)
-            # the k-th best score, exactly, with topk calls of at most TOPK_MAX (PyPTO's limit): each round's top
+            # the k-th best score, exactly, with topk calls of at most SELECT_COLS (PyPTO's limit): each round's top
             # values give it when it lies among them; else every score at or above the round's lowest is set aside
             # (all of them ranked before it) and the next round looks below
+            pypto.set_vec_tile_shapes(1, select_cols)
             remaining, need, kth = index, None, None
             for _ in range(-(-k // take)):
                 best, _ = pypto.topk(remaining, take, -1, True)  # [1, take], best first
@@ -126,9 +139,28 @@ def _kernel(batch: int, heads: int, dim: int, slots_total: int, context: int, k:
             at = pypto.where(pypto.eq(index, kth), 1.0, 0.0)
             # how many ties are kept: k - above (a scalar first operand of sub mis-compiles: negate and add)
             room = pypto.add(pypto.mul(pypto.sum(above, -1, keepdim=True), -1.0), float(k))
-            kept = pypto.add(above, pypto.where(pypto.le(pypto.cumsum(at, -1), room), at, 0.0))  # 1 or 0
-            place = pypto.where(pypto.gt(kept, 0.5), pypto.add(pypto.cumsum(kept, -1), -1.0),
-                                pypto.add(pypto.cumsum(pypto.add(pypto.mul(kept, -1.0), 1.0), -1), float(k - 1)))
+            # running counts one tile at a time, each tile's cumsum plus the sum of the tiles before it (a cumsum
+            # across tiles fails PyPTO 0.2.0's InferDynShape replay; module docstring); the counts are exact in
+            # float32 (below 2^24)
+            parts, carry = [], None
+            for first in range(0, context, select_cols):
+                chunk = pypto.view(at, [1, min(select_cols, context - first)], [0, first])
+                parts.append(pypto.cumsum(chunk, -1) if carry is None else pypto.add(pypto.cumsum(chunk, -1), carry))
+                total = pypto.sum(chunk, -1, keepdim=True)
+                carry = total if carry is None else pypto.add(carry, total)
+            ties_before = parts[0] if len(parts) == 1 else pypto.concat(parts, -1)  # ties up to each position
+            kept = pypto.add(above, pypto.where(pypto.le(ties_before, room), at, 0.0))  # 1 or 0
+            parts, carry = [], None
+            for first in range(0, context, select_cols):
+                chunk = pypto.view(kept, [1, min(select_cols, context - first)], [0, first])
+                parts.append(pypto.cumsum(chunk, -1) if carry is None else pypto.add(pypto.cumsum(chunk, -1), carry))
+                total = pypto.sum(chunk, -1, keepdim=True)
+                carry = total if carry is None else pypto.add(carry, total)
+            kept_before = parts[0] if len(parts) == 1 else pypto.concat(parts, -1)  # kept up to each position
+            # a kept position's place: kept before it (itself included) - 1; another's: k + those not kept before it
+            # (position + 1 - kept_before) - 1
+            place = pypto.where(pypto.gt(kept, 0.5), pypto.add(kept_before, -1.0),
+                                pypto.add(pypto.add(positions, pypto.mul(kept_before, -1.0)), float(k)))
             pypto.set_vec_tile_shapes(1, _aligned(context))  # a scatter's axis is not split: a row of C (32 KiB at 8K)
             ordered = pypto.scatter(pypto.mul(positions, 0.0), 1, pypto.cast(place, pypto.DT_INT32), positions)
             pypto.set_vec_tile_shapes(VEC_ROWS, _aligned(min(context, VEC_COLS)))
