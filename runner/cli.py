@@ -273,6 +273,17 @@ def serve(
              '"transfer_timeout_s": 30, "kv_load_failure_policy": "fail" | "recompute"}}. A producer prefills and '
              'hands the prompt\'s KV cache over; a consumer reads it (Mooncake transfer engine) and decodes. '
              '`dsrun router` sends requests to both (docs/pd.md).')] = None,
+    kv_offloading_size: Annotated[Optional[float], typer.Option(
+        help="KV cache offload (vLLM's flag): GiB of host memory, over every rank, that keeps the prefix cache's "
+             "blocks the KV cache gives up; a later request finds them there and copies them back instead of "
+             "computing them. Needs prefix caching.")] = None,
+    kv_offloading_path: Annotated[Optional[Path], typer.Option(
+        help="A directory for a disk tier under the host one: blocks that fall out of host memory are written there "
+             "(one checksummed file each), and a server restarted on it with the same shards finds them. Made when "
+             "missing; refused when it holds another model's or layout's blocks. With --kv-offloading-disk-size.")]
+    = None,
+    kv_offloading_disk_size: Annotated[Optional[float], typer.Option(
+        help="GiB the disk tier may fill, over every rank (the least recently used files go first).")] = None,
 ) -> None:
     """Serve the shards over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics, /tokenize, /detokenize), with continuous batching over every rank.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsconv.runner.engine.kv_offload import OffloadOps
 from dsconv.runner.engine.kv_transfer import Load
 from dsconv.runner.models.kv_cache import Fork, Restore
 
@@ -121,6 +122,8 @@ class Batch:
     follow: list[int | None] = field(default_factory=list)
     # P/D disaggregation (engine/kv_transfer.py): blocks this DP index's ranks read from a producer before the step
     loads: list[Load] = field(default_factory=list)
+    # KV offload (engine/kv_offload.py): copies between the cache and the host and disk tiers, before anything else
+    offload: OffloadOps | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dsconv.errors import InputError
 
@@ -46,6 +47,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # a published block by its hash
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
+        # called as on_evict(block, hash) when a published block is given out again (KV offload saves it first)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -85,6 +88,8 @@ class BlockPool:
             block = self.free.pop()
         else:  # the least recently released published block: its entries are given up
             block, _ = self.evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self.hash_of[block])
             del self.cached[self.hash_of[block]]
             self.hash_of[block] = None
         self.holders[block] = 1
@@ -108,6 +113,17 @@ class BlockPool:
             self.holders[block] += 1
             self.evictable.pop(block, None)
         self.tables[seq_id] = list(blocks)
+
+    def adopt_with(self, seq_id: int, blocks: list[int | None]) -> list[int] | None:
+        """A new sequence's table from published blocks and, where `blocks` has None, fresh ones (KV offload fills
+        them from the host tier before the step reads them) -> the table; None when the free blocks do not suffice
+        (nothing is taken)."""
+        held = [block for block in blocks if block is not None]
+        if len(blocks) - len(held) > self.num_free - sum(1 for block in set(held) if block in self.evictable):
+            return None
+        self.adopt(seq_id, held)
+        self.tables[seq_id] = [block if block is not None else self._take() for block in blocks]
+        return self.tables[seq_id]
 
     def publish(self, seq_id: int, hashes: list[bytes]) -> None:
         """seq_id's first len(hashes) blocks are full and computed: each is published under its hash (a hash that
@@ -163,6 +179,7 @@ class StatePool:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.held: dict[int, dict[int, int]] = {}  # seq_id -> block index -> the state block it writes
         self.reading: dict[int, list[int]] = {}  # seq_id -> the published state blocks its restore copies
+        self.on_evict: Callable[[int, bytes], None] | None = None  # as BlockPool's
 
     @property
     def num_free(self) -> int:
@@ -173,6 +190,8 @@ class StatePool:
             block = self.free.pop()
         else:
             block, _ = self.evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self.hash_of[block])
             del self.cached[self.hash_of[block]]
             self.hash_of[block] = None
         self.holders[block] = 1

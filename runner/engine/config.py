@@ -3,12 +3,16 @@ line (runner/cli.py) and handed to every rank. `engine.core.start_engine` builds
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 from dsconv.errors import InputError
+from dsconv.manifest.schema import MANIFEST_NAME
+from dsconv.runner.engine.kv_offload import GIB, OffloadConfig
 from dsconv.runner.engine.kv_transfer import KVTransferConfig
+from dsconv.runner.engine.offload_store import open_directory
 from dsconv.family.arch import (DEFAULT_BLOCK_SIZE, Family, check_block_size, check_context_parallel,
                                check_kv_cache_dtype, family_for)
 from dsconv.family.layout import DEFAULT_MAX_NUM_BATCHED_TOKENS, Layout
@@ -84,6 +88,30 @@ class EngineConfig:
     drain_timeout_s: float = 30.0
     speculative: SpeculativeConfig | None = None
 
+    def with_offload(self, config: OffloadConfig | None) -> "RunConfig":
+        """This run with KV offload: checked against the cache (prefix caching on; each rank's share of the host
+        size holds a block at least) and, with a disk tier, its directory opened for these shards (InputError, one
+        line: engine/offload_store.open_directory)."""
+        if config is None:
+            return self
+        if not self.scheduler.enable_prefix_caching:
+            raise InputError("--kv-offloading-size keeps the prefix cache's blocks: it needs prefix caching "
+                             "(drop --no-enable-prefix-caching)")
+        per_block, _ = self.cache_bytes
+        world = self.layout.world_size
+        for flag, size in (("--kv-offloading-size", config.host_bytes), ("--kv-offloading-disk-size",
+                                                                          config.disk_bytes)):
+            if (size or flag == "--kv-offloading-size") and size // world < per_block:
+                raise InputError(f"{flag} {size / GIB:g} GiB is {size // world} bytes a rank over {world} ranks, "
+                                 f"below one block of the KV cache ({per_block} bytes: {self.cache.block_size} "
+                                 f"tokens, {self.cache.dtype}, {self.dtype})")
+        if config.path is not None:
+            identity = {"model": hashlib.sha256((self.shards / MANIFEST_NAME).read_bytes()).hexdigest(),
+                        "dtype": self.dtype, "kv_cache_dtype": self.cache.dtype, "block_size": self.cache.block_size,
+                        "world_size": world}
+            config = replace(config, fingerprint=open_directory(config.path, identity))
+        return replace(self, offload=config)
+
     @property
     def speculative_tokens(self) -> int:
         """The drafts a step verifies (0: no speculative decoding)."""
@@ -120,6 +148,7 @@ class RunConfig:
     eplb: EplbConfig | None = None  # --enable-eplb with --eplb-config (runner/models/eplb.py)
     expert_load_record: Path | None = None  # rank 0 writes the run's expert loads here (family/expert_map.py)
     kernels: str = "torch"  # --kernels (runner/models/kernel_switch.py)
+    offload: OffloadConfig | None = None  # --kv-offloading-size and its disk tier (engine/kv_offload.py)
 
     @classmethod
     def open(cls, shards: Path, world_size: int | None = None, **options) -> "RunConfig":
@@ -144,6 +173,30 @@ class RunConfig:
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
+
+    def with_offload(self, config: OffloadConfig | None) -> "RunConfig":
+        """This run with KV offload: checked against the cache (prefix caching on; each rank's share of the host
+        size holds a block at least) and, with a disk tier, its directory opened for these shards (InputError, one
+        line: engine/offload_store.open_directory)."""
+        if config is None:
+            return self
+        if not self.scheduler.enable_prefix_caching:
+            raise InputError("--kv-offloading-size keeps the prefix cache's blocks: it needs prefix caching "
+                             "(drop --no-enable-prefix-caching)")
+        per_block, _ = self.cache_bytes
+        world = self.layout.world_size
+        for flag, size in (("--kv-offloading-size", config.host_bytes), ("--kv-offloading-disk-size",
+                                                                          config.disk_bytes)):
+            if (size or flag == "--kv-offloading-size") and size // world < per_block:
+                raise InputError(f"{flag} {size / GIB:g} GiB is {size // world} bytes a rank over {world} ranks, "
+                                 f"below one block of the KV cache ({per_block} bytes: {self.cache.block_size} "
+                                 f"tokens, {self.cache.dtype}, {self.dtype})")
+        if config.path is not None:
+            identity = {"model": hashlib.sha256((self.shards / MANIFEST_NAME).read_bytes()).hexdigest(),
+                        "dtype": self.dtype, "kv_cache_dtype": self.cache.dtype, "block_size": self.cache.block_size,
+                        "world_size": world}
+            config = replace(config, fingerprint=open_directory(config.path, identity))
+        return replace(self, offload=config)
 
     @property
     def speculative_tokens(self) -> int:

@@ -35,6 +35,8 @@ from dsconv.comm.collectives import broadcast_bytes, gather_bytes
 from dsconv.runner.engine.config import EngineConfig, RunConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.comm.kv_transfer import TransferAgent
+from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadConfig, OffloadReport, TierShape
+from dsconv.runner.engine.offload_store import OffloadStore, scan
 from dsconv.runner.engine.kv_transfer import KVTransferConfig, LoadReport, Offer, rank_regions
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt
@@ -166,6 +168,8 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
         engine.shapes = ShapeRecorder.of(run, run.record_shapes, run.command)
     if run.scheduler.kv_transfer is not None:
         engine.attach_transfer(cache, run.scheduler.kv_transfer)
+    if run.offload is not None:
+        engine.attach_offload(cache, run.offload)
     if run.eplb is not None or run.expert_load_record is not None:
         experts, arch = run.manifest.get("experts") or {}, run.family.parse_config(run.model_config)
         groups = getattr(arch, "n_group", None) or 1  # V4 routes without groups
@@ -197,6 +201,7 @@ class EngineCore:
         self.worker, self.scheduler, self.config, self.metrics = worker, scheduler, config, metrics
         self.world_size, self.attn_tp = worker.dist.world_size, worker.dist.attn_tp
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
+        self.offload_shape: TierShape | None = None  # KV offload's tiers, once attached (attach_offload)
 
     @property
     def max_model_len(self) -> int:
@@ -216,6 +221,22 @@ class EngineCore:
         if self.leads and config.producer:
             tp = self.attn_tp
             self.scheduler.offer_ranks = lambda dp_index: tuple(everyone[dp_index * tp:(dp_index + 1) * tp])
+
+    def attach_offload(self, cache, config: OffloadConfig) -> TierShape:
+        """KV offload, on every rank: this rank's host slots (and disk files); on rank 0 the tiers' index, the disk
+        tier's files found at start included (each DP index's first rank's) -> the tiers' shape."""
+        dist = self.worker.dist
+        blocks, states = cache.transfer_views()
+        units = {BLOCK: sum(view.shape[1] for view in blocks), STATE: sum(view.shape[1] for view in states)}
+        shape = TierShape.of(config, dist.world_size, {BLOCK: cache.num_blocks, STATE: cache.state_blocks}, units)
+        self.worker.offload = OffloadStore(cache, shape, self.worker.dp_index, dist.rank, config.path,
+                                           config.fingerprint)
+        if self.leads:
+            known = None if config.path is None else \
+                [scan(config.path, index * self.attn_tp) for index in range(self.world_size // self.attn_tp)]
+            self.scheduler.attach_offload(shape, known)
+        self.offload_shape = shape
+        return shape
 
     @property
     def _host(self):
@@ -304,7 +325,9 @@ class EngineCore:
             return []
         if self.shapes is not None:
             self.shapes.observe(step)
-        results, reports = self._run(step.batches)
+        results, reports, offload_reports = self._run(step.batches)
+        if self.scheduler.offloaders is not None:  # before update: what failed to read is no hit for anyone
+            self.scheduler.offloaded(offload_reports)
         outputs = self.scheduler.update(step, results)
         if reports:
             failed, ended = self.scheduler.loaded(reports)
@@ -313,29 +336,34 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.record_step(self.scheduler, step, outputs)
             self.metrics.record_loads(reports)
+            self.metrics.record_offload(self.scheduler)
             self.metrics.record_eplb(self.worker.balancer)
         return outputs
 
-    def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport]]:
-        """-> (per DP index, one result per sequence of its batch; every rank's reports of the step's loads)."""
+    def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport], list[OffloadReport]]:
+        """-> (per DP index, one result per sequence of its batch; every rank's reports of the step's loads; every
+        rank's outcome of its offload ops)."""
         if self.world_size == 1:
-            return [self.worker.execute(batches[0])], self._reports()
+            return [self.worker.execute(batches[0])], *self._reports()
         self._send(Plan(batches))
         everyone = self._gather(self.worker.execute(batches[self.worker.dp_index], batches))
         return ([everyone[dp_index * self.attn_tp][0] for dp_index in range(len(batches))],  # each index's reporter
-                [report for _, reports in everyone for report in reports])
+                [report for _, reports, _ in everyone for report in reports],
+                [report for _, _, reports in everyone for report in reports])
 
-    def _reports(self) -> list[LoadReport]:
+    def _reports(self) -> tuple[list[LoadReport], list[OffloadReport]]:
         reports, self.worker.load_reports = self.worker.load_reports, []
-        return reports
+        offload, self.worker.offload_reports = self.worker.offload_reports, []
+        return reports, offload
 
     def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
             broadcast_bytes(pickle.dumps(plan), self._host, 0, PLAN_BYTES)
 
-    def _gather(self, mine: list[SeqResult] | None) -> list[tuple[list[SeqResult] | None, list[LoadReport]]] | None:
-        """Every rank's results and load reports of the step, in rank order, on rank 0 (None on the others)."""
-        parts = gather_bytes(pickle.dumps((mine, self._reports())), self._host, 0, RESULT_BYTES)
+    def _gather(self, mine: list[SeqResult] | None) -> list[tuple] | None:
+        """Every rank's (results, load reports, offload reports) of the step, in rank order, on rank 0 (None on the
+        others)."""
+        parts = gather_bytes(pickle.dumps((mine, *self._reports())), self._host, 0, RESULT_BYTES)
         return None if parts is None else [pickle.loads(part) for part in parts]
 
     def _follow(self) -> None:

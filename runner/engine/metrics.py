@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dsconv.runner.engine.kv_offload import OffloadCounts
 from dsconv.runner.engine.speculative import SpecCounts
 
 # latency buckets in seconds: tiny CPU models answer in milliseconds, real ones in seconds
@@ -61,6 +63,7 @@ class ServeMetrics:
 
         self._transfer_metrics(per_model)
         self._eplb_metrics(per_model)
+        self._offload_metrics(per_model)
         self._transfer_seen = (0, 0, 0)  # the scheduler's failed loads, expired leases, received tokens counted
         self._prefix_seen = (0, 0)  # the scheduler's prefix-cache counts already counted
         self._spec_seen = SpecCounts()  # and its speculative-decoding counts
@@ -111,6 +114,36 @@ class ServeMetrics:
 
     def rank(self, metric, rank: int):
         return metric.labels(self.model_name, str(rank))
+
+    def _offload_metrics(self, per_model: list[str]) -> None:
+        """KV offload (engine/kv_offload.py): hits and evictions per tier, bytes moved each way, corrupt files."""
+        registry = self.registry
+        self.offload_hits = Counter("dsrun:kv_offload_hit_tokens", "Prompt tokens whose entries a prefix hit took "
+                                    "from each tier (device, host, disk)", per_model + ["tier"], registry=registry)
+        self.offload_bytes = Counter("dsrun:kv_offload_bytes", "Bytes the KV offload tiers moved, each way "
+                                     "(device_to_host, host_to_device, host_to_disk, disk_to_host; every rank)",
+                                     per_model + ["direction"], registry=registry)
+        self.offload_evictions = Counter("dsrun:kv_offload_evictions", "Blocks each tier gave up (device: to the "
+                                         "host tier; host: to the disk tier, or lost; disk: files removed)",
+                                         per_model + ["tier"], registry=registry)
+        self.offload_corrupt = Counter("dsrun:kv_offload_corrupt_files", "Disk tier files found torn, corrupt or "
+                                       "another run's (skipped and removed; every rank)", per_model, registry=registry)
+        self._offload_seen = OffloadCounts()
+
+    def record_offload(self, scheduler) -> None:
+        """The scheduler's offload totals (engine/kv_offload.OffloadCounts): what grew since the last step."""
+        if scheduler.offloaders is None:
+            return
+        now, seen = scheduler.offload_counts, self._offload_seen
+        for metric, current, before in ((self.offload_hits, now.hit_tokens, seen.hit_tokens),
+                                        (self.offload_bytes, now.moved, seen.moved),
+                                        (self.offload_evictions, now.evictions, seen.evictions)):
+            for label, count in current.items():
+                if count > before[label]:
+                    self.model(metric, label).inc(count - before[label])
+        if now.corrupt_files > seen.corrupt_files:
+            self.model(self.offload_corrupt).inc(now.corrupt_files - seen.corrupt_files)
+        self._offload_seen = copy.deepcopy(now)
 
     def model(self, metric, *labels: str):
         return metric.labels(self.model_name, *labels)

@@ -29,6 +29,7 @@ whose state blocks are still cached, which the ranks restore into the new sequen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 import time
@@ -42,6 +43,7 @@ from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.handoff import (Lease, LoadPlan, check_offer, close_lease, drop_load, finish_load, offered,
                                           open_lease, plan_load)
+from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadCounts, Offloader, OffloadReport, TierShape
 from dsconv.runner.engine.kv_transfer import CONSUMER, PRODUCER, Export, Load, LoadReport, Offer, RankRegions
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
                                           SeqResult, TokenLogprob)
@@ -169,6 +171,28 @@ class Scheduler:
         self.engine_id = uuid.uuid4().hex
         # a producer's: the ranks of an attention-DP index, with what a consumer needs to read their caches
         self.offer_ranks: Callable[[int], tuple[RankRegions, ...]] | None = None
+        # KV offload (engine/kv_offload.py): each DP rank's host and disk tiers below its pool (attach_offload)
+        self.offloaders: list[Offloader] | None = None
+        self.offload_counts = OffloadCounts()
+
+    def attach_offload(self, shape: TierShape, disk_known: list[dict[str, list[bytes]]] | None) -> None:
+        """Host (and disk) tiers under every DP rank's pools; disk_known: per DP index, the hashes the disk tier
+        already has files for, oldest first (None: no disk tier)."""
+        if not self.prefix_caching:
+            raise InputError("KV offload keeps the prefix cache's blocks: it needs prefix caching on")
+        self.offloaders = [Offloader(shape, None if disk_known is None else disk_known[rank], self.offload_counts)
+                           for rank in range(self.dp)]
+        for rank, offloader in enumerate(self.offloaders):
+            self.pools[rank].on_evict = functools.partial(offloader.evicted, BLOCK)
+            if self.states is not None:
+                self.states[rank].on_evict = functools.partial(offloader.evicted, STATE)
+
+    def offloaded(self, reports: list[OffloadReport]) -> None:
+        """Every rank's outcome of the step's offload ops."""
+        for report in reports:
+            self.offloaders[report.dp_index].reported(report)
+        for offloader in self.offloaders:
+            offloader.settled()
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -286,7 +310,8 @@ class Scheduler:
             waiting = self.waiting[rank]
             while waiting and budget > 0 and self.seqs(rank) + waiting[0].seqs <= self.max_num_seqs:
                 request = waiting[0]
-                self._reuse_prefix(pool, request)
+                if not self._reuse_prefix(pool, request):
+                    break  # its prefix is being read from disk: it starts next step
                 n = min(len(request.tokens) - request.num_computed, budget)
                 if pool.missing(request.seq_id, self._room(request, n)) > pool.num_free:
                     break  # arrival order: nobody overtakes the first waiting request
@@ -297,6 +322,9 @@ class Scheduler:
                 budget -= self._feed(batch, pool, request, n)
             batch.validate(pool.block_size, pool.num_blocks)  # where it is built; the ranks check it again
             batches.append(batch)
+        if self.offloaders is not None:  # every rank's evictions and hits of this step, copied before it runs
+            for batch, offloader in zip(batches, self.offloaders):
+                batch.offload = offloader.take_ops()
         return Step(batches, started, preempted)
 
     def _context_parallel(self, started: list[Request]) -> dict[int, tuple[CPShare, Request]]:
@@ -343,23 +371,90 @@ class Scheduler:
                 and pool.missing(request.seq_id, len(request.prompt)) <= pool.num_free
                 and self.seqs(rank) + request.seqs <= self.max_num_seqs)
 
-    def _reuse_prefix(self, pool: BlockPool, request: Request) -> None:
+    def _reuse_prefix(self, pool: BlockPool, request: Request) -> bool:
         """A request about to be admitted with nothing computed and no table yet starts from its longest published
-        prefix of full blocks, its last token always left to compute."""
+        prefix of full blocks, its last token always left to compute -> False when part of that prefix is being read
+        from the disk tier (the request waits a step; KV offload)."""
         if not self.prefix_caching or request.num_computed or request.seq_id in pool.tables or request.scoring:
-            return
+            return True
         tokens = request.tokens
         request.hashes = block_hashes(tokens, pool.block_size, request.params.cache_salt, request.hashes)
-        blocks = pool.match(request.hashes[:(len(tokens) - 1) // pool.block_size])
-        if self.states is not None:
+        usable = request.hashes[:(len(tokens) - 1) // pool.block_size]
+        blocks = pool.match(usable)
+        if self.offloaders is not None:
+            blocks = self._reuse_offloaded(pool, request, usable, blocks)
+            if blocks is None:
+                return False
+        elif self.states is not None:
             blocks = self._with_state(request, blocks)
         self.prefix_queries += len(tokens)
         self.prefix_hits += len(blocks) * pool.block_size
         # its table starts now, empty without a hit: a request that waits on is looked up (and counted) once
-        pool.adopt(request.seq_id, blocks)
+        if request.seq_id not in pool.tables:
+            pool.adopt(request.seq_id, blocks)
         request.num_computed = len(blocks) * pool.block_size
         if request.first_scheduled is None:
             request.cached_tokens = request.num_computed
+        return True
+
+    def _reuse_offloaded(self, pool: BlockPool, request: Request, usable: list[bytes], blocks: list[int]
+                         ) -> list[int] | None:
+        """The device pool's hit (`blocks`, of the prompt's usable hashes) extended through the host and disk tiers
+        (engine/kv_offload.py), cut back (DeepSeek-V4) to the longest boundary whose state blocks some tier holds ->
+        the hit's blocks, the request's table started with them: the host tier's copied into fresh blocks by this
+        step's ops. None when part of it is on disk: its reads go out with this step, and the request waits for them
+        (or while another request's reads of it are unchecked)."""
+        rank, size = request.dp_rank, pool.block_size
+        offloader, states = self.offloaders[rank], self.states[rank] if self.states is not None else None
+
+        def tier(kind: str, digest: bytes) -> str | None:
+            device = pool.cached if kind == BLOCK else states.cached
+            return "device" if digest in device else offloader.where(kind, digest)
+
+        where = [tier(BLOCK, digest) for digest in usable]
+        count = next((i for i, w in enumerate(where) if w is None), len(where))
+        while True:  # the longest boundary whose blocks (and state blocks) are somewhere and fit the host tier at once
+            state_where = {} if states is None or not count else \
+                {i: tier(STATE, usable[i]) for i in range(self.state_start(count * size) // size, count)}
+            needed = [(BLOCK, i, where[i]) for i in range(count)] + [(STATE, i, w) for i, w in state_where.items()]
+            below = {kind: sum(1 for k, _, w in needed if k == kind and w != "device") for kind in (BLOCK, STATE)}
+            if not count or (None not in state_where.values() and all(below[kind] <= offloader.host[kind].slots
+                                                                      for kind in below)):
+                break
+            count -= 1
+        if any(w == "pending" for _, _, w in needed):
+            return None
+        on_disk = [(kind, usable[i]) for kind, i, w in needed if w == "disk"]
+        if on_disk:  # read into host slots by this step; the hit's host entries kept there meanwhile
+            for kind, i, w in needed:
+                if w == "host":
+                    offloader.hold(kind, usable[i])
+            if not all([offloader.fetch(kind, digest) for kind, digest in on_disk]):
+                return blocks if states is None else self._with_state(request, blocks)  # no room now
+            return None
+        host_states = [i for i, w in state_where.items() if w == "host"]
+        if states is not None and len(host_states) > states.num_free:
+            return self._with_state(request, blocks)
+        for kind, i, w in needed:  # before the blocks the copies go to are taken (their evictions take slots)
+            if w == "host":
+                offloader.hold(kind, usable[i])
+        table = pool.adopt_with(request.seq_id, [pool.cached[usable[i]] if where[i] == "device" else None
+                                                 for i in range(count)])
+        if table is None:  # no room for the copies: the device's own hit
+            return self._with_state(request, blocks) if states is not None else blocks
+        for i in range(count):
+            found = where[i] if where[i] == "device" else offloader.load(BLOCK, usable[i], table[i])
+            self.offload_counts.hit_tokens[found] += size
+        pool.publish(request.seq_id, usable[:count])
+        if states is not None and count:
+            pairs = {i: states.cached[usable[i]] for i, w in state_where.items() if w == "device"}
+            states.read(request.seq_id, list(pairs.values()))  # held before a fresh one can evict them
+            for i in host_states:
+                pairs[i] = states.take_for(request.seq_id)
+                offloader.load(STATE, usable[i], pairs[i])
+                states.put(usable[i], pairs[i])
+            request.restore = Restore(request.seq_id, count * size, tuple(sorted(pairs.items())))
+        return table
 
     def _with_state(self, request: Request, blocks: list[int]) -> list[int]:
         """A hit on a cache that needs the state at its boundary: cut back to the longest boundary whose state

@@ -15,7 +15,9 @@ import torch
 from dsconv.kernels.attention import causal_mask
 from dsconv.comm.kv_transfer import TransferAgent
 from dsconv.runner.engine.grammar import Grammars
+from dsconv.runner.engine.kv_offload import OffloadReport
 from dsconv.runner.engine.kv_transfer import LoadReport, run_load
+from dsconv.runner.engine.offload_store import OffloadStore
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
@@ -212,6 +214,8 @@ class Worker:
         self.steps = 0  # steps this rank has run
         self.transfer: Transfer | None = None  # P/D disaggregation: this rank's transfer engine and cache views
         self.load_reports: list[LoadReport] = []  # the loads run since rank 0 last took them
+        self.offload: OffloadStore | None = None  # KV offload: this rank's host and disk tiers (offload_store.py)
+        self.offload_reports: list[OffloadReport] = []  # the outcomes of the offload ops run since rank 0 took them
         self.balancer: ExpertBalancer | None = None  # EPLB and the expert-load record (runner/models/eplb.py)
 
     @torch.inference_mode()
@@ -221,6 +225,10 @@ class Worker:
         rows are known without exchanging them."""
         if self.balancer is not None:  # a step boundary, on every rank: the load counted, experts moved when due
             self.balancer.before_step()
+        if batch.offload is not None:  # first: a block saved here may be written, or loaded into, below
+            if self.offload is None:
+                raise ValueError("invalid step batch: KV offload ops on a rank without KV offload")
+            self.offload_reports.append(self.offload.run(batch.offload))
         for load in batch.loads:  # before anything reads the blocks: a prefix that arrives whole starts next step
             if self.transfer is None:
                 raise ValueError(f"invalid step batch: sequence {load.seq_id} loads blocks on a rank without a "

@@ -25,6 +25,7 @@ from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
 from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig, eplb_config
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.grammar import Grammars
+from dsconv.runner.engine.kv_offload import OffloadConfig
 from dsconv.runner.engine.kv_transfer import KVTransferConfig, check_transfer_engine
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
@@ -70,6 +71,9 @@ class ServeOptions:
     drain_timeout: float
     api_key: str | None
     kv_transfer_config: str | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_path: Path | None = None
+    kv_offloading_disk_size: float | None = None
 
 
 def main(o: ServeOptions) -> int:
@@ -79,6 +83,7 @@ def main(o: ServeOptions) -> int:
         raise InputError(f"--port {o.port} is not a port number")
     if o.api_key is not None and (not o.api_key.strip() or not o.api_key.isascii() or not o.api_key.isprintable()):
         raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
+    offload = OffloadConfig.of(o.kv_offloading_size, o.kv_offloading_path, o.kv_offloading_disk_size)
     kv_transfer = KVTransferConfig.parse(o.kv_transfer_config) if o.kv_transfer_config is not None else None
     if kv_transfer is not None:
         check_transfer_engine()
@@ -97,6 +102,7 @@ def main(o: ServeOptions) -> int:
                          kernels=o.kernels,
                          speculative=SpeculativeConfig.parse(o.speculative_config),
                          eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
+    run = run.with_offload(offload)
     run.check_holds(o.max_model_len)
     resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
     return launch(rank_main, {"run": run, "host": o.host, "port": o.port,
@@ -141,7 +147,8 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
               f"max_model_len {engine.max_model_len}; {run.overlap_summary}"
               f"{'; ' + run.speculative.summary if run.speculative is not None else ''}"
               f"{'; ' + run.scheduler.kv_transfer.summary if run.scheduler.kv_transfer is not None else ''}"
-              f"{'; ' + run.experts_summary if run.experts_summary else ''}",
+              f"{'; ' + run.experts_summary if run.experts_summary else ''}"
+              f"{'; ' + engine.offload_shape.summary(run.offload) if engine.offload_shape is not None else ''}",
               flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)

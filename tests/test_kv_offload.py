@@ -1,0 +1,308 @@
+"""KV cache offload (runner/engine/kv_offload.py, runner/engine/offload_store.py): the host and disk tiers under the
+prefix cache. A device pool far smaller than the prompts' working set gives its published blocks up; with offload
+they are kept in host slots (and files), and a later request copies them back instead of computing them. Float32
+greedy tokens with hits from the host tier, and from disk after a restart, equal those computed from scratch:
+V3.2 (the tiny indexer's index_topk of 8, so it selects from cached keys) and V4 (hits inside the sliding window and
+in HCA / CSA windows, restored from offloaded state blocks), auto and INT8 caches, world 1 here and world 16 in the
+slow tests. Faults: torn, corrupt and foreign files, a full disk, a write a killed server left."""
+
+import errno
+import json
+
+import pytest
+import torch
+
+from dsconv.errors import InputError
+from dsconv.family.layout import Layout
+from dsconv.runner.engine.block_pool import block_hashes
+from dsconv.runner.engine.kv_offload import (BLOCK, DROP, FETCH, SAVE, SPILL, STATE, DiskTier, HostTier,
+                                             OffloadConfig, OffloadCounts, Offloader, OffloadReport, TierShape)
+from dsconv.runner.engine.offload_store import (DIRECTORY_META, TEMPORARY, decode, encode, file_name, open_directory,
+                                                rank_directory)
+from dsconv.runner.engine.request import SamplingParams
+from dsconv.runner.models.dist import Dist
+from dsconv.runner.models.registry import build_model
+from dsconv.runner.models.weights import load_manifest
+from tests.helpers import launch_ranks, run_config, shard
+from tests.rank_entries import one_after_another
+from tests.test_prefix_cache import engine
+
+NEW_TOKENS = 6
+BLOCK_SIZE = 16
+
+
+# -- the tiers, alone ----------------------------------------------------------------------------------------------
+
+def test_host_tier_gives_out_least_recently_used_slots_never_a_busy_one():
+    tier = HostTier(2)
+    assert tier.take(b"a") == (0, None) and tier.take(b"b") == (1, None)
+    tier.find(b"a")  # a used: b is now the least recent
+    tier.busy.add(1)  # b's slot being filled from disk this step
+    assert tier.take(b"c") == (0, b"a")
+    tier.busy.add(0)
+    assert tier.take(b"d") is None  # both busy
+    tier.busy.clear()
+    assert tier.take(b"d") == (1, b"b") and tier.find(b"b") is None
+
+
+def test_offloader_saves_spills_drops_and_forgets_what_failed():
+    shape = TierShape({BLOCK: 1, STATE: 0}, {BLOCK: 1, STATE: 0}, {BLOCK: 8, STATE: 0})
+    counts = OffloadCounts()
+    offloader = Offloader(shape, {BLOCK: [], STATE: []}, counts)
+    offloader.evicted(BLOCK, 5, b"a")
+    assert offloader.take_ops().ops == ((SAVE, BLOCK, 5, 0),)
+    offloader.evicted(BLOCK, 6, b"b")  # the one slot goes to b: a is written to disk first
+    assert offloader.take_ops().ops == ((SPILL, BLOCK, 0, b"a"), (SAVE, BLOCK, 6, 0))
+    assert offloader.where(BLOCK, b"a") == "disk" and offloader.where(BLOCK, b"b") == "host"
+    offloader.evicted(BLOCK, 7, b"c")  # b spills, and the disk tier's one entry drops a's file first
+    assert offloader.take_ops().ops == ((DROP, BLOCK, b"a"), (SPILL, BLOCK, 0, b"b"), (SAVE, BLOCK, 7, 0))
+    assert offloader.fetch(BLOCK, b"b")  # the slot takes b back; c finds no room on disk (b's file is being read)
+    assert offloader.where(BLOCK, b"b") == "pending"
+    assert offloader.take_ops().ops == ((FETCH, BLOCK, b"b", 0),)
+    report = OffloadReport(0, failed_fetches=[(BLOCK, b"b", "its checksum does not match")], corrupt=1)
+    offloader.reported(report)
+    offloader.settled()
+    assert offloader.where(BLOCK, b"b") is None and counts.corrupt_files == 1
+    assert counts.evictions == {"device": 3, "host": 3, "disk": 1}
+
+
+def test_disk_tier_stops_when_full():
+    disk = DiskTier(4)
+    assert disk.put(b"a") == []
+    disk.full = True
+    assert disk.put(b"b") is None and b"b" not in disk
+
+
+def test_files_read_back_only_whole_and_their_own():
+    payload = bytes(range(200))
+    data = encode("fp", BLOCK, b"\x01" * 16, payload)
+    assert decode(data, "fp", BLOCK, b"\x01" * 16, 200) == payload
+    cases = {"torn": data[:-10], "checksum": data[:-1] + b"\x00", "another model": data,
+             "another block": data, "not a KV offload file": b"garbage"}
+    expected = {"torn": "torn", "checksum": "checksum", "another model": "another model",
+                "another block": "another block", "not a KV offload file": "not a KV offload file"}
+    for name, bad in cases.items():
+        fingerprint = "other" if name == "another model" else "fp"
+        digest = b"\x02" * 16 if name == "another block" else b"\x01" * 16
+        with pytest.raises(ValueError, match=expected[name]):
+            decode(bad, fingerprint, BLOCK, digest, 200)
+
+
+def test_a_directory_is_refused_for_another_run_or_another_use(tmp_path):
+    identity = {"model": "a" * 64, "dtype": "float32", "kv_cache_dtype": "auto", "block_size": 16, "world_size": 1}
+    fingerprint = open_directory(tmp_path / "tier", identity)
+    assert open_directory(tmp_path / "tier", identity) == fingerprint  # reopened: the same
+    with pytest.raises(InputError, match=r"holds another run's KV cache \(it was written for kv_cache_dtype 'auto'\)"):
+        open_directory(tmp_path / "tier", {**identity, "kv_cache_dtype": "int8"})
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=f"is not empty and is not a KV offload directory \\(no {DIRECTORY_META}\\)"):
+        open_directory(tmp_path / "other", identity)
+
+
+def test_flags_are_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match="--kv-offloading-size 0 must be a positive number of GiB"):
+        OffloadConfig.of(0, None, None)
+    with pytest.raises(InputError, match="is not a directory"):
+        OffloadConfig.of(1, tmp_path / "file", 1)
+    with pytest.raises(InputError, match="go together"):
+        OffloadConfig.of(1, tmp_path, None)
+    with pytest.raises(InputError, match="need --kv-offloading-size"):
+        OffloadConfig.of(None, tmp_path, 1)
+
+
+# -- the engine at world 1 -----------------------------------------------------------------------------------------
+
+def pool_bytes(cache) -> int:
+    """The device pool's bytes on this rank: its blocks and state blocks (tier sizes here are multiples of it)."""
+    blocks, states = cache.transfer_views()
+    return cache.num_blocks * sum(v.shape[1] for v in blocks) + cache.state_blocks * sum(v.shape[1] for v in states)
+
+
+def offload_engine(model, new_cache, kv_cache_dtype, cache_tokens, host=0.0, path=None, disk=0.0, fingerprint="",
+                   caching=True):
+    """An engine on one rank with a device pool of `cache_tokens` and, when `host` > 0, tiers of `host` (and `disk`)
+    times the pool's bytes (so each holds about that many times its blocks and state blocks)."""
+    cache = new_cache(cache_tokens, kv_cache_dtype, block_size=BLOCK_SIZE, max_seqs=2, prefix_caching=caching)
+    core = engine(model, cache, 2, 4096, caching)
+    if host:
+        size = pool_bytes(cache)
+        core.attach_offload(cache, OffloadConfig(int(host * size), path, int(disk * size), fingerprint))
+    return core
+
+
+def one_by_one(core, prompts) -> tuple[list[list[int]], list[int]]:
+    """Each prompt after the one before has finished -> (tokens, cached prompt tokens) per prompt."""
+    s, tokens, cached = core.scheduler, [], []
+    for i, prompt in enumerate(prompts):
+        s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
+        got = []
+        while s.has_work:
+            for _, out in core.step():
+                got += out.new_token_ids
+                hit = out.cached_tokens
+        tokens.append(got)
+        cached.append(hit)
+    return tokens, cached
+
+
+def identity(kv_cache_dtype: str) -> dict:
+    return {"model": "tiny", "dtype": "float32", "kv_cache_dtype": kv_cache_dtype, "block_size": BLOCK_SIZE,
+            "world_size": 1}
+
+
+@pytest.fixture(scope="module")
+def families(tiny_source, tmp_path_factory):
+    """family -> (model, new_cache) of its tiny trained-shape model at world 1, float32."""
+    built = {}
+    for family in ("deepseek_v32", "deepseek_v4"):
+        shards = tmp_path_factory.mktemp(f"offload-{family}") / "w1"
+        shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
+        model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
+        built[family] = model, new_cache
+    return built
+
+
+HOST = {"deepseek_v32": 0.5, "deepseek_v4": 0.1}  # the host tier per family, in device pools: small enough to spill
+DISK = 20
+
+
+def workload(family: str, seed: int) -> tuple[list[list[int]], int]:
+    """Prompts that share prefixes with earlier ones, each separated from the one it shares with by unrelated prompts
+    that push its blocks out of a small device pool -> (prompts, the device pool's tokens). V3.2: 40-token prompts in
+    a pool of 8 blocks. V4: around a 300-token base, hits at 192 (inside the HCA window 128 .. 255, which the request
+    completes) and at 256 - 16, both past the first sliding window, in a pool of 22 blocks."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(2, 500, (n,), generator=gen).tolist()
+
+    if family == "deepseek_v32":
+        base = tokens(40)
+        return [base, tokens(40), tokens(40), tokens(40), base[:35] + tokens(5), tokens(40), tokens(40), tokens(40),
+                base + tokens(3)], 8 * BLOCK_SIZE
+    base = tokens(300)
+    return [base, tokens(300), base[:200] + tokens(60), tokens(300), base[:256], tokens(300), base[:270] + tokens(9)], \
+        22 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_hits_from_host_and_after_a_restart_from_disk_give_the_tokens_computed_from_scratch(
+        families, family, kv_cache_dtype, tmp_path):
+    """Three engines on the same prompts: without prefix caching (the reference); with a small host tier (HOST)
+    and a disk tier it spills to; then a fresh engine on the same directory (a restart): its device pool and host tier
+    start empty, so the prompts seen once before (the ones between the shared ones) find blocks on disk."""
+    model, new_cache = families[family]
+    prompts, pool = workload(family, 7)
+    fresh, _ = one_by_one(offload_engine(model, new_cache, kv_cache_dtype, pool, caching=False), prompts)
+    fingerprint = open_directory(tmp_path / "tier", identity(kv_cache_dtype))
+    first = offload_engine(model, new_cache, kv_cache_dtype, pool, HOST[family], tmp_path / "tier", DISK, fingerprint)
+    got, cached = one_by_one(first, prompts)
+    counts = first.scheduler.offload_counts
+    assert got == fresh
+    assert counts.hit_tokens["host"] > 0 and counts.moved["host_to_disk"] > 0
+    assert sum(cached) == sum(counts.hit_tokens.values())
+    restarted = offload_engine(model, new_cache, kv_cache_dtype, pool, HOST[family], tmp_path / "tier", DISK,
+                               fingerprint)
+    again, cached_again = one_by_one(restarted, prompts)
+    counts = restarted.scheduler.offload_counts
+    assert again == fresh
+    assert cached_again[1] > 0 and counts.hit_tokens["disk"] > 0 and counts.corrupt_files == 0
+    assert sum(cached_again) == sum(counts.hit_tokens.values())
+
+
+def test_offload_finds_what_the_device_pool_alone_loses(families):
+    """V3.2's workload: the device pool alone has given up the shared prompts' blocks (all or part) by the time
+    they come back; with a host tier of 4 times the device pool every shared full block is found."""
+    model, new_cache = families["deepseek_v32"]
+    prompts, pool = workload("deepseek_v32", 3)
+    _, alone = one_by_one(offload_engine(model, new_cache, "auto", pool), prompts)
+    _, offloaded = one_by_one(offload_engine(model, new_cache, "auto", pool, 4), prompts)
+    assert alone[4] < 32 and alone[8] < 32
+    assert offloaded == [0, 0, 0, 0, 32, 0, 0, 0, 32]
+
+
+def test_bad_files_are_skipped_counted_and_removed_and_the_tokens_stay_right(families, tmp_path):
+    """After a first engine has filled the disk tier: one of the first prompt's files truncated, its other one's
+    payload changed, and a later prompt's first file replaced by another run's; a temporary file as a killed write
+    leaves it. The restarted engine removes the temporary file unread, skips and removes the three, counts
+    them, and computes those blocks: the tokens computed from scratch."""
+    model, new_cache = families["deepseek_v32"]
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 500, (40,), generator=gen).tolist() for _ in range(10)]
+    fresh, _ = one_by_one(offload_engine(model, new_cache, "auto", 8 * BLOCK_SIZE, caching=False), prompts)
+    fingerprint = open_directory(tmp_path / "tier", identity("auto"))
+    first = offload_engine(model, new_cache, "auto", 8 * BLOCK_SIZE, 0.25, tmp_path / "tier", 20, fingerprint)
+    one_by_one(first, prompts)
+    files = rank_directory(tmp_path / "tier", 0)
+    a, b = (files / file_name(BLOCK, h) for h in block_hashes(prompts[0], BLOCK_SIZE))
+    later = next(i for i in range(1, len(prompts))  # a later prompt whose first block is on disk
+                 if (files / file_name(BLOCK, block_hashes(prompts[i], BLOCK_SIZE)[0])).exists())
+    digest, size = block_hashes(prompts[later], BLOCK_SIZE)[0], first.worker.offload.unit_bytes[BLOCK]
+    c = files / file_name(BLOCK, digest)
+    assert a.exists() and b.exists()
+    a.write_bytes(a.read_bytes()[:-100])
+    data = bytearray(b.read_bytes())
+    data[-1] ^= 0xFF
+    b.write_bytes(bytes(data))
+    c.write_bytes(encode("another run", BLOCK, digest, decode(c.read_bytes(), fingerprint, BLOCK, digest, size)))
+    torn = files / f"{file_name(BLOCK, block_hashes(prompts[-1], BLOCK_SIZE)[0])}{TEMPORARY}4242"
+    torn.write_bytes(b"half a file")
+    restarted = offload_engine(model, new_cache, "auto", 8 * BLOCK_SIZE, 0.25, tmp_path / "tier", 20, fingerprint)
+    assert not torn.exists()
+    got, cached = one_by_one(restarted, [prompts[0], prompts[later]])
+    assert got == [fresh[0], fresh[later]]
+    assert restarted.scheduler.offload_counts.corrupt_files == 3
+    assert not a.exists() and not b.exists() and not c.exists()
+    assert cached == [0, 0]
+
+
+def test_a_full_disk_stops_writing_and_requests_go_on(families, tmp_path):
+    """Every write the disk tier tries fails with ENOSPC: the first failure stops the spills; the requests get the
+    tokens computed from scratch, and no file is left."""
+    model, new_cache = families["deepseek_v32"]
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(2, 500, (40,), generator=gen).tolist() for _ in range(6)] * 2
+    fresh, _ = one_by_one(offload_engine(model, new_cache, "auto", 8 * BLOCK_SIZE, caching=False), prompts)
+    fingerprint = open_directory(tmp_path / "tier", identity("auto"))
+    core = offload_engine(model, new_cache, "auto", 8 * BLOCK_SIZE, 0.25, tmp_path / "tier", 20, fingerprint)
+    tries = []
+
+    def full(path, data):
+        tries.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    core.worker.offload.write = full
+    got, _ = one_by_one(core, prompts)
+    assert got == fresh
+    assert len(tries) == 1 and all(disk.full for disk in core.scheduler.offloaders[0].disk.values())
+    assert not list(rank_directory(tmp_path / "tier", 0).iterdir())
+
+
+# -- world 16 ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,kv_cache_dtype", [("deepseek_v32", "int8"), ("deepseek_v4", "auto")])
+def test_world_16_host_and_disk_hits_after_a_restart(families, tiny_source, tmp_path, family, kv_cache_dtype):
+    """DP16 / EP16: the workload one prompt after another on attention-DP rank 5, with a host and a disk tier; then
+    the ranks started again on the same directory: both runs give the tokens computed from scratch at world 1, and
+    the restarted one finds its first prompt's blocks on disk."""
+    model, new_cache = families[family]
+    prompts, pool = workload(family, 16)
+    fresh, _ = one_by_one(offload_engine(model, new_cache, kv_cache_dtype, pool, caching=False), prompts)
+    shards = tmp_path / "w16"
+    shard(tiny_source(family, "fp8"), shards, Layout(16, 16, 16, 1))
+    run = run_config(shards, "float32", pool, kv_cache_dtype=kv_cache_dtype, max_num_seqs=2, block_size=BLOCK_SIZE)
+    size = pool_bytes(new_cache(pool, kv_cache_dtype, block_size=BLOCK_SIZE, max_seqs=2, prefix_caching=True))
+    run = run.with_offload(OffloadConfig(int(size * 16 * HOST[family]), tmp_path / "tier", size * 16 * DISK))
+    results = []
+    for attempt in range(2):
+        got = launch_ranks(one_after_another, {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "dp_rank": 5}, run,
+                           tmp_path / f"results{attempt}")
+        results.append(got)
+    assert [r["generated"] for r in results] == [fresh, fresh]
+    assert results[0]["cached"][1] == 0 and results[1]["cached"][1] > 0  # seen once before: on disk
+    meta = json.loads((tmp_path / "tier" / DIRECTORY_META).read_text())
+    assert meta["world_size"] == 16 and any(rank_directory(tmp_path / "tier", 5).iterdir())
