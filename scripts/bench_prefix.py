@@ -1,7 +1,7 @@
 """Prefix caching against a live `dsrun serve`, on and off in one run, on two workloads that resend prefixes.
 
     python scripts/bench_prefix.py [--families deepseek_v32 deepseek_v4] [--worlds 1 16] [--concurrency 8]
-                                   [--work DIR] [--json FILE]
+                                   [--work DIR] [--json FILE] [--offload]
 
 Workloads (token ids, the tiny checkpoints' real vocabulary, random weights, temperature 0):
 - chat: 16 conversations x 4 turns behind one 512-token system prompt. Each turn's prompt is the conversation so far:
@@ -21,6 +21,14 @@ rank that holds its conversation's blocks).
 
 Both families take hits at every block boundary (DeepSeek-V4 restores its sliding window and compressor state
 from the state blocks published with the blocks).
+
+--offload runs the KV offload workload instead (runner/engine/kv_offload.py): 16 conversations x 4 turns, each with
+a 512-token context of its own, 2 at a time, so that between two turns of one conversation the other fifteen pass.
+Their working set (every conversation's last prompt, OFFLOAD_TOKENS) is OFFLOAD_FACTOR times the device pool each
+server gets (--cache-tokens). One server runs with --kv-offloading-size (OFFLOAD_HOST_GIB), one without, both with
+prefix caching: the prompt tokens each computes, their ratio (the target: at most 0.35), and each server's peak
+resident memory (its processes' VmRSS summed, sampled every RSS_EVERY_S): the offloading one's growth over the other's
+is what its host tier holds, bounded by its size.
 """
 
 from __future__ import annotations
@@ -46,6 +54,11 @@ SYSTEM_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS = 512, 24, 16
 CONVERSATIONS, TURNS = 16, 4
 TOOLS_TOKENS, TAIL_TOKENS, AGENT_REQUESTS = 1024, 32, 32
 SERVER_FLAGS = ("--dtype", "bfloat16", "--cache-tokens", "32768", "--max-num-seqs", "16")
+CONTEXT_TOKENS, OFFLOAD_CONCURRENCY = 512, 2  # the offload workload's per-conversation context; conversations at once
+OFFLOAD_TOKENS = CONVERSATIONS * (CONTEXT_TOKENS + TURNS * (QUESTION_TOKENS + ANSWER_TOKENS))  # its working set
+OFFLOAD_FACTOR = 4  # working set over the device pool
+OFFLOAD_HOST_GIB = 0.25  # the host tier: holds the tiny models' whole working set (about 64 MiB for V3.2 in BF16)
+RSS_EVERY_S = 0.2
 
 
 @dataclass
@@ -102,6 +115,102 @@ async def chat(client, model: str, concurrency: int, seed: int) -> list[Sent]:
     return results
 
 
+async def offload_chat(client, model: str, seed: int) -> list[Sent]:
+    """The --offload workload: chat without a shared prefix, OFFLOAD_CONCURRENCY conversations at a time."""
+    rng = random.Random(seed + 2)
+    contexts = [ids(rng, CONTEXT_TOKENS) for _ in range(CONVERSATIONS)]
+    questions = [[ids(rng, QUESTION_TOKENS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+    gate, results = asyncio.Semaphore(OFFLOAD_CONCURRENCY), []
+
+    async def conversation(c: int) -> None:
+        history = list(contexts[c])
+        for turn in range(TURNS):
+            history += questions[c][turn]
+            async with gate:
+                sent = await send(client, model, history, ANSWER_TOKENS)
+            results.append(sent)
+            history += sent.output_ids
+
+    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
+    return results
+
+
+def server_pids(port: int) -> list[int]:
+    """The `dsrun serve --port PORT` process and every process below it (its ranks)."""
+    roots = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(f"{port}")
+             and "serve" in _cmdline(p)]
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in task.read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+async def run_offload(url: str) -> dict:
+    """The --offload workload against one server, its peak RSS sampled alongside."""
+    model, port = model_id(url), int(url.rsplit(":", 1)[1])
+    pids, peak, done = server_pids(port), [0], asyncio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes(pids))
+            await asyncio.sleep(RSS_EVERY_S)
+
+    async with new_client(url, OFFLOAD_CONCURRENCY) as client:
+        await send(client, model, ids(random.Random(99), 64), 2)
+        sampler = asyncio.create_task(sample())
+        started = time.perf_counter()
+        results = await offload_chat(client, model, seed=7)
+        done.set()
+        await sampler
+    return {**summary(results, time.perf_counter() - started), "peak_rss_bytes": peak[0]}
+
+
+def offload_comparison(args, family: str, world: int) -> dict:
+    """--offload: the workload with and without a host tier, one server each -> the figures."""
+    shards = shards_for(args.work, family, Layout(world, world, world, 1), real_vocab=True)
+    pool = OFFLOAD_TOKENS // OFFLOAD_FACTOR
+    flags = ("--dtype", "bfloat16", "--cache-tokens", str(pool), "--max-num-seqs", str(OFFLOAD_CONCURRENCY))
+    out = {}
+    for label, extra in (("offload", ("--kv-offloading-size", str(OFFLOAD_HOST_GIB))), ("device only", ())):
+        with serving(shards, args.work / f"server-{family}-w{world}-{label.replace(' ', '-')}.log", *flags,
+                     *extra) as url:
+            out[label] = asyncio.run(run_offload(url))
+        print_row(f"offload workload, {label}", out[label])
+        print(f"  {'':<34} peak RSS {out[label]['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
+    ratio = out["offload"]["computed_tokens"] / out["device only"]["computed_tokens"]
+    growth = out["offload"]["peak_rss_bytes"] - out["device only"]["peak_rss_bytes"]
+    print(f"  working set {OFFLOAD_TOKENS} tokens, device pool {pool} ({OFFLOAD_FACTOR}x); computed with offload / "
+          f"without: {ratio:.3f} (target <= 0.35); peak RSS growth {growth / 2**20:.0f} MiB against a host tier of "
+          f"{OFFLOAD_HOST_GIB * 1024:.0f} MiB", flush=True)
+    return {**out, "computed_ratio": ratio, "rss_growth_bytes": growth, "pool_tokens": pool,
+            "working_set_tokens": OFFLOAD_TOKENS, "host_gib": OFFLOAD_HOST_GIB}
+
+
 async def agent(client, model: str, concurrency: int, seed: int) -> list[Sent]:
     rng = random.Random(seed + 1)
     tools = ids(rng, TOOLS_TOKENS)
@@ -153,10 +262,19 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dsconv-bench-prefix")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--offload", action="store_true", help="the KV offload workload only (module docstring)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     print_machine(machine(max(args.worlds)), max(args.worlds))
     results = {}
+    if args.offload:
+        for family in args.families:
+            for world in args.worlds:
+                print(f"{family}, world {world}:", flush=True)
+                results[f"{family} w{world} offload"] = offload_comparison(args, family, world)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": machine(max(args.worlds)), "results": results}, indent=1))
+        return 0
     for family in args.families:
         for world in args.worlds:
             shards = shards_for(args.work, family, Layout(world, world, world, 1), real_vocab=True)
