@@ -99,28 +99,15 @@ def ids(rng: random.Random, n: int) -> list[int]:
 async def chat(client, model: str, concurrency: int, seed: int) -> list[Sent]:
     rng = random.Random(seed)
     system = ids(rng, SYSTEM_TOKENS)
-    questions = [[ids(rng, QUESTION_TOKENS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+    return await conversations(client, model, concurrency, [system] * CONVERSATIONS, rng)
+
+
+async def conversations(client, model: str, concurrency: int, contexts: list[list[int]], rng: random.Random
+                        ) -> list[Sent]:
+    """One conversation per context, TURNS turns each (a new question, the server's answer), `concurrency` turns at
+    a time, each conversation's turn after its one before."""
+    questions = [[ids(rng, QUESTION_TOKENS) for _ in range(TURNS)] for _ in contexts]
     gate, results = asyncio.Semaphore(concurrency), []
-
-    async def conversation(c: int) -> None:
-        history = list(system)
-        for turn in range(TURNS):
-            history += questions[c][turn]
-            async with gate:
-                sent = await send(client, model, history, ANSWER_TOKENS)
-            results.append(sent)
-            history += sent.output_ids
-
-    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
-    return results
-
-
-async def offload_chat(client, model: str, seed: int) -> list[Sent]:
-    """The --offload workload: chat without a shared prefix, OFFLOAD_CONCURRENCY conversations at a time."""
-    rng = random.Random(seed + 2)
-    contexts = [ids(rng, CONTEXT_TOKENS) for _ in range(CONVERSATIONS)]
-    questions = [[ids(rng, QUESTION_TOKENS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
-    gate, results = asyncio.Semaphore(OFFLOAD_CONCURRENCY), []
 
     async def conversation(c: int) -> None:
         history = list(contexts[c])
@@ -131,8 +118,15 @@ async def offload_chat(client, model: str, seed: int) -> list[Sent]:
             results.append(sent)
             history += sent.output_ids
 
-    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
+    await asyncio.gather(*(conversation(c) for c in range(len(contexts))))
     return results
+
+
+async def offload_chat(client, model: str, seed: int) -> list[Sent]:
+    """The --offload workload: chat without a shared prefix, OFFLOAD_CONCURRENCY conversations at a time."""
+    rng = random.Random(seed + 2)
+    contexts = [ids(rng, CONTEXT_TOKENS) for _ in range(CONVERSATIONS)]
+    return await conversations(client, model, OFFLOAD_CONCURRENCY, contexts, rng)
 
 
 def server_pids(port: int) -> list[int]:

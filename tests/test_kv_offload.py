@@ -19,15 +19,13 @@ from dsconv.runner.engine.kv_offload import (BLOCK, DROP, FETCH, SAVE, SPILL, ST
                                              OffloadConfig, OffloadCounts, Offloader, OffloadReport, TierShape)
 from dsconv.runner.engine.offload_store import (DIRECTORY_META, TEMPORARY, decode, encode, file_name, open_directory,
                                                 rank_directory)
-from dsconv.runner.engine.request import SamplingParams
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.weights import load_manifest
 from tests.helpers import launch_ranks, run_config, shard
 from tests.rank_entries import one_after_another
-from tests.test_prefix_cache import engine
+from tests.test_prefix_cache import NEW_TOKENS, engine, one_by_one
 
-NEW_TOKENS = 6
 BLOCK_SIZE = 16
 
 
@@ -130,21 +128,6 @@ def offload_engine(model, new_cache, kv_cache_dtype, cache_tokens, host=0.0, pat
         size = pool_bytes(cache)
         core.attach_offload(cache, OffloadConfig(int(host * size), path, int(disk * size), fingerprint))
     return core
-
-
-def one_by_one(core, prompts) -> tuple[list[list[int]], list[int]]:
-    """Each prompt after the one before has finished -> (tokens, cached prompt tokens) per prompt."""
-    s, tokens, cached = core.scheduler, [], []
-    for i, prompt in enumerate(prompts):
-        s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
-        got = []
-        while s.has_work:
-            for _, out in core.step():
-                got += out.new_token_ids
-                hit = out.cached_tokens
-        tokens.append(got)
-        cached.append(hit)
-    return tokens, cached
 
 
 def identity(kv_cache_dtype: str) -> dict:
@@ -306,3 +289,33 @@ def test_world_16_host_and_disk_hits_after_a_restart(families, tiny_source, tmp_
     assert results[0]["cached"][1] == 0 and results[1]["cached"][1] > 0  # seen once before: on disk
     meta = json.loads((tmp_path / "tier" / DIRECTORY_META).read_text())
     assert meta["world_size"] == 16 and any(rank_directory(tmp_path / "tier", 5).iterdir())
+
+
+def test_metrics_count_what_grew_per_tier_and_direction():
+    """The scheduler's running totals become Prometheus counters: per tier, per direction, corrupt files."""
+    from types import SimpleNamespace
+
+    from dsconv.runner.engine.metrics import ServeMetrics
+
+    metrics, counts = ServeMetrics("m", 1), OffloadCounts()
+    scheduler = SimpleNamespace(offloaders=[None], offload_counts=counts)
+    counts.hit_tokens["disk"] += 32
+    counts.moved["host_to_device"] += 4096
+    counts.evictions["host"] += 2
+    counts.corrupt_files += 1
+    metrics.record_offload(scheduler)
+    counts.hit_tokens["disk"] += 16
+    metrics.record_offload(scheduler)
+    value = metrics.registry.get_sample_value
+    assert value("dsrun:kv_offload_hit_tokens_total", {"model_name": "m", "tier": "disk"}) == 48
+    assert value("dsrun:kv_offload_bytes_total", {"model_name": "m", "direction": "host_to_device"}) == 4096
+    assert value("dsrun:kv_offload_evictions_total", {"model_name": "m", "tier": "host"}) == 2
+    assert value("dsrun:kv_offload_corrupt_files_total", {"model_name": "m"}) == 1
+
+
+def test_the_ready_line_gives_each_tiers_size(tmp_path):
+    config = OffloadConfig(2 * 2**30, tmp_path, 8 * 2**30)
+    shape = TierShape.of(config, 16, {BLOCK: 100, STATE: 0}, {BLOCK: 2**20, STATE: 0})
+    assert shape.host == {BLOCK: 128, STATE: 0} and shape.disk == {BLOCK: 512, STATE: 0}
+    assert shape.summary(config) == (f"KV offload: host 2 GiB (128 blocks a rank), disk 8 GiB at {tmp_path} (512 "
+                                     f"blocks a rank)")

@@ -138,6 +138,13 @@ def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_cac
     cache = new_cache(cache_tokens, kv_cache_dtype, block_size=block_size, max_seqs=max_num_seqs,
                       prefix_caching=prefix_caching)
     core = engine(model, cache, max_num_seqs, budget, prefix_caching)
+    tokens, cached = one_by_one(core, prompts)
+    return tokens, cached, core.scheduler
+
+
+def one_by_one(core, prompts) -> tuple[list[list[int]], list[int]]:
+    """Each prompt after the one before has finished, NEW_TOKENS each -> (tokens, cached prompt tokens) per
+    prompt."""
     s, tokens, cached = core.scheduler, [], []
     for i, prompt in enumerate(prompts):
         s.add(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS), None)
@@ -148,7 +155,7 @@ def run_engine(model, new_cache, prompts, block_size, kv_cache_dtype, prefix_cac
                 cached_now = out.cached_tokens
         tokens.append(out_tokens)
         cached.append(cached_now)
-    return tokens, cached, s
+    return tokens, cached
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

@@ -88,30 +88,6 @@ class EngineConfig:
     drain_timeout_s: float = 30.0
     speculative: SpeculativeConfig | None = None
 
-    def with_offload(self, config: OffloadConfig | None) -> "RunConfig":
-        """This run with KV offload: checked against the cache (prefix caching on; each rank's share of the host
-        size holds a block at least) and, with a disk tier, its directory opened for these shards (InputError, one
-        line: engine/offload_store.open_directory)."""
-        if config is None:
-            return self
-        if not self.scheduler.enable_prefix_caching:
-            raise InputError("--kv-offloading-size keeps the prefix cache's blocks: it needs prefix caching "
-                             "(drop --no-enable-prefix-caching)")
-        per_block, _ = self.cache_bytes
-        world = self.layout.world_size
-        for flag, size in (("--kv-offloading-size", config.host_bytes), ("--kv-offloading-disk-size",
-                                                                          config.disk_bytes)):
-            if (size or flag == "--kv-offloading-size") and size // world < per_block:
-                raise InputError(f"{flag} {size / GIB:g} GiB is {size // world} bytes a rank over {world} ranks, "
-                                 f"below one block of the KV cache ({per_block} bytes: {self.cache.block_size} "
-                                 f"tokens, {self.cache.dtype}, {self.dtype})")
-        if config.path is not None:
-            identity = {"model": hashlib.sha256((self.shards / MANIFEST_NAME).read_bytes()).hexdigest(),
-                        "dtype": self.dtype, "kv_cache_dtype": self.cache.dtype, "block_size": self.cache.block_size,
-                        "world_size": world}
-            config = replace(config, fingerprint=open_directory(config.path, identity))
-        return replace(self, offload=config)
-
     @property
     def speculative_tokens(self) -> int:
         """The drafts a step verifies (0: no speculative decoding)."""

@@ -430,18 +430,18 @@ class Scheduler:
                 if w == "host":
                     offloader.hold(kind, usable[i])
             if not all([offloader.fetch(kind, digest) for kind, digest in on_disk]):
-                return blocks if states is None else self._with_state(request, blocks)  # no room now
+                return self._device_hit(request, blocks)  # no host slot free for them now
             return None
         host_states = [i for i, w in state_where.items() if w == "host"]
         if states is not None and len(host_states) > states.num_free:
-            return self._with_state(request, blocks)
+            return self._device_hit(request, blocks)
         for kind, i, w in needed:  # before the blocks the copies go to are taken (their evictions take slots)
             if w == "host":
                 offloader.hold(kind, usable[i])
         table = pool.adopt_with(request.seq_id, [pool.cached[usable[i]] if where[i] == "device" else None
                                                  for i in range(count)])
-        if table is None:  # no room for the copies: the device's own hit
-            return self._with_state(request, blocks) if states is not None else blocks
+        if table is None:  # no room for the copies
+            return self._device_hit(request, blocks)
         for i in range(count):
             found = where[i] if where[i] == "device" else offloader.load(BLOCK, usable[i], table[i])
             self.offload_counts.hit_tokens[found] += size
@@ -455,6 +455,13 @@ class Scheduler:
                 states.put(usable[i], pairs[i])
             request.restore = Restore(request.seq_id, count * size, tuple(sorted(pairs.items())))
         return table
+
+    def _device_hit(self, request: Request, blocks: list[int]) -> list[int]:
+        """The device pool's own hit, when the offloaded one cannot be copied now (counted as device hits)."""
+        if self.states is not None:
+            blocks = self._with_state(request, blocks)
+        self.offload_counts.hit_tokens["device"] += len(blocks) * self.pools[request.dp_rank].block_size
+        return blocks
 
     def _with_state(self, request: Request, blocks: list[int]) -> list[int]:
         """A hit on a cache that needs the state at its boundary: cut back to the longest boundary whose state
