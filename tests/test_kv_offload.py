@@ -319,3 +319,11 @@ def test_the_ready_line_gives_each_tiers_size(tmp_path):
     assert shape.host == {BLOCK: 128, STATE: 0} and shape.disk == {BLOCK: 512, STATE: 0}
     assert shape.summary(config) == (f"KV offload: host 2 GiB (128 blocks a rank), disk 8 GiB at {tmp_path} (512 "
                                      f"blocks a rank)")
+
+
+def test_files_found_past_a_smaller_disk_size_are_dropped():
+    """Restarted with room for 2 files where 3 were kept: the oldest one's file goes in the first step."""
+    shape = TierShape({BLOCK: 1, STATE: 0}, {BLOCK: 2, STATE: 0}, {BLOCK: 8, STATE: 0})
+    offloader = Offloader(shape, {BLOCK: [b"old", b"mid", b"new"], STATE: []}, OffloadCounts())
+    assert offloader.take_ops().ops == ((DROP, BLOCK, b"old"),)
+    assert [offloader.where(BLOCK, h) for h in (b"old", b"mid", b"new")] == [None, "disk", "disk"]

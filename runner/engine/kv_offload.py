@@ -213,6 +213,9 @@ class Offloader:
         self.from_disk: set[tuple[str, bytes]] = set()  # fetched into the host tier, not yet used by a hit
         self.pending: set[tuple[str, bytes]] = set()  # fetched by the step being built or run: not readable yet
         self._ops: list[tuple] = []  # the next step's, in order
+        for kind in KINDS if self.disk is not None else ():  # files found past the size (a smaller one now) go
+            self._ops.extend((DROP, kind, digest) for digest in disk_known.get(kind, [])
+                             if digest not in self.disk[kind])
 
     def where(self, kind: str, digest: bytes) -> str | None:
         """The tier below the device that holds `digest`: "host", "disk", "pending" (a read from disk not yet
