@@ -111,9 +111,6 @@ class OffloadOps:
     """One step's copies on every rank of a DP index, run in order before anything else of the step."""
     ops: tuple[tuple, ...]
 
-    def of(self, name: str) -> list[tuple]:
-        return [op for op in self.ops if op[0] == name]
-
 
 @dataclass
 class OffloadReport:
@@ -199,7 +196,6 @@ class OffloadCounts:
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     corrupt_files: int = 0
-    failed_fetches: int = 0
 
 
 class Offloader:
@@ -311,7 +307,6 @@ class Offloader:
             self.from_disk.discard((kind, digest))
             if self.disk is not None:
                 self.disk[kind].forget(digest)
-            self.counts.failed_fetches += 1
         for kind, digest, _ in report.failed_spills:
             if self.disk is not None and digest in self.disk[kind]:
                 self.disk[kind].forget(digest)

@@ -134,7 +134,7 @@ class OffloadStore:
         accelerator = cache.device.type != "cpu"
         self.host = {kind: [torch.empty(shape.host[kind], view.shape[1], dtype=torch.uint8, pin_memory=accelerator)
                             for view in self.views[kind]] for kind in KINDS}
-        self.unit_bytes = {kind: sum(view.shape[1] for view in self.views[kind]) for kind in KINDS}
+        self.unit_bytes = shape.unit_bytes  # one unit of each kind on this rank (its views' widths summed)
         self.stream = torch.Stream(device=cache.device) if accelerator else None
         self.directory = None
         if directory is not None:
