@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from tqdm import tqdm
 
 from dsconv.errors import InputError
@@ -33,7 +34,8 @@ def parse_size(text: str) -> int:
 
 
 def fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # the message is printed literally: rich reads "[pd]" in "dsconv's [pd] extra" as markup and drops it
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

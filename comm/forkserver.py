@@ -16,6 +16,7 @@ import os
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_MODULE = "dsconv.comm.launch"  # the ranks' own code (comm/launch.py), which every rank runs
+SERVER_MODULE = "dsconv.comm.rank_server"  # imported in the fork server alone: it outlives a SIGTERM to the group
 
 
 def under_torchrun() -> bool:
@@ -29,9 +30,10 @@ def forks_ranks(device: str) -> bool:
 
 
 def rank_preload(modules: list[str]) -> list[str]:
-    """What the fork server imports for every rank: torch, its distributed package, the launcher's rank code and
-    the entry's `modules` (each rank imports them to unpickle its entry)."""
-    return list(dict.fromkeys(["torch", "torch.distributed", LAUNCH_MODULE, *modules]))
+    """What the fork server imports: its SIGTERM shield (comm/rank_server.py), then for every rank torch, its
+    distributed package, the launcher's rank code and the entry's `modules` (each rank imports them to unpickle its
+    entry)."""
+    return list(dict.fromkeys([SERVER_MODULE, "torch", "torch.distributed", LAUNCH_MODULE, *modules]))
 
 
 def start_rank_server(device: str, modules: list[str]) -> None:

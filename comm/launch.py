@@ -96,7 +96,8 @@ def launch(entry: Callable, args: tuple | dict = (), *, world_size: int, device:
     a success; under torchrun pass one, or every process picks its own), and a failing rank's traceback goes to its
     log file, whose directory the failure's message names.
     sigterm_to_rank0: a SIGTERM to this process is passed on to rank 0 alone, which then ends the job (a
-    server draining its requests); by default SIGTERM ends this process as usual.
+    server draining its requests), and so is a first Ctrl-C (a second stops every rank at once); by default SIGTERM
+    ends this process as usual.
     """
     backend_for(device)  # a wrong device fails here, once, not in every rank
     if not under_torchrun() and device != "cpu":
@@ -112,7 +113,7 @@ def launch(entry: Callable, args: tuple | dict = (), *, world_size: int, device:
             code = _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir)
         else:
             code = _spawn_and_supervise(entry, args, world_size, device, timeout_s, log_dir, sigterm_to_rank0)
-    finally:  # a log directory made here goes once there is nothing to read in it: a success, or no rank logged
+    finally:  # a log directory made here goes after a success, or when it is empty (no message named it: logs_note)
         if own_logs and (code == 0 or not any(log_dir.iterdir())):
             shutil.rmtree(log_dir, ignore_errors=True)
     return code
@@ -224,7 +225,7 @@ def _run_under_torchrun(entry, args, world_size, device, timeout_s, log_dir) -> 
     code = _run_rank(entry, args, rank, world_size, device, timeout_s, log_dir, store_path=None)
     if code:
         # No launcher of ours watches these ranks, so each failing rank speaks for itself.
-        print(f"rank {rank} failed: {_failure_reason(log_dir, rank, exitcode=code)} (logs in {log_dir})",
+        print(f"rank {rank} failed: {_failure_reason(log_dir, rank, exitcode=code)}{logs_note(log_dir)}",
               file=console, flush=True)
     console.close()
     return code
@@ -263,15 +264,16 @@ def _start_and_supervise(ctx, entry, args, world_size, device, timeout_s, log_di
                 proc.start()
         alive_r.close()
         if sigterm_to_rank0:
-            previous = signal.signal(signal.SIGTERM, lambda *_: procs[0].is_alive() and os.kill(procs[0].pid,
-                                                                                             signal.SIGTERM))
+            previous = signal.signal(signal.SIGTERM, lambda *_: _to_rank0(procs))
+            previous_int = signal.signal(signal.SIGINT, _first_drains(procs))
         try:
             return _supervise(procs, log_dir)
         finally:
             if sigterm_to_rank0:
                 signal.signal(signal.SIGTERM, previous)
+                signal.signal(signal.SIGINT, previous_int)
     except KeyboardInterrupt:
-        print(f"interrupted: stopping {world_size} ranks (logs in {log_dir})", file=sys.stderr, flush=True)
+        print(f"interrupted: stopping {world_size} ranks{logs_note(log_dir)}", file=sys.stderr, flush=True)
         _stop(procs)
         return INTERRUPTED_EXIT_CODE
     except BaseException:  # e.g. an entry that cannot be pickled: stop the ranks already started
@@ -279,6 +281,32 @@ def _start_and_supervise(ctx, entry, args, world_size, device, timeout_s, log_di
         raise
     finally:
         alive_w.close()
+
+
+def _to_rank0(procs: list) -> None:
+    if procs[0].is_alive():
+        os.kill(procs[0].pid, signal.SIGTERM)
+
+
+def _first_drains(procs: list):
+    """A SIGINT handler for a job that stops on SIGTERM to rank 0 (a server): the first Ctrl-C stops it as SIGTERM
+    does (a drain, then a clean exit), a second one stops every rank at once (KeyboardInterrupt)."""
+    seen = []
+
+    def handler(signum, frame) -> None:
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(signum)
+        print("interrupted: stopping as on SIGTERM (Ctrl-C again to stop every rank at once)", file=sys.stderr,
+              flush=True)
+        _to_rank0(procs)
+
+    return handler
+
+
+def logs_note(log_dir: Path) -> str:
+    """The note " (logs in DIR)" for a message, when DIR has something to read (a directory a message names is kept)."""
+    return f" (logs in {log_dir})" if log_dir.is_dir() and any(log_dir.iterdir()) else ""
 
 
 def _modules_of(entry, args) -> list[str]:
@@ -312,6 +340,7 @@ def _sigint_held() -> Iterator[None]:
 def _rank_process(entry, args, rank, world_size, device, timeout_s, log_dir, store_path, alive_r) -> None:
     # Ctrl-C reaches the whole terminal process group; the supervisor alone decides how ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (comm/rank_server.py); a rank need not
     threading.Thread(target=_exit_when_supervisor_dies, args=(alive_r,), daemon=True).start()
     # torchrun's variables but MASTER_PORT: no rendezvous goes through a port, and a rank is not under torchrun
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -338,7 +367,7 @@ def _supervise(procs: list, log_dir: Path) -> int:
             failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             rank = _first_failure(failed, procs, log_dir)
             reason = _failure_reason(log_dir, rank, procs[rank].exitcode)
-            print(f"rank {rank} failed: {reason} (logs in {log_dir})", file=sys.stderr, flush=True)
+            print(f"rank {rank} failed: {reason}{logs_note(log_dir)}", file=sys.stderr, flush=True)
             _stop(procs)
             return USER_ERROR_EXIT if procs[rank].exitcode == USER_ERROR_EXIT else 1
     return 0

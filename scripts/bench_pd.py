@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import statistics
 import subprocess
@@ -52,8 +53,10 @@ from dsconv.shard.sizes import kv_cache_bytes_per_token
 DECODERS, DECODE_TOKENS, DECODER_PROMPT = 4, 96, 24
 LONG_PROMPTS, LONG_TOKENS_OUT, LONG_EVERY_S = 6, 4, 1.5
 SERVER_FLAGS = ("--dtype", "bfloat16", "--cache-tokens", "16384", "--served-model-name", "bench")
-PRODUCER = '{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}'
-CONSUMER = '{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}'
+PD_KEY = secrets.token_hex(16)  # a fresh secret per run, which P signs its hand-overs with (docs/pd.md: trust)
+PRODUCER, CONSUMER = (json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
+                                  "kv_connector_extra_config": {"auth_key": PD_KEY}})
+                      for role in ("kv_producer", "kv_consumer"))
 # the runner's cache on CPU: BF16 entries are kept as float32, the dtype its matmuls run in (kernels/linear.py)
 CPU_CACHE = matmul_dtype_for(torch.bfloat16, "cpu")
 PAPER_PROMPT = 8192  # tokens of the prompt whose transfer is worked out at the real dimensions

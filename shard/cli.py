@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.markup import escape
 
 from dsconv.console import byte_progress, console, err_console, parse_size, resolve_workers, user_errors
 from dsconv.family.layout import DEFAULT_WORLD_SIZE, Layout
@@ -96,7 +97,7 @@ def shard(
     console.print(rank_table(plan))
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "
-                  f"{out} in {result.seconds:.2f} s ({plan.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
+                  f"{escape(str(out))} in {result.seconds:.2f} s ({plan.nbytes / max(result.seconds, 1e-9) / 1e9:.2f} "
                   f"GB/s in); {layout_line(layout, plan.experts)}", highlight=False)
 
 
@@ -117,8 +118,8 @@ def verify(
         problems = run_verify(out, full)
     if problems:
         for problem in problems:
-            err_console.print(f"[red]problem:[/] {problem}", highlight=False, soft_wrap=True)
-        err_console.print(f"[bold red]{len(problems)} problem(s)[/] in {out}", highlight=False)
+            err_console.print(f"[red]problem:[/] {escape(str(problem))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]{len(problems)} problem(s)[/] in {escape(str(out))}", highlight=False)
         raise typer.Exit(1)
-    console.print(f"[bold green]ok[/]: {out} matches its manifest" + (" (sha256 checked)" if full else ""),
+    console.print(f"[bold green]ok[/]: {escape(str(out))} matches its manifest" + (" (sha256 checked)" if full else ""),
                   highlight=False)

@@ -284,7 +284,7 @@ class Server:
     """`dsrun serve --port 0` as a subprocess on the port the OS chose (read back from its log), ready (/health 200)
     when constructed; its output goes to log_path."""
 
-    def __init__(self, shards, log_path, *flags):
+    def __init__(self, shards, log_path, *flags, preexec_fn=None):
         import subprocess
         import sys
         import time
@@ -295,7 +295,8 @@ class Server:
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(shards), "--port", "0",
-                 *map(str, flags)], stdout=log, stderr=subprocess.STDOUT,
+                 *map(str, flags)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # a group of its own
+                preexec_fn=preexec_fn,
                 env={**os.environ, "TMPDIR": str(Path(log_path).parent)})  # a failed run's logs stay in the test's dir
         deadline = time.monotonic() + SERVER_START_S
         while time.monotonic() < deadline:
@@ -324,12 +325,16 @@ class Server:
 
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def stop(self, timeout=60) -> int:
-        """SIGTERM, as a service manager stops it -> its exit code."""
+    def stop(self, timeout=60, group: bool = False) -> int:
+        """SIGTERM, as a service manager stops it -> its exit code: to the launcher, or (group) to every process of
+        the server's process group at once, as systemd's KillMode=control-group and `kill -- -PGID` do."""
         import signal
 
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the server leads its own group (start_new_session)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
 

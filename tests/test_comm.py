@@ -485,5 +485,6 @@ def test_only_local_cpu_jobs_start_their_fork_server_early(monkeypatch):
     assert started == []
     start_rank_server("cpu", ["dsconv.runner.entrypoints.generate"])
     assert started == [True]
-    assert rank_preload(["dsconv.runner.entrypoints.generate", "torch"]) == [
-        "torch", "torch.distributed", "dsconv.comm.launch", "dsconv.runner.entrypoints.generate"]
+    assert rank_preload(["dsconv.runner.entrypoints.generate", "torch"]) == [  # the SIGTERM shield first
+        "dsconv.comm.rank_server", "torch", "torch.distributed", "dsconv.comm.launch",
+        "dsconv.runner.entrypoints.generate"]

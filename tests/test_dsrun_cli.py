@@ -435,3 +435,14 @@ def test_one_text_gives_the_same_ids_on_every_path(tiny_source, tmp_path, add_bo
         assert tokenized["tokens"] == want
     finally:
         assert server.stop() == 0
+
+
+def test_error_text_is_printed_literally(capsys):
+    """Issue 71: rich read "[pd]" in "install dsconv's [pd] extra" as markup and printed "install dsconv's  extra"."""
+    import typer
+
+    from dsconv.console import fail
+
+    with pytest.raises(typer.Exit):
+        fail("the Mooncake transfer engine cannot be imported: install dsconv's [pd] extra ([bold]this[/] too)")
+    assert "install dsconv's [pd] extra ([bold]this[/] too)" in capsys.readouterr().err

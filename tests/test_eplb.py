@@ -147,3 +147,49 @@ def test_bad_input(args, needle):
     experts, slots, groups, nodes, ranks = args
     with pytest.raises(InputError, match=needle):
         place([1.0] * experts, slots, groups, nodes, ranks)
+
+
+# -- the balancer's bookkeeping over a long run (runner/models/eplb.py) -------------------------------------------
+
+
+class _Layer:
+    """A MoE layer as ExpertBalancer sees it: its routing, moved in place."""
+
+    def __init__(self, prefix: str, experts: int):
+        import torch
+
+        from dsconv.runner.models.eplb import ExpertRouting
+
+        self.prefix, self.experts, self.n_physical = prefix, experts, experts
+        self.routing = ExpertRouting(tuple(range(experts)), experts, torch.device("cpu"))
+
+    def counted(self) -> None:
+        pass
+
+    def move(self, physical, dist) -> None:
+        self.routing.set(physical)
+
+
+def test_balancer_history_is_bounded_and_skipped_rebalances_are_counted():
+    """Issue 71: every rebalance's figures were kept for the life of the server, and a rebalance that fell due
+    while the last one's moves were pending was dropped without a word."""
+    import types
+
+    import torch
+
+    from dsconv.runner.models.eplb import HISTORY, EplbConfig, ExpertBalancer
+
+    layers = [_Layer(f"layers.{i}.mlp", 4) for i in range(2)]
+    dist = types.SimpleNamespace(experts=layers, groups=None, ep=2, rank=0)
+    balancer = ExpertBalancer(dist, None, EplbConfig(window_size=1, step_interval=1), None, 1, 1)
+    skew = [torch.tensor([100, 1, 1, 1]), torch.tensor([1, 1, 1, 100])]
+    steps = 3 * HISTORY
+    for step in range(steps):
+        for layer in layers:  # expert 0, then expert 3, is hot: the best placement keeps changing
+            load = skew[step // 2 % 2]
+            layer.routing.logical_counts += load
+            layer.routing.physical_counts += load[list(layer.routing.physical)]
+        balancer.before_step()
+    assert balancer.skipped > 0  # two layers, one moved a step: every other due step finds a move pending
+    assert balancer.rebalances + balancer.skipped == steps and balancer.rebalances > HISTORY
+    assert len(balancer.history) == HISTORY and balancer.history[-1].step >= steps - 2  # the newest kept

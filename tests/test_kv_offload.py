@@ -4,10 +4,15 @@ they are kept in host slots (and files), and a later request copies them back in
 greedy tokens with hits from the host tier, and from disk after a restart, equal those computed from scratch:
 V3.2 (the tiny indexer's index_topk of 8, so it selects from cached keys) and V4 (hits inside the sliding window and
 in HCA / CSA windows, restored from offloaded state blocks), auto and INT8 caches, world 1 here and world 16 in the
-slow tests. Faults: torn, corrupt and foreign files, a full disk, a write a killed server left."""
+slow tests. Faults: torn, corrupt and foreign files, a full disk, a write a killed server left, a read-only or
+failing filesystem, files on some ranks only; a graceful stop writes the host tier to disk for the next start."""
 
 import errno
 import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +20,13 @@ import torch
 from dsconv.errors import InputError
 from dsconv.family.layout import Layout
 from dsconv.runner.engine.block_pool import block_hashes
-from dsconv.runner.engine.kv_offload import (BLOCK, DROP, FETCH, SAVE, SPILL, STATE, DiskTier, HostTier,
-                                             OffloadConfig, OffloadCounts, Offloader, OffloadReport, TierShape)
-from dsconv.runner.engine.offload_store import (DIRECTORY_META, TEMPORARY, decode, encode, file_name, open_directory,
-                                                rank_directory)
+from dsconv.runner.engine.core import EngineClient
+from dsconv.runner.engine.kv_offload import (BLOCK, DROP, FETCH, SAVE, SPILL, STATE, HostTier, OffloadConfig,
+                                             OffloadCounts, Offloader, OffloadOps, OffloadReport, TierShape)
+from dsconv.runner.engine.offload_store import (DIRECTORY_META, LENGTH_BYTES, MAGIC, TEMPORARY, OffloadStore, agree,
+                                                decode, encode, file_bytes, file_name, open_directory, rank_directory,
+                                                scan, unit_file_bytes)
+from dsconv.runner.engine.speculative import SpeculativeConfig
 from dsconv.runner.models.dist import Dist
 from dsconv.runner.models.registry import build_model
 from dsconv.runner.models.weights import load_manifest
@@ -54,21 +62,106 @@ def test_offloader_saves_spills_drops_and_forgets_what_failed():
     assert offloader.where(BLOCK, b"a") == "disk" and offloader.where(BLOCK, b"b") == "host"
     offloader.evicted(BLOCK, 7, b"c")  # b spills, and the disk tier's one entry drops a's file first
     assert offloader.take_ops().ops == ((DROP, BLOCK, b"a"), (SPILL, BLOCK, 0, b"b"), (SAVE, BLOCK, 7, 0))
-    assert offloader.fetch(BLOCK, b"b")  # the slot takes b back; c finds no room on disk (b's file is being read)
+    assert offloader.fetch([(BLOCK, b"b")])  # the slot takes b back; c finds no room on disk (b's file is read)
     assert offloader.where(BLOCK, b"b") == "pending"
     assert offloader.take_ops().ops == ((FETCH, BLOCK, b"b", 0),)
     report = OffloadReport(0, failed_fetches=[(BLOCK, b"b", "its checksum does not match")], corrupt=1)
     offloader.reported(report)
+    offloader.reported(report)  # another rank of the DP index failed it too: removed once
     offloader.settled()
-    assert offloader.where(BLOCK, b"b") is None and counts.corrupt_files == 1
+    assert offloader.where(BLOCK, b"b") is None and counts.corrupt_files == 2
+    assert offloader.take_ops().ops == ((DROP, BLOCK, b"b"),)  # on every rank of the DP index, not only the failing one
     assert counts.evictions == {"device": 3, "host": 3, "disk": 1}
 
 
-def test_disk_tier_stops_when_full():
-    disk = DiskTier(4)
-    assert disk.put(b"a") == []
-    disk.full = True
-    assert disk.put(b"b") is None and b"b" not in disk
+def test_a_fetch_pins_the_files_it_reads_so_its_own_spills_keep_them():
+    """Issue 71, 2: a two-block prefix on a full disk tier of 3, its second block's file the oldest, and a host tier
+    of 2 holding others. Each fetch's slot spills a host block, whose file needs room: the prefix's files are pinned
+    before the first slot is taken, so the other file goes, not the prefix's second (whose touch raised KeyError)."""
+    shape = TierShape({BLOCK: 2, STATE: 0}, {BLOCK: 3, STATE: 0}, {BLOCK: 8, STATE: 0})
+    offloader = Offloader(shape, {BLOCK: [b"b", b"z", b"a"], STATE: []}, OffloadCounts())
+    offloader.evicted(BLOCK, 0, b"x")
+    offloader.evicted(BLOCK, 1, b"y")
+    offloader.take_ops()
+    assert offloader.fetch([(BLOCK, b"a"), (BLOCK, b"b")])
+    assert offloader.take_ops().ops == ((DROP, BLOCK, b"z"), (SPILL, BLOCK, 0, b"x"), (FETCH, BLOCK, b"a", 0),
+                                        (DROP, BLOCK, b"x"), (SPILL, BLOCK, 1, b"y"), (FETCH, BLOCK, b"b", 1))
+    assert [offloader.where(BLOCK, h) for h in (b"a", b"b", b"x", b"y", b"z")] == \
+        ["pending", "pending", None, "disk", None]
+
+
+def tiny_store(tmp_path, host_slots=2, width=8):
+    """An OffloadStore over a one-view cache of 4 blocks of `width` bytes, with a disk tier in tmp_path/tier."""
+    cache = SimpleNamespace(transfer_views=lambda: ([torch.arange(4 * width, dtype=torch.uint8).view(4, width)], []),
+                            device=torch.device("cpu"))
+    shape = TierShape({BLOCK: host_slots, STATE: 0}, {BLOCK: 4, STATE: 0}, {BLOCK: width, STATE: 0})
+    return OffloadStore(cache, shape, 0, 0, tmp_path / "tier", "fp")
+
+
+def failing(code: int):
+    def fail(*args, **kwargs):
+        raise OSError(code, errno.errorcode[code])
+    return fail
+
+
+def test_filesystem_errors_are_reported_stop_the_writes_and_a_failed_read_is_a_miss(tmp_path, monkeypatch):
+    """Issue 71, 3: EROFS on removing a file (even a missing one), EACCES on writing, EIO on reading: each is
+    reported by errno, none escapes; after the first, the rank writes nothing more. A header that is JSON but not an
+    object is a corrupt file (it raised AttributeError)."""
+    store = tiny_store(tmp_path)
+    monkeypatch.setattr(Path, "unlink", failing(errno.EROFS))
+    report = store.run(OffloadOps(((DROP, BLOCK, b"gone"),)))
+    monkeypatch.undo()
+    assert [name for name, _ in report.disk_errors] == ["EROFS"] and store.stopped is not None
+    store = tiny_store(tmp_path)
+    store.write = failing(errno.EACCES)
+    report = store.run(OffloadOps(((SAVE, BLOCK, 1, 0), (SPILL, BLOCK, 0, b"a"), (SPILL, BLOCK, 0, b"b"))))
+    assert [name for name, _ in report.disk_errors] == ["EACCES"]  # b was not tried
+    assert [digest for _, digest, _ in report.failed_spills] == [b"a", b"b"]
+    store = tiny_store(tmp_path)
+    store.run(OffloadOps(((SAVE, BLOCK, 1, 0), (SPILL, BLOCK, 0, b"a"))))
+    monkeypatch.setattr(Path, "read_bytes", failing(errno.EIO))
+    report = store.run(OffloadOps(((FETCH, BLOCK, b"a", 1),)))
+    monkeypatch.undo()
+    assert [name for name, _ in report.disk_errors] == ["EIO"] and report.failed_fetches[0][1] == b"a"
+    header = b"[1, 2]"
+    whole = unit_file_bytes("fp", BLOCK, b"c", 8)  # the size a real file has: the reader looks at it first
+    (store.directory / file_name(BLOCK, b"c")).write_bytes(MAGIC + len(header).to_bytes(LENGTH_BYTES, "little")
+                                                           + header + bytes(whole - len(MAGIC) - LENGTH_BYTES - 6))
+    report = tiny_store(tmp_path).run(OffloadOps(((FETCH, BLOCK, b"c", 1),)))
+    assert report.corrupt == 1 and "not a JSON object" in report.failed_fetches[0][2]
+    assert not (store.directory / file_name(BLOCK, b"c")).exists()
+
+
+def test_the_first_filesystem_error_stops_the_spills_once_and_says_why(capsys):
+    """Issue 71, 3: EDQUOT from a rank stops every spill with one log line, the metrics and /health's field; later
+    errors are counted, not logged again. Reads go on: a block on disk is still a disk hit."""
+    from fastapi.testclient import TestClient
+    import prometheus_client
+
+    from dsconv.runner.engine.metrics import ServeMetrics
+    from dsconv.runner.entrypoints.openai.app import create_app
+
+    shape = TierShape({BLOCK: 1, STATE: 0}, {BLOCK: 4, STATE: 0}, {BLOCK: 8, STATE: 0})
+    counts = OffloadCounts()
+    offloader = Offloader(shape, {BLOCK: [b"on disk"], STATE: []}, counts)
+    offloader.reported(OffloadReport(0, 3, failed_spills=[(BLOCK, b"on disk", "quota")],
+                                     disk_errors=[("EDQUOT", "writing x: quota exceeded")]))
+    offloader.reported(OffloadReport(0, 4, disk_errors=[("EDQUOT", "writing y: quota exceeded")]))
+    assert capsys.readouterr().err.count("the disk tier takes no more blocks") == 1
+    assert counts.disk_stopped == "EDQUOT on rank 3: writing x: quota exceeded"
+    assert offloader.take_ops().ops == ((DROP, BLOCK, b"on disk"),)  # the failed write's file on the other ranks
+    offloader.evicted(BLOCK, 0, b"a")
+    offloader.evicted(BLOCK, 1, b"b")  # a falls out of the host tier: not written
+    assert offloader.take_ops().ops == ((SAVE, BLOCK, 0, 0), (SAVE, BLOCK, 1, 0))
+    metrics = ServeMetrics("m", 1)
+    metrics.record_offload(SimpleNamespace(offloaders=[offloader], offload_counts=counts))
+    value = metrics.registry.get_sample_value
+    assert value("dsrun:kv_offload_disk_errors_total", {"model_name": "m", "errno": "EDQUOT"}) == 2
+    assert value("dsrun:kv_offload_disk_stopped", {"model_name": "m"}) == 1
+    front = SimpleNamespace(is_ready=lambda: True, offload_disk=lambda: f"disabled: {counts.disk_stopped}")
+    health = TestClient(create_app(front, prometheus_client.CollectorRegistry())).get("/health")
+    assert health.json() == {"kv_offload_disk": "disabled: EDQUOT on rank 3: writing x: quota exceeded"}
 
 
 def test_files_read_back_only_whole_and_their_own():
@@ -119,11 +212,11 @@ def pool_bytes(cache) -> int:
 
 
 def offload_engine(model, new_cache, kv_cache_dtype, cache_tokens, host=0.0, path=None, disk=0.0, fingerprint="",
-                   caching=True, block_size=BLOCK_SIZE):
+                   caching=True, block_size=BLOCK_SIZE, max_seqs=2):
     """An engine on one rank with a device pool of `cache_tokens` and, when `host` > 0, tiers of `host` (and `disk`)
     times the pool's bytes (so each holds about that many times its blocks and state blocks)."""
-    cache = new_cache(cache_tokens, kv_cache_dtype, block_size=block_size, max_seqs=2, prefix_caching=caching)
-    core = engine(model, cache, 2, 4096, caching)
+    cache = new_cache(cache_tokens, kv_cache_dtype, block_size=block_size, max_seqs=max_seqs, prefix_caching=caching)
+    core = engine(model, cache, max_seqs, 4096, caching)
     if host:
         size = pool_bytes(cache)
         core.attach_offload(cache, OffloadConfig(int(host * size), path, int(disk * size), fingerprint))
@@ -136,15 +229,35 @@ def identity(kv_cache_dtype: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def families(tiny_source, tmp_path_factory):
-    """family -> (model, new_cache) of its tiny trained-shape model at world 1, float32."""
+def family_shards(tiny_source, tmp_path_factory):
+    """family -> its tiny model's shards at world 1."""
     built = {}
     for family in ("deepseek_v32", "deepseek_v4"):
-        shards = tmp_path_factory.mktemp(f"offload-{family}") / "w1"
-        shard(tiny_source(family, "fp8"), shards, Layout(1, 1, 1, 1))
+        built[family] = tmp_path_factory.mktemp(f"offload-{family}") / "w1"
+        shard(tiny_source(family, "fp8"), built[family], Layout(1, 1, 1, 1))
+    return built
+
+
+@pytest.fixture(scope="module")
+def families(family_shards):
+    """family -> (model, new_cache) of its tiny trained-shape model at world 1, float32."""
+    built = {}
+    for family, shards in family_shards.items():
         model, _, new_cache = build_model(shards, load_manifest(shards), 0, Dist(), torch.float32)
         built[family] = model, new_cache
     return built
+
+
+def test_a_directory_written_without_mtp_is_refused_with_it(family_shards, tmp_path):
+    """Issue 71, 4: --speculative-config adds V3.2's MTP layer to every block: a directory written without it is
+    another run's (one line), not a directory of files that all fail their size check."""
+    run = run_config(family_shards["deepseek_v32"], "float32", 8 * BLOCK_SIZE, block_size=BLOCK_SIZE)
+    config = OffloadConfig(2**30, tmp_path / "tier", 2**30)
+    run.with_offload(config)
+    assert run.with_offload(config).offload.fingerprint  # reopened: the same run
+    with pytest.raises(InputError, match=r"holds another run's KV cache \(it was written for cache_bytes .*"
+                                         r"speculative_tokens '0'\)"):
+        replace(run, speculative=SpeculativeConfig("mtp", 1)).with_offload(config)
 
 
 HOST = {"deepseek_v32": 0.5, "deepseek_v4": 0.1}  # the host tier per family, in device pools: small enough to spill
@@ -194,6 +307,71 @@ def test_hits_from_host_and_after_a_restart_from_disk_give_the_tokens_computed_f
     assert again == fresh
     assert cached_again[1] > 0 and counts.hit_tokens["disk"] > 0 and counts.corrupt_files == 0
     assert sum(cached_again) == sum(counts.hit_tokens.values())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4"])
+def test_a_graceful_stop_writes_the_host_tier_for_the_next_start(families, family, tmp_path):
+    """Issue 71, 5: a host tier that holds the working set spills nothing; the engine's loop ends gracefully and
+    writes it (V4: state blocks too) to disk; a new engine on the directory finds every full block of a prompt
+    served early (gone from the device pool) there, and gives the tokens computed from scratch."""
+    model, new_cache = families[family]
+    _, pool = workload(family, 5)
+    # the first prompt's blocks (V4: its state blocks too, one sequence slot's worth) leave the device pool
+    length, count = (40, 6) if family == "deepseek_v32" else (300, 3)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 500, (length,), generator=gen).tolist() for _ in range(count)]
+    fingerprint = open_directory(tmp_path / "tier", identity("auto"))
+    first = offload_engine(model, new_cache, "auto", pool, 8, tmp_path / "tier", DISK, fingerprint, max_seqs=1)
+    fresh, _ = one_by_one(first, prompts)  # the first prompt's tokens computed from scratch (nothing was cached)
+    assert first.scheduler.offload_counts.moved["host_to_disk"] == 0
+    first.run(EngineClient(), until_idle=True)  # nothing to run: the loop ends as a drained server's does
+    written = scan(tmp_path / "tier", 0)
+    assert written[BLOCK] and (family == "deepseek_v32") == (not written[STATE])
+    restarted = offload_engine(model, new_cache, "auto", pool, 8, tmp_path / "tier", DISK, fingerprint, max_seqs=1)
+    again, cached = one_by_one(restarted, prompts[:1])
+    full = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert again == fresh[:1] and cached == [full] and restarted.scheduler.offload_counts.hit_tokens["disk"] == full
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_live_server_keeps_its_host_tier_for_the_restart(family_shards, tmp_path):
+    """Issue 71, 5, as a user meets it: `dsrun serve` with a host tier that holds the working set, stopped by Ctrl-C
+    (the launcher's first SIGINT drains as SIGTERM does), exits 0 and writes the tier; the restarted server finds
+    every full block of the prompt it served before (cached_tokens) and gives the same greedy tokens."""
+    import signal
+
+    import httpx
+
+    from tests.helpers import Server, answer_ctrl_c
+
+    flags = ("--dtype", "float32", "--cache-tokens", "256", "--kv-offloading-size", "0.01",
+             "--kv-offloading-path", tmp_path / "tier", "--kv-offloading-disk-size", "0.01")
+    prompt = torch.randint(2, 500, (70,), generator=torch.Generator().manual_seed(71)).tolist()
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answers = []
+    for run in range(2):
+        server = Server(family_shards["deepseek_v32"], tmp_path / f"server{run}.log", *flags,
+                        preexec_fn=answer_ctrl_c)
+        try:
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+            answers.append((answer["choices"][0]["text"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            if run == 0:  # out of the device pool, into the host tier: a request of its own fills the pool
+                httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [7] * 240}, timeout=120)
+        finally:
+            server.proc.send_signal(signal.SIGINT)
+            assert server.proc.wait(120) == 0 and "dsrun serve: stopped" in server.log(), server.log()
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert answers[1] == (answers[0][0], full), answers
+
+
+def test_a_flush_stops_at_its_deadline(tmp_path):
+    """The flush's bound (offload_store.FLUSH_S): ops left when the deadline has passed are not run."""
+    store = tiny_store(tmp_path)
+    store.run(OffloadOps(((SAVE, BLOCK, 1, 0),)))
+    store.run(OffloadOps(((SPILL, BLOCK, 0, b"a"),)), deadline=time.monotonic() - 1)
+    assert not (store.directory / file_name(BLOCK, b"a")).exists()
+    store.flush(OffloadOps(((SPILL, BLOCK, 0, b"a"),)))
+    assert (store.directory / file_name(BLOCK, b"a")).exists()
 
 
 def test_v4_host_hits_mid_csa_window(families):
@@ -275,7 +453,8 @@ def test_a_full_disk_stops_writing_and_requests_go_on(families, tmp_path):
     core.worker.offload.write = full
     got, _ = one_by_one(core, prompts)
     assert got == fresh
-    assert len(tries) == 1 and all(disk.full for disk in core.scheduler.offloaders[0].disk.values())
+    assert len(tries) == 1 and core.scheduler.offload_counts.disk_stopped.startswith("ENOSPC on rank 0: writing")
+    assert core.offload_disk().startswith("disabled: ENOSPC")
     assert not list(rank_directory(tmp_path / "tier", 0).iterdir())
 
 
@@ -335,10 +514,14 @@ def test_metrics_count_what_grew_per_tier_and_direction():
 
 
 def test_the_ready_line_gives_each_tiers_size(tmp_path):
+    """512 MiB a rank on disk holds 511 files of a 1 MiB block: the disk size counts their headers (issue 71, 4)."""
     config = OffloadConfig(2 * 2**30, tmp_path, 8 * 2**30)
-    shape = TierShape.of(config, 16, {BLOCK: 100, STATE: 0}, {BLOCK: 2**20, STATE: 0})
-    assert shape.host == {BLOCK: 128, STATE: 0} and shape.disk == {BLOCK: 512, STATE: 0}
-    assert shape.summary(config) == (f"KV offload: host 2 GiB (128 blocks a rank), disk 8 GiB at {tmp_path} (512 "
+    units = {BLOCK: 2**20, STATE: 0}
+    files = file_bytes("f" * 32, units)
+    assert files[BLOCK] == len(encode("f" * 32, BLOCK, bytes(16), bytes(2**20)))
+    shape = TierShape.of(config, 16, {BLOCK: 100, STATE: 0}, units, files)
+    assert shape.host == {BLOCK: 128, STATE: 0} and shape.disk == {BLOCK: 511, STATE: 0}
+    assert shape.summary(config) == (f"KV offload: host 2 GiB (128 blocks a rank), disk 8 GiB at {tmp_path} (511 "
                                      f"blocks a rank)")
 
 
@@ -348,3 +531,19 @@ def test_files_found_past_a_smaller_disk_size_are_dropped():
     offloader = Offloader(shape, {BLOCK: [b"old", b"mid", b"new"], STATE: []}, OffloadCounts())
     assert offloader.take_ops().ops == ((DROP, BLOCK, b"old"),)
     assert [offloader.where(BLOCK, h) for h in (b"old", b"mid", b"new")] == [None, "disk", "disk"]
+
+
+def test_a_block_is_on_disk_only_where_every_rank_of_its_dp_index_has_its_file(tmp_path):
+    """Issue 71, 4: every rank's directory is scanned; a hash whose file only some ranks of the DP index have is
+    no hit, and those files go in the first step."""
+    for rank, hashes in ((0, [b"a", b"b", b"c"]), (1, [b"b", b"c", b"d"])):
+        directory = rank_directory(tmp_path, rank)
+        directory.mkdir()
+        for digest in hashes:
+            (directory / file_name(BLOCK, digest)).write_bytes(b"")
+    known, strays = agree([scan(tmp_path, 0), scan(tmp_path, 1)])
+    assert sorted(known[BLOCK]) == [b"b", b"c"] and sorted(strays[BLOCK]) == [b"a", b"d"]
+    shape = TierShape({BLOCK: 1, STATE: 0}, {BLOCK: 4, STATE: 0}, {BLOCK: 8, STATE: 0})
+    offloader = Offloader(shape, known, OffloadCounts(), strays)
+    assert sorted(op[2] for op in offloader.take_ops().ops if op[0] == DROP) == [b"a", b"d"]
+    assert [offloader.where(BLOCK, h) for h in (b"a", b"b", b"c", b"d")] == [None, "disk", "disk", None]

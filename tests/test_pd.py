@@ -9,6 +9,10 @@ with INT8 caches P at world 1 and D at world 2. The tiny models carry the real v
 block size 4 makes every prompt cross several blocks, and the prompts' lengths leave a partial last block and a full
 one.
 
+Trust: D reads only offers P signed with the key they share (engine/kv_auth.py): forged, altered, expired or
+replayed kv_transfer_params sent straight to D are refused with a 400, nothing read and nothing posted anywhere; D
+publishes what it read only once P says the lease held for the whole read (engine/kv_release.py).
+
 Faults, each with its documented outcome and both sides' pools counted back to idle: a consumer that never comes
 (the producer's lease ends), a producer killed before its blocks are read (the request fails with the transfer's
 error, or is recomputed on D), a producer that never answers (the read's timeout), every backend of a router down
@@ -21,8 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
@@ -34,6 +40,7 @@ from transformers import AutoModelForCausalLM
 from dsconv.errors import InputError
 from dsconv.family.layout import Layout
 from dsconv.runner.engine.block_pool import block_hashes
+from dsconv.runner.engine.kv_auth import AuthKey
 from dsconv.runner.engine.kv_transfer import Export, KVTransferConfig, LoadReport, Offer, RankRegions
 from dsconv.runner.engine.request import SamplingParams, SeqResult
 from tests.helpers import Server, shard
@@ -62,8 +69,57 @@ MESSAGES = [{"role": "system", "content": "You are a weather assistant."},
             {"role": "user", "content": "What is the weather in Paris this week?"}]
 
 
+SECRET = "pd-test-secret-0123456789"  # the key every P and D of this module shares
+KEY = AuthKey(SECRET.encode())
+
+
 def kv_config(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_connector_extra_config": extra})
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"auth_key": SECRET, **extra}})
+
+
+def resigned(params: dict, key: AuthKey = KEY, **changes) -> dict:
+    """P's params changed and signed again with a lease of a minute from now (as a producer holding the key would)."""
+    changed = {**params, "expires_at": time.time() + 60, **changes}
+    return {**Offer.from_params(changed).signed(key).params(), "do_remote_prefill": True}
+
+
+class Listener:
+    """A tiny HTTP server on loopback: GET /v1/models names `model`, every POST is answered `status`; `received`
+    records each request's path (a forged offer must make D send it nothing)."""
+
+    def __init__(self, status: int = 503, model: str = "m"):
+        self.received: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: dict) -> None:
+                outer.received.append(self.path)
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(status, {"error": {"message": "draining", "type": "unavailable", "param": None,
+                                                "code": status}})
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class Router:
@@ -71,10 +127,8 @@ class Router:
 
     def __init__(self, log_path, prefill: list[str], decode: list[str]):
         self.log_path = log_path
-        args = [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dsconv.runner.cli", "router", "--port", "0", *args],
-                                         stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(router_command(prefill, decode), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ROUTER_START_S
         while not (bound := re.search(r"dsrun router: on (http://\S+),", log_path.read_text())):
             assert self.proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
@@ -87,6 +141,11 @@ class Router:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(30)
+
+
+def router_command(prefill: list[str], decode: list[str]) -> list[str]:
+    args = [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+    return [sys.executable, "-m", "dsconv.runner.cli", "router", "--port", "0", *args]
 
 
 def metric(url: str, name: str) -> float:
@@ -271,6 +330,58 @@ def test_langchain_openai_through_the_router(case, deployments):
     assert "dsrun:router_requests" in httpx.get(f"{router.url}/metrics").text
 
 
+@pytest.mark.parametrize("case", SMALL[:1])
+def test_a_batch_completion_hands_each_prompt_over(case, deployments):
+    """Two prompts in one request: P hands each over ({"prompts": [...]}), D reads each its own."""
+    p, d, c, router = deployments(case)
+    batch = prompts(CASES[case][0], seed=3)
+    received = metric(d.url, "dsrun:kv_transfer_received_tokens")
+    assert complete(router, d.model, batch) == [complete(c, c.model, prompt)[0] for prompt in batch]
+    assert metric(d.url, "dsrun:kv_transfer_received_tokens") - received == sum((n - 1) // 4 * 4 for n in LENGTHS)
+    assert wait_until(lambda: idle(p) and idle(d))
+
+
+@pytest.mark.parametrize("case", SMALL[:1])
+def test_a_prefill_instance_that_fails_is_skipped(case, deployments):
+    """A P answering 503 (draining): the request goes to the next P, or with none left to D alone; both counted."""
+    from starlette.testclient import TestClient
+
+    from dsconv.runner.entrypoints.router import create_app
+
+    p, d, c, _ = deployments(case)
+    prompt = prompts(CASES[case][0], seed=4)[0]
+    expected = complete(c, c.model, prompt)
+    draining = Listener(503)
+    body = {"model": d.model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+    try:
+        for prefill, counter in (([draining.url, p.url], ("dsrun:router_requests_total{", 'outcome="failed"')),
+                                 ([draining.url], ("dsrun:router_prefill_fallbacks_total ", ""))):
+            with TestClient(create_app(prefill, [d.url], 120)) as client:
+                reply = client.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                assert [[int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]] \
+                    == expected
+                counted = [line for line in client.get("/metrics").text.splitlines()
+                           if line.startswith(counter[0]) and counter[1] in line]
+                assert counted and float(counted[0].rsplit(" ", 1)[1]) == 1, counted
+        assert len(draining.received) == 2  # one try each
+    finally:
+        draining.close()
+    assert wait_until(lambda: idle(p) and idle(d))
+
+
+def test_a_router_over_instances_of_different_models_refuses_to_start():
+    a, b = Listener(model="deepseek_v32"), Listener(model="other")
+    try:
+        proc = subprocess.run(router_command([a.url], [b.url]), capture_output=True, text=True, timeout=120)
+    finally:
+        a.close()
+        b.close()
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "serve different models" in lines[0], proc.stderr
+
+
 # -- faults ---------------------------------------------------------------------------------------------------------
 
 
@@ -288,7 +399,7 @@ def handed_over(p, prompt) -> dict:
                                                          "kv_transfer_params": {"do_remote_decode": True}},
                        timeout=60)
     assert reply.status_code == 200, reply.text
-    return {**reply.json()["kv_transfer_params"], "do_remote_prefill": True, "remote_url": p.url}
+    return {**reply.json()["kv_transfer_params"], "do_remote_prefill": True}
 
 
 def to_consumer(d, prompt, params):
@@ -298,29 +409,62 @@ def to_consumer(d, prompt, params):
     return httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
 
 
+LEASE_S = 6  # P's lease in test_faults: long enough for a read and its release on a slow CPU, short to wait out
+
+
+def forgeries(params: dict, listener: Listener) -> dict[str, dict]:
+    """P's params for a prompt, altered as a client reaching D could alter them (kept unsigned, or signed with
+    another key)."""
+    first = params["remote_ranks"][0]
+    elsewhere = [{**first, "session": listener.url.removeprefix("http://")}]
+    return {"another session": {**params, "remote_ranks": elsewhere},
+            "other block ids": {**params, "remote_blocks": [b + 1 for b in params["remote_blocks"]]},
+            "another remote_url": {**params, "remote_url": listener.url},
+            "an altered hash list": {**params, "remote_hashes": params["remote_hashes"][::-1]},
+            "a longer lease": {**params, "expires_at": params["expires_at"] + 3600},
+            "another key": resigned(params, AuthKey(b"not-the-shared-key-0123"), remote_url=listener.url)}
+
+
+def refused(d, prompt, params, needle: str) -> None:
+    reply = to_consumer(d, prompt, params)
+    assert reply.status_code == 400 and needle in reply.json()["error"]["message"], reply.text
+
+
 def test_faults(fault_shards, tmp_path):
     asked = [list(range(start, start + 40)) for start in (5, 50, 95)]  # one per consumer that must read it
     p, fail, recompute = started(
-        (fault_shards, tmp_path / "p.log", *FLAGS, "--kv-transfer-config", kv_config("kv_producer", lease_s=1)),
+        (fault_shards, tmp_path / "p.log", *FLAGS, "--kv-transfer-config",
+         kv_config("kv_producer", lease_s=LEASE_S)),
         (fault_shards, tmp_path / "fail.log", *FLAGS, "--kv-transfer-config",
          kv_config("kv_consumer", transfer_timeout_s=1)),
         (fault_shards, tmp_path / "recompute.log", *FLAGS, "--kv-transfer-config",
          kv_config("kv_consumer", kv_load_failure_policy="recompute")))
+    listener = Listener()
     try:
         # the answers computed in one place (P serves plain requests too), and one handed over
         expected = [to_consumer(p, prompt, None).json()["choices"][0]["text"] for prompt in asked]
-        good = to_consumer(recompute, asked[0], handed_over(p, asked[0]))
+        params = handed_over(p, asked[0])
+        for name, forged in forgeries(params, listener).items():  # straight to D: nothing read, nothing posted
+            refused(recompute, asked[0], forged, "not signed by a producer sharing this server's auth key")
+        assert metric(recompute.url, "dsrun:kv_transfer_bytes") == 0 and idle(recompute) and listener.received == []
+        good = to_consumer(recompute, asked[0], params)
         assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected[0], good.text
         assert metric(recompute.url, "dsrun:kv_transfer_received_tokens") == 36
+        read = metric(recompute.url, "dsrun:kv_transfer_bytes")
+        refused(recompute, asked[0], params, "already taken")  # a replayed offer
         assert wait_until(lambda: idle(p))
 
-        # a consumer that never comes: the producer's lease ends and its blocks go back
-        handed_over(p, asked[0])
+        # a consumer that never comes: the producer's lease ends and its blocks go back; the offer is then refused
+        params = handed_over(p, asked[0])
         assert metric(p.url, "dsrun:kv_transfer_leases") == 1
-        assert wait_until(lambda: idle(p), timeout=15) and metric(p.url, "dsrun:kv_transfer_leases_expired") == 1
+        assert wait_until(lambda: idle(p), timeout=3 * LEASE_S)
+        assert metric(p.url, "dsrun:kv_transfer_leases_expired") == 1
+        refused(recompute, asked[0], params, "has ended")
+        assert metric(recompute.url, "dsrun:kv_transfer_bytes") == read and listener.received == []
 
-        # a producer killed before its blocks are read: fail (a clear error) or recompute (the right text)
-        params = [handed_over(p, prompt) for prompt in asked[1:]]
+        # a producer killed before its blocks are read: fail (a clear error) or recompute (the right text); the
+        # test signs again for the dead P, so that its slowness cannot end the leases first
+        params = [resigned(handed_over(p, prompt)) for prompt in asked[1:]]
         for process in [*psutil.Process(p.proc.pid).children(recursive=True), p.proc]:
             process.kill()  # the ranks too: a rank holds the transfer engine
         p.proc.wait(30)
@@ -336,8 +480,8 @@ def test_faults(fault_shards, tmp_path):
         with socket.socket() as hole:
             hole.bind(("127.0.0.1", 0))
             hole.listen()
-            silent = {**params[1], "remote_ranks": [{**r, "session": f"127.0.0.1:{hole.getsockname()[1]}"}
-                                                    for r in params[1]["remote_ranks"]]}
+            silent = resigned(params[1], transfer_id="silent", remote_ranks=[
+                {**r, "session": f"127.0.0.1:{hole.getsockname()[1]}"} for r in params[1]["remote_ranks"]])
             began = time.monotonic()
             slow = to_consumer(fail, asked[2], silent)
             assert slow.status_code == 500 and "took longer than 1 s" in slow.json()["error"]["message"], slow.text
@@ -345,6 +489,7 @@ def test_faults(fault_shards, tmp_path):
         for server in (fail, recompute):
             assert wait_until(lambda: idle(server)), server.log()
     finally:
+        listener.close()
         for server in (p, fail, recompute):
             if server.proc.poll() is None:
                 server.stop()
@@ -376,24 +521,45 @@ def test_router_with_every_backend_down(tmp_path):
     ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"lease": 1}}',
      "unknown kv_connector_extra_config key 'lease'"),
     ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "kv_connector_extra_config": '
-     '{"lease_s": -1}}', "lease_s must be a positive number"),
+     f'{{"lease_s": -1, "auth_key": "{SECRET}"}}}}', "lease_s must be a positive number"),
     ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
-     '{"kv_load_failure_policy": "retry"}}', "kv_load_failure_policy 'retry' is not fail or recompute"),
+     f'{{"kv_load_failure_policy": "retry", "auth_key": "{SECRET}"}}}}',
+     "kv_load_failure_policy 'retry' is not fail or recompute"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}',
+     'P/D hand-overs are signed: give P and D one shared secret of at least 16 bytes in kv_connector_extra_config: '
+     '"auth_key_file"'),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
+     '{"auth_key": "short-secret"}}', "the key from auth_key is 12 bytes"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
+     '{"auth_key_env": "DSRUN_TEST_UNSET_KEY"}}', "auth_key_env names 'DSRUN_TEST_UNSET_KEY', which is not set"),
 ])
 def test_bad_kv_transfer_config(config, needle):
     with pytest.raises(InputError, match=re.escape(needle)) as raised:
         KVTransferConfig.parse(config)
-    assert "\n" not in str(raised.value)
+    assert "\n" not in str(raised.value) and "short-secret" not in str(raised.value)
 
 
-def test_bad_kv_transfer_config_is_one_line_and_exit_2(fault_shards):
-    """As `dsrun serve` meets it: before any rank starts."""
+def test_the_key_comes_from_a_file_or_the_environment_and_is_never_shown(tmp_path, monkeypatch):
+    (tmp_path / "key").write_text(SECRET + "\n")
+    monkeypatch.setenv("DSRUN_TEST_KEY", SECRET)
+    configs = [KVTransferConfig.parse(kv_config("kv_consumer") if source == "auth_key" else json.dumps(
+        {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {source: value}}))
+        for source, value in (("auth_key", SECRET), ("auth_key_file", str(tmp_path / "key")),
+                              ("auth_key_env", "DSRUN_TEST_KEY"))]
+    assert all(config.key == KEY for config in configs)
+    assert all(SECRET not in text for config in configs for text in (repr(config), config.summary, str(config)))
+
+
+@pytest.mark.parametrize("role,needle", [("kv_both", "kv_role 'kv_both'"),
+                                         ("kv_consumer", "P/D hand-overs are signed: give P and D one shared secret")])
+def test_bad_kv_transfer_config_is_one_line_and_exit_2(fault_shards, role, needle):
+    """As `dsrun serve` meets it: before any rank starts (a config without a key included)."""
     proc = subprocess.run([sys.executable, "-m", "dsconv.runner.cli", "serve", "--shards", str(fault_shards),
                            "--port", "0", "--kv-transfer-config", '{"kv_connector": "MooncakeConnector", '
-                           '"kv_role": "kv_both"}'], capture_output=True, text=True, timeout=120)
+                           f'"kv_role": "{role}"}}'], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "kv_role 'kv_both'" in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
 
 
 # -- the block pools' side, on rank 0's scheduler alone -------------------------------------------------------------
@@ -403,17 +569,17 @@ def pd_scheduler(role: str, policy: str = "fail", lease_s: float = 30.0):
     from dsconv.runner.engine.config import SchedulerConfig
     from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 
-    config = KVTransferConfig(role, lease_s=lease_s, load_failure_policy=policy)
+    config = KVTransferConfig(role, KEY, lease_s=lease_s, load_failure_policy=policy, release_url="http://p")
     scheduler = Scheduler(SchedulerConfig(kv_transfer=config), PoolShape(2, 16, 4, prefix_caching=True))
     scheduler.offer_ranks = lambda dp_index: (RankRegions(f"host:{dp_index}", (), ()),)
     return scheduler
 
 
-def produced(prompt: list[int]) -> tuple[object, dict]:
+def produced(prompt: list[int], lease_s: float = 0.5) -> tuple[object, dict]:
     """A producer's scheduler after one handed-over request ran -> (it, the request's kv_transfer_params)."""
     from tests.test_scheduler import fake_results
 
-    producer = pd_scheduler("kv_producer", lease_s=0.5)
+    producer = pd_scheduler("kv_producer", lease_s=lease_s)
     producer.add("r", prompt, SamplingParams(max_tokens=1, kv_transfer=Export()), None)
     while (step := producer.schedule()) is not None:
         outputs = producer.update(step, fake_results(step))
@@ -449,8 +615,11 @@ def test_a_consumer_reads_only_what_it_lacks_and_frees_all_on_failure(outcome):
     assert step.batches[1].loads == [load] and not step.batches[1].seq_ids  # read first, computed next step
     consumer.update(step, [[], []])
     error = None if outcome == "read" else "the peer is gone"
-    failed, ended = consumer.loaded([LoadReport(request.seq_id, error, 0.01, 0 if error else 123)])
-    assert ended == [request]
+    failed, arrived, gone = consumer.loaded([LoadReport(request.seq_id, error, 0.01, 0 if error else 123)])
+    assert (arrived, gone) == (([request], []) if error is None else ([], [request]))
+    if error is None:
+        assert consumer.schedule() is None and consumer.confirming  # nothing runs before P's answer
+        assert not consumer.confirmed(request.seq_id, True, "")
     pool = consumer.pools[1]
     if outcome == "fail":
         assert failed[0][1].finished and "the KV cache transfer failed: the peer is gone" in failed[0][1].error
@@ -474,12 +643,92 @@ def test_an_offer_of_other_tokens_or_block_size_is_refused():
     with pytest.raises(InputError, match="not this prompt's"):
         consumer.check_handoff([1, *prompt[1:]], SamplingParams(max_tokens=1, kv_transfer=offer))
     with pytest.raises(InputError, match="the producer's blocks are 8 tokens, this server's 4"):
-        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=dataclasses.replace(offer,
-                                                                                                      block_size=8)))
+        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=dataclasses.replace(
+            offer, block_size=8).signed(KEY)))
     with pytest.raises(InputError, match="kv_transfer_params for a kv_producer: this server is kv_consumer"):
         consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=Export()))
     with pytest.raises(InputError, match="lacks 'remote_blocks'"):
         Offer.from_params({k: v for k, v in params.items() if k != "remote_blocks"})
+
+
+def test_a_consumer_refuses_forged_expired_or_replayed_offers():
+    """Each refused before anything is taken: no blocks, no read queued (the live forms: test_faults)."""
+    prompt = list(range(10, 23))
+    _, params = produced(prompt, lease_s=30)
+    consumer = pd_scheduler("kv_consumer")
+    first = params["remote_ranks"][0]
+
+    def check(raw: dict, needle: str) -> None:
+        offer = Offer.from_params(raw)
+        with pytest.raises(InputError, match=re.escape(needle)):
+            consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=offer))
+
+    for forged in ({**params, "remote_ranks": [{**first, "session": "evil:1"}]},
+                   {**params, "remote_blocks": [b + 1 for b in params["remote_blocks"]]},
+                   {**params, "remote_url": "http://evil"},
+                   {**params, "remote_hashes": params["remote_hashes"][::-1]},
+                   {**params, "signature": "0" * 64}, resigned(params, AuthKey(b"not-the-shared-key-0123"))):
+        check(forged, "not signed by a producer sharing this server's auth key")
+    check(resigned(params, expires_at=time.time() - 1), "has ended")
+    consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=Offer.from_params(params)))
+    check(params, f"transfer {params['transfer_id']} was already taken")
+    assert not consumer.sends[0] and not consumer.sends[1] and not consumer.has_work
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_lease_that_ends_during_the_read_is_never_published(policy):
+    """P's lease ends while D reads (a fake clock: P is asked after it): P says so, and D publishes nothing; `fail`
+    ends the request with the transfer's error, `recompute` computes the whole prompt."""
+    prompt = list(range(10, 23))
+    producer, params = produced(prompt, lease_s=30)
+    consumer = pd_scheduler("kv_consumer", policy=policy)
+    offer = Offer.from_params(params)
+    request = consumer.add("d", prompt, SamplingParams(max_tokens=2, kv_transfer=offer), None, dp_rank=1)
+    consumer.update(consumer.schedule(), [[], []])
+    _, arrived, _ = consumer.loaded([LoadReport(request.seq_id, None, 0.01, 123)])
+    assert arrived == [request]
+    held = producer.release_lease(offer.transfer_id, now=time.monotonic() + 31)  # the read outlived the lease
+    assert not held and producer.leases_expired == 1
+    assert producer.pools[0].num_free == producer.pools[0].num_blocks  # P may give the blocks to anyone now
+    outputs = consumer.confirmed(request.seq_id, held, "the producer's lease ended before the read did")
+    pool = consumer.pools[1]
+    assert pool.match(block_hashes(prompt, 4)[:3]) == []  # never published under the prompt's hashes
+    assert consumer.load_failures == 1 and consumer.received_tokens == 0
+    if policy == "fail":
+        assert [out.error for _, out in outputs] == ["the KV cache transfer failed: the producer's lease ended "
+                                                     "before the read did"]
+        assert pool.num_free == pool.num_blocks and not consumer.has_work
+        return
+    assert not outputs
+    step = consumer.schedule()
+    assert step.batches[1].context_lens == [13] and step.batches[1].num_tokens == 13  # the whole prompt computed
+
+
+def test_a_producer_answers_held_only_while_the_lease_runs():
+    prompt = list(range(10, 23))
+    producer, params = produced(prompt, lease_s=30)
+    assert producer.release_lease(params["transfer_id"])  # in time: held for the whole read
+    assert not producer.release_lease(params["transfer_id"])  # ended: nothing held any more
+    producer, params = produced(prompt, lease_s=30)
+    expires = producer.leases[params["transfer_id"]].expires
+    assert not producer.release_lease(params["transfer_id"], now=expires)  # ended, not yet closed by the loop
+
+
+def test_a_producer_answers_from_its_door_while_its_loop_is_busy():
+    """The release is answered on P's HTTP thread from the leases the loop recorded (EngineClient.track_lease), so a
+    long step of P's never makes a lease that held look ended; the loop frees the blocks after."""
+    from dsconv.runner.engine.core import EngineClient
+
+    door = EngineClient()
+    door.track_lease("held", time.monotonic() + 30)
+    door.track_lease("ended", time.monotonic() - 1)  # past its end, not closed by the loop yet
+    assert door.release_transfer("held") and not door.release_transfer("held")  # once only
+    assert not door.release_transfer("ended") and not door.release_transfer("unknown")
+    door.track_lease("closed", time.monotonic() + 30)
+    door.track_lease("closed", None)  # the loop closed it at its end
+    assert not door.release_transfer("closed")
+    assert [command for command in door.pending()] == [("release", name) for name in
+                                                        ("held", "held", "ended", "unknown", "closed")]
 
 
 # -- the read, between two transfer engines of this process ---------------------------------------------------------

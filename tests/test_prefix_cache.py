@@ -50,6 +50,22 @@ def test_hashes_chain_and_salt():
     assert block_hashes(tokens, 16, salt="tenant-a") == block_hashes(tokens, 16, salt="tenant-a")
 
 
+def test_a_salt_cannot_alias_another_chain():
+    """Issue 71: a salt whose UTF-8 bytes are a block's hash made a one-block chain hash as that block's child (the
+    first block's hash began from the bare salt, a child's from its parent's hash)."""
+    for first in range(100_000):  # a first block whose hash is valid UTF-8 (about one in a few hundred)
+        parent = block_hashes([first] * 4, 4)[0]
+        try:
+            salt = parent.decode()
+        except UnicodeDecodeError:
+            continue
+        break
+    chain = block_hashes([first] * 4 + [7] * 4, 4)
+    assert block_hashes([7] * 4, 4, salt=salt)[0] != chain[1]
+    # and salts of other lengths never meet: "ab" + tokens and "a" + tokens differ even where the bytes would run on
+    assert block_hashes([1] * 4, 4, salt="") != block_hashes([1] * 4, 4, salt="\x00")
+
+
 def test_published_blocks_are_reused_then_evicted_least_recent_first():
     pool = BlockPool(4, 16)
     a, b = block_hashes(list(range(32)), 16), block_hashes(list(range(100, 132)), 16)
@@ -156,6 +172,51 @@ def one_by_one(core, prompts) -> tuple[list[list[int]], list[int]]:
         tokens.append(out_tokens)
         cached.append(cached_now)
     return tokens, cached
+
+
+def test_a_request_that_fails_inside_the_engine_fails_alone(v32):
+    """Issue 71: a cache_salt the prefix cache cannot hash (a lone surrogate, past the HTTP edge's own check) raised
+    on the engine's thread, and rank 0 died with every request. Now a request whose admission (`add`) or whose
+    step's results (`update`) raise fails alone with the reason, counted by stage, and the requests beside it get
+    the tokens they get alone."""
+    import prometheus_client
+
+    from dsconv.runner.engine.core import EngineClient
+    from dsconv.runner.engine.metrics import ServeMetrics
+
+    _, model, new_cache = v32
+    prompt = torch.randint(2, 500, (40,), generator=torch.Generator().manual_seed(71)).tolist()
+    (alone,), _, _ = run_engine(model, new_cache, [prompt], 16, "auto", prefix_caching=True)
+    metrics = ServeMetrics("tiny", 1)
+    core = new_engine(model, new_cache(1024, "auto", block_size=16, max_seqs=4, prefix_caching=True), Dist(),
+                      EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
+                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096)),
+                      metrics=metrics)
+    take = core.scheduler._finish_reason
+    doomed = set()
+
+    def finish_reason(request, token):  # a fault of one request's own, after its first step
+        if request.request_id in doomed:
+            raise RuntimeError("this request's own fault")
+        return take(request, token)
+
+    core.scheduler._finish_reason = finish_reason
+    door, outputs = EngineClient(), {}
+    door.open(core)
+    for name, salt in (("salt", "\ud800"), ("update", None), ("good", None)):
+        request_id = door.submit(prompt, SamplingParams(max_tokens=NEW_TOKENS, cache_salt=salt),
+                                 lambda out, name=name: outputs.setdefault(name, []).append(out))
+        if name == "update":
+            doomed.add(request_id)
+    core.run(door, until_idle=True)
+    for name, error in (("salt", "UnicodeEncodeError"), ("update", "this request's own fault")):
+        (out,) = outputs[name]
+        assert out.finished and out.finish_reason == "abort" and error in out.error, out
+    assert [t for out in outputs["good"] for t in out.new_token_ids] == alone
+    assert not core.scheduler.has_work and not core.scheduler.pools[0].tables  # every block freed
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    for stage in ("add", "update"):
+        assert f'dsrun:request_failures_total{{model_name="tiny",stage="{stage}"}} 1.0' in text, text
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

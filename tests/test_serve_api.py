@@ -72,6 +72,9 @@ class FakeEngine:
     def accepting(self):
         return not self.draining
 
+    def offload_disk(self):
+        return None  # no KV offload disk tier
+
     def submit(self, prompt_ids, params, on_output, dp_rank=None):
         assert isinstance(params, SamplingParams)
         for token_id in prompt_ids:
@@ -565,6 +568,53 @@ def test_request_refused_as_draining_begins_is_a_503():
     assert "shutting down" in assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
     body = client.post("/v1/completions", json={"prompt": "x", "stream": True}).text
     assert '"type": "server_error"' in body and body.endswith("data: [DONE]\n\n"), body
+
+
+CHAT_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": "\ud800"}, "cache_salt"),  # killed rank 0 (issue 71)
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", "\udfff"]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "\ud800": 1}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{**CHAT_TOOL, "function": {"name": "get\ud800time"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "a\x00b"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{**CHAT_TOOL, "function": {"name": "get\x00time"}}]}, "tools"),
+    ("/v1/completions", {"prompt": "hi", "model": "a\x00b"}, "model"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+])
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(route, body, param):
+    """Issue 71: a lone surrogate (valid JSON, not Unicode text) reached the tokenizer (a 500) or the prefix cache's
+    hashes (rank 0 died); NUL in a name. Each is a 400 naming the field, and nothing reaches the engine."""
+    client, engine = make_client(FakeEngine())
+    response = client.post(route, content=json.dumps({"max_tokens": 1, **body}) if route != "/tokenize"
+                           else json.dumps(body), headers={"content-type": "application/json"})
+    message = assert_error(response, 400)
+    assert response.json()["error"]["param"] == param and ("surrogate" in message or "NUL" in message), message
+    assert not engine.submitted
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_deep_nesting_and_huge_ids_are_400s():
+    client, engine = make_client(FakeEngine())
+    deep = b'{"prompt": "hi", "max_tokens": 1, "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert "nests too deeply" in assert_error(client.post("/v1/completions", content=deep), 400)
+    schema = {"type": "object"}
+    for _ in range(200):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    assert "nests deeper" in assert_error(client.post("/v1/chat/completions", json=body), 400)
+    huge = {"prompt": "hi", "max_tokens": 1, "logit_bias": {"9" * 5000: 1}}  # int() refuses 4,300+ digits
+    assert "token ids" in assert_error(client.post("/v1/completions", json=huge), 400)
+    assert not engine.submitted
 
 
 def test_body_over_the_limit_is_a_413(monkeypatch):

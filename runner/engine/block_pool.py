@@ -24,6 +24,18 @@ from dsconv.errors import InputError
 
 HASH_BYTES = 16  # of sha256: a block's identity (collisions at 2^-64 per pair of blocks)
 TOKEN_BYTES = 4  # a token id in the hashed bytes (little-endian; vocabularies stay below 2^32)
+# A first block's hash starts from ROOT and its salt's length, a later block's from PARENT and its parent's hash, so
+# no salt (a client's text) can make a first block hash as another chain's later block, or two salts collide
+ROOT, PARENT, SALT_LENGTH_BYTES = b"\x00", b"\x01", 8
+# The chain's version: KV offload's directories record it (files named by another scheme are another run's), and P
+# and D must hash alike (an offer's hashes are checked against the consumer's own)
+BLOCK_HASH_SCHEME = "sha256-salt-length-v2"
+
+
+def salt_root(salt: str | None) -> bytes:
+    """What a chain's first block hash starts from: ROOT, the salt's UTF-8 length, the salt."""
+    data = (salt or "").encode()
+    return ROOT + len(data).to_bytes(SALT_LENGTH_BYTES, "little") + data
 
 
 def block_hashes(tokens: list[int], block_size: int, salt: str | None = None, known: list[bytes] = ()) -> list[bytes]:
@@ -32,7 +44,7 @@ def block_hashes(tokens: list[int], block_size: int, salt: str | None = None, kn
     computed (extended, not recomputed)."""
     hashes = list(known)
     for i in range(len(hashes), len(tokens) // block_size):
-        digest = hashlib.sha256(hashes[-1] if hashes else (salt or "").encode())
+        digest = hashlib.sha256(PARENT + hashes[-1] if hashes else salt_root(salt))
         digest.update(b"".join(t.to_bytes(TOKEN_BYTES, "little") for t in tokens[i * block_size:(i + 1) * block_size]))
         hashes.append(digest.digest()[:HASH_BYTES])
     return hashes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dsconv.errors import InputError
 from dsconv.manifest.schema import MANIFEST_NAME
+from dsconv.runner.engine.block_pool import BLOCK_HASH_SCHEME
 from dsconv.runner.engine.kv_offload import GIB, OffloadConfig
 from dsconv.runner.engine.kv_transfer import KVTransferConfig
 from dsconv.runner.engine.offload_store import open_directory
@@ -168,9 +169,14 @@ class RunConfig:
                                  f"below one block of the KV cache ({per_block} bytes: {self.cache.block_size} "
                                  f"tokens, {self.cache.dtype}, {self.dtype})")
         if config.path is not None:
+            # every setting that changes a unit's bytes or layout: the speculative tokens add V3.2's MTP layer to
+            # the cache, and the cache's bytes (a block's, a sequence slot's: V4's state) cover what else may; and
+            # how blocks are named (block_pool's hash chain: files named by another scheme would never be found)
             identity = {"model": hashlib.sha256((self.shards / MANIFEST_NAME).read_bytes()).hexdigest(),
+                        "block_hashes": BLOCK_HASH_SCHEME,
                         "dtype": self.dtype, "kv_cache_dtype": self.cache.dtype, "block_size": self.cache.block_size,
-                        "world_size": world}
+                        "world_size": world, "speculative_tokens": self.speculative_tokens,
+                        "cache_bytes": list(self.cache_bytes)}
             config = replace(config, fingerprint=open_directory(config.path, identity))
         return replace(self, offload=config)
 

@@ -18,13 +18,11 @@ door exists before the engine does (a server answers 503 while the model loads);
 
 from __future__ import annotations
 
-import json
 import pickle
 import queue
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -35,11 +33,13 @@ from dsconv.comm.collectives import broadcast_bytes, gather_bytes
 from dsconv.runner.engine.config import EngineConfig, RunConfig
 from dsconv.runner.engine.grammar import Grammars
 from dsconv.comm.kv_transfer import TransferAgent
-from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadConfig, OffloadReport, TierShape
-from dsconv.runner.engine.offload_store import OffloadStore, scan
+from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadConfig, OffloadOps, OffloadReport, TierShape
+from dsconv.runner.engine.offload_store import OffloadStore, agree, file_bytes, scan
+from dsconv.runner.engine.kv_release import end_lease
 from dsconv.runner.engine.kv_transfer import KVTransferConfig, LoadReport, Offer, rank_regions
 from dsconv.runner.engine.metrics import ServeMetrics
-from dsconv.runner.engine.request import NotAccepting, RequestOutput, SamplingParams, SeqResult, check_prompt
+from dsconv.runner.engine.request import (FINISH_ABORT, NotAccepting, RequestOutput, SamplingParams, SeqResult,
+                                          check_prompt, failure_text)
 from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.engine.shapes import ShapeRecorder
 from dsconv.runner.engine.worker import Transfer, Worker
@@ -59,6 +59,9 @@ class EngineClient:
         self._ready, self._draining = threading.Event(), threading.Event()
         self._check = None  # the engine's admission check, once open
         self.max_model_len: int | None = None  # the engine's, once open
+        self.offload_disk: Callable[[], str | None] = lambda: None  # the engine's (for /health), once open
+        self._leases: dict[str, float] = {}  # a producer's open leases: transfer id -> end (track_lease)
+        self._lease_lock = threading.Lock()
 
     # -- any thread ------------------------------------------------------------------------------------------
 
@@ -83,9 +86,27 @@ class EngineClient:
         """Ends sample `index` of the request, or all of its samples."""
         self._commands.put(("abort", request_id, index))
 
-    def release_transfer(self, transfer_id: str) -> None:
-        """A producer's lease ends: the consumer has read its blocks (or given up on them)."""
+    def release_transfer(self, transfer_id: str) -> bool:
+        """A producer's lease ends: the consumer has read its blocks (or given up on them) -> whether the lease was
+        still held (engine/kv_release.py). Answered here, not by the loop (whose step may be long): the loop frees a
+        lease's blocks only at its end (`expires`, on the same clock) or on the "release" put here, so an entry
+        still here before its end has held them until now."""
+        with self._lease_lock:
+            expires = self._leases.pop(transfer_id, None)
         self._commands.put(("release", transfer_id))
+        return expires is not None and time.monotonic() < expires
+
+    def track_lease(self, transfer_id: str, expires: float | None) -> None:
+        """The loop's: a producer's lease opened (until `expires`, time.monotonic()) or closed (None)."""
+        with self._lease_lock:
+            if expires is None:
+                self._leases.pop(transfer_id, None)
+            else:
+                self._leases[transfer_id] = expires
+
+    def lease_answer(self, seq_id: int, held: bool, why: str) -> None:
+        """A consumer's: the producer's answer for a request whose blocks arrived (engine/kv_release.py)."""
+        self._commands.put(("confirmed", seq_id, held, why))
 
     def drain(self) -> None:
         """Stop admitting; the loop finishes what is in flight (aborting it after its drain timeout) and ends."""
@@ -97,6 +118,7 @@ class EngineClient:
     def open(self, engine: EngineCore) -> None:
         """Admit requests to `engine` (rank 0's, loaded)."""
         self._check, self.max_model_len = engine.check, engine.max_model_len
+        self.offload_disk = engine.offload_disk
         self._ready.set()
 
     @property
@@ -121,18 +143,17 @@ class EngineClient:
 # A decode step's plan for 16 DP indices of 16 sequences, with block tables of a few thousand tokens, fits; a rank's
 # results are a few hundred bytes a sequence (more with logprobs).
 PLAN_BYTES = 64 * 2**10
-# a producer's route where a consumer confirms a hand-over (outside /v1/: a consumer holds no API key)
-RELEASE_PATH = "/kv_transfer/release"
-CONFIRM_TIMEOUT_S = 5.0
 RESULT_BYTES = 8 * 2**10
 
 
 @dataclass(frozen=True)
 class Plan:
     """What rank 0 sends every rank each round: the step's batches (one per DP index), or nothing to run (a
-    keep-alive), or the end of the loop."""
+    keep-alive), or the end of the loop (after a graceful end, with per DP index the ops that write its host tier to
+    disk: KV offload)."""
     batches: list[Batch] | None = None
     stop: bool = False
+    offload: list[OffloadOps | None] | None = None
 
 
 def rank_device(device: str) -> torch.device:
@@ -202,6 +223,7 @@ class EngineCore:
         self.world_size, self.attn_tp = worker.dist.world_size, worker.dist.attn_tp
         self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
         self.offload_shape: TierShape | None = None  # KV offload's tiers, once attached (attach_offload)
+        self.door: EngineClient | None = None  # rank 0's, while `run` serves it: producers' answers come through it
 
     @property
     def max_model_len(self) -> int:
@@ -219,24 +241,38 @@ class EngineCore:
             parts = gather_bytes(pickle.dumps(mine), self._host, 0, RESULT_BYTES)
             everyone = None if parts is None else [pickle.loads(part) for part in parts]
         if self.leads and config.producer:
+            if config.release_url is None:  # serve sets it once it listens: an offer must say where to end it
+                raise ValueError("a P/D producer's engine needs its own URL (KVTransferConfig.release_url)")
             tp = self.attn_tp
             self.scheduler.offer_ranks = lambda dp_index: tuple(everyone[dp_index * tp:(dp_index + 1) * tp])
 
     def attach_offload(self, cache, config: OffloadConfig) -> TierShape:
         """KV offload, on every rank: this rank's host slots (and disk files); on rank 0 the tiers' index, the disk
-        tier's files found at start included (each DP index's first rank's) -> the tiers' shape."""
+        tier's files found at start included (every rank's: a block counts where every rank of its DP index has a
+        file for it) -> the tiers' shape."""
         dist = self.worker.dist
         blocks, states = cache.transfer_views()
         units = {BLOCK: sum(view.shape[1] for view in blocks), STATE: sum(view.shape[1] for view in states)}
-        shape = TierShape.of(config, dist.world_size, {BLOCK: cache.num_blocks, STATE: cache.state_blocks}, units)
+        shape = TierShape.of(config, dist.world_size, {BLOCK: cache.num_blocks, STATE: cache.state_blocks}, units,
+                             file_bytes(config.fingerprint, units))
         self.worker.offload = OffloadStore(cache, shape, self.worker.dp_index, dist.rank, config.path,
                                            config.fingerprint)
         if self.leads:
-            known = None if config.path is None else \
-                [scan(config.path, index * self.attn_tp) for index in range(self.world_size // self.attn_tp)]
-            self.scheduler.attach_offload(shape, known)
+            tp = self.attn_tp
+            found = None if config.path is None else \
+                [agree([scan(config.path, rank) for rank in range(index * tp, (index + 1) * tp)])
+                 for index in range(self.world_size // tp)]
+            self.scheduler.attach_offload(shape, found)
         self.offload_shape = shape
         return shape
+
+    def offload_disk(self) -> str | None:
+        """KV offload's disk tier, for /health: "ok", "disabled: why" (a filesystem error stopped its writes), or
+        None without one. Any thread may ask: it reads one attribute the loop sets once."""
+        if self.scheduler.offloaders is None or self.scheduler.offloaders[0].disk is None:
+            return None
+        stopped = self.scheduler.offload_counts.disk_stopped
+        return "ok" if stopped is None else f"disabled: {stopped}"
 
     @property
     def _host(self):
@@ -263,7 +299,9 @@ class EngineCore:
         if not self.leads:
             self._follow()
             return
-        scheduler, deadline = self.scheduler, None
+        scheduler, deadline, self.door = self.scheduler, None, door
+        scheduler.on_lease = door.track_lease
+        graceful = True  # the loop ended on its own (drained, or idle): KV offload writes its host tier to disk
         try:
             while True:
                 for command in door.pending():
@@ -277,7 +315,7 @@ class EngineCore:
                     if time.monotonic() > deadline:
                         for request_id, index in list(scheduler.requests):
                             self._apply(("abort", request_id, index), door)
-                    if not scheduler.has_work:
+                    if not scheduler.has_work and not scheduler.confirming:
                         return
                 if not scheduler.has_work:
                     if until_idle:
@@ -291,11 +329,26 @@ class EngineCore:
                     continue
                 for request, out in self.step():
                     _deliver(request.on_output, out)
+        except BaseException:
+            graceful = False  # a step may have stopped half way: the host slots may not hold what the index says
+            raise
         finally:
-            self._send(Plan(stop=True))
-            self.worker.finish()
-            if self.shapes is not None:
-                self.shapes.flush()
+            self._stop(graceful)
+
+    def _stop(self, graceful: bool) -> None:
+        """Every rank leaves the loop; after a graceful end each first writes its host tier's blocks to disk (KV
+        offload: a restart finds them)."""
+        flush = None
+        if graceful and self.scheduler.offloaders is not None:
+            try:
+                flush = self.scheduler.flush_offload()
+            except Exception as exc:  # noqa: BLE001  (the ranks must hear the stop whatever the flush's plan did)
+                print(f"dsrun: KV offload: the host tier is not written at stop: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+        self._send(Plan(stop=True, offload=flush))
+        self.worker.finish(None if flush is None else flush[self.worker.dp_index])
+        if self.shapes is not None:
+            self.shapes.flush()
 
     def _apply(self, command: tuple, door: EngineClient) -> None:
         kind, *args = command
@@ -307,16 +360,40 @@ class EngineCore:
                                                       finish_reason="abort", error="the server is shutting down",
                                                       unavailable=True))
             else:
-                request = self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
-                if isinstance(params.kv_transfer, Offer) and request.load is None:  # nothing to read: it may go
-                    confirm([params.kv_transfer])
+                self._add(request_id, prompt, params, on_output, dp_rank)
         elif kind == "abort":
             for request, out in self.scheduler.abort(*args):
                 _deliver(request.on_output, out)
         elif kind == "release":
             self.scheduler.release_lease(*args)
+        elif kind == "confirmed":
+            for request, out in self.scheduler.confirmed(*args):
+                _deliver(request.on_output, out)
         if self.metrics is not None:
             self.metrics.record_queues(self.scheduler)
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, on_output, dp_rank: int | None
+             ) -> None:
+        """Admits a request; one that cannot be added fails alone (its partial state removed) and the loop goes on."""
+        try:
+            request = self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
+        except Exception as exc:  # noqa: BLE001  (a request can fail; the engine cannot)
+            self.scheduler.abort(request_id)
+            self._count_failure("add", request_id, exc)
+            if isinstance(params.kv_transfer, Offer):  # its producer's lease goes now, not at its end
+                end_lease(params.kv_transfer)
+            for index in range(params.n):
+                _deliver(on_output, RequestOutput(request_id, len(prompt), index=index, finished=True,
+                                                  finish_reason=FINISH_ABORT, error=failure_text("add", exc)))
+            return
+        if isinstance(params.kv_transfer, Offer) and request.load is None:  # nothing to read: it may go
+            end_lease(params.kv_transfer)
+
+    def _count_failure(self, stage: str, request_id: str, exc: Exception) -> None:
+        print(f"dsrun: request {request_id} failed at {stage}: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        if self.metrics is not None:
+            self.metrics.request_failures.labels(self.metrics.model_name, stage).inc()
 
     def step(self) -> list[tuple]:
         """One step -> (request, output) pairs to deliver; [] when there was nothing to run."""
@@ -329,16 +406,28 @@ class EngineCore:
         if self.scheduler.offloaders is not None:  # before update: what failed to read is no hit for anyone
             self.scheduler.offloaded(offload_reports)
         outputs = self.scheduler.update(step, results)
+        for stage, request_id, exc in self.scheduler.take_failures():
+            self._count_failure(stage, request_id, exc)
         if reports:
-            failed, ended = self.scheduler.loaded(reports)
+            failed, arrived, gone = self.scheduler.loaded(reports)
             outputs += failed
-            confirm([request.params.kv_transfer for request in ended])
+            for request in gone:
+                end_lease(request.params.kv_transfer)
+            for request in arrived:  # published only once P says the lease held for the whole read
+                end_lease(request.params.kv_transfer, self._answer_to(request.seq_id))
         if self.metrics is not None:
             self.metrics.record_step(self.scheduler, step, outputs)
             self.metrics.record_loads(reports)
             self.metrics.record_offload(self.scheduler)
             self.metrics.record_eplb(self.worker.balancer)
         return outputs
+
+    def _answer_to(self, seq_id: int):
+        """The callback that brings a producer's answer for this sequence's load to the loop."""
+        door = self.door
+        if door is None:
+            raise RuntimeError("a P/D consumer's loads are confirmed through the door: run the engine with one")
+        return lambda held, why: door.lease_answer(seq_id, held, why)
 
     def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport], list[OffloadReport]]:
         """-> (per DP index, one result per sequence of its batch; every rank's reports of the step's loads; every
@@ -370,30 +459,11 @@ class EngineCore:
         while True:
             plan: Plan = pickle.loads(broadcast_bytes(None, self._host, 0, PLAN_BYTES))
             if plan.stop:
-                self.worker.finish()
+                self.worker.finish(None if plan.offload is None else plan.offload[self.worker.dp_index])
                 return
             if plan.batches is None:  # keep-alive
                 continue
             self._gather(self.worker.execute(plan.batches[self.worker.dp_index], plan.batches))
-
-
-def confirm(offers: list[Offer]) -> None:
-    """Tells each offer's producer that its blocks may go (POST {release_url}/kv_transfer/release), from a
-    thread of its own: the loop never waits on another server. One that cannot be told lets them go when its
-    lease ends."""
-    def post(offer: Offer) -> None:
-        body = json.dumps({"transfer_id": offer.transfer_id}).encode()
-        request = urllib.request.Request(f"{offer.release_url.rstrip('/')}{RELEASE_PATH}", body,
-                                         {"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=CONFIRM_TIMEOUT_S).close()
-        except OSError as exc:
-            print(f"dsrun: could not confirm transfer {offer.transfer_id} to {offer.release_url} ({exc}); its "
-                  f"lease frees the blocks", file=sys.stderr, flush=True)
-
-    for offer in offers:
-        if offer.release_url:
-            threading.Thread(target=post, args=(offer,), name="kv-transfer-confirm", daemon=True).start()
 
 
 def _deliver(on_output, out: RequestOutput) -> None:

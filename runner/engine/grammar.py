@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def json_spec(schema: dict, thinking: bool) -> GrammarSpec:
     return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), thinking)  # key order kept: it is the output's
 
 
+# Compiled grammars kept for reuse: each client schema compiles once while it is in use, and one that sends a new
+# schema with every request does not grow the server (a compiled JSON schema grammar is tens of KiB to MiBs)
+COMPILED_KEPT = 256
+
 class Grammars:
     """One process's compiler, compiled grammars and per-sequence matchers (built on first use: the tokenizer's
     table takes about a second to build)."""
@@ -48,7 +53,7 @@ class Grammars:
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_id: int | None):
         self.tokenizer_path, self.vocab_size, self.eos_token_id = str(tokenizer_path), vocab_size, eos_token_id
         self._compiler = None
-        self._compiled: dict[GrammarSpec, object] = {}
+        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # rank 0 compiles for the HTTP front end (a 400 for a bad schema) and the engine
         self._matchers: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, tokens it has accepted)
 
@@ -59,9 +64,11 @@ class Grammars:
             from tokenizers import Tokenizer
 
             # DeepSeek's tokenizer is byte-level BPE: its tokens as stored, by id (what xgrammar's from_huggingface
-            # reads from the same file through transformers)
+            # reads from the same file through transformers); a model whose vocabulary is smaller than its
+            # tokenizer's (a test's tiny model) cannot draw the ids past it, and xgrammar refuses a table longer
+            # than vocab_size
             tokenizer = Tokenizer.from_file(self.tokenizer_path)
-            vocab = [tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())]
+            vocab = [tokenizer.id_to_token(i) or "" for i in range(min(tokenizer.get_vocab_size(), self.vocab_size))]
             stops = [] if self.eos_token_id is None else [self.eos_token_id]
             info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
                                           stop_token_ids=stops, add_prefix_space=False)
@@ -90,6 +97,9 @@ class Grammars:
                 raise InputError(f"the schema cannot be compiled for constrained decoding: "
                                  f"{str(exc).splitlines()[-1] if str(exc) else type(exc).__name__}") from None
             self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)  # a running sequence's matcher keeps its own grammar
+        self._compiled.move_to_end(spec)
         return self._compiled[spec]
 
     def constrain(self, logits: torch.Tensor,

@@ -3,10 +3,10 @@
 - a producer's **lease**: when a request that hands over ends, the published blocks of its prompt (and, for
   DeepSeek-V4, the state blocks of that boundary) are held by a lease of their own, so no other sequence is given
   them, until the consumer confirms or the lease runs out;
-- a consumer's **load plan**: for a request arriving with an offer, the blocks of the usable prefix that its DP
-  rank's pool already publishes are adopted as a prefix hit; the others (and the state blocks the hit's restore
+- a consumer's **load plan**: for a request arriving with a signed offer, the blocks of the usable prefix that its
+  DP rank's pool already publishes are adopted as a prefix hit; the others (and the state blocks the hit's restore
   needs) get fresh blocks, which the ranks fill from the producer and the pool then publishes under the offer's
-  hashes.
+  hashes, once the producer has said that the lease held for the whole read.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from dsconv.errors import InputError
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
+from dsconv.runner.engine.kv_auth import AuthKey
 from dsconv.runner.engine.kv_transfer import Offer
 from dsconv.runner.models.kv_cache import Restore
 
@@ -27,6 +28,7 @@ class Lease:
     holder: int  # the pseudo-sequence whose table holds the blocks (a sequence id no request has)
     dp_rank: int
     expires: float  # time.monotonic()
+    expires_at: float  # the same moment as time.time(), which the offer carries to the consumer
 
 
 def offered(pool: BlockPool, states: StatePool | None, hashes: list[bytes], prompt_len: int, state_start
@@ -51,7 +53,7 @@ def open_lease(pool: BlockPool, states: StatePool | None, holder: int, dp_rank: 
     pool.adopt(holder, blocks)
     if states is not None:
         states.read(holder, [block for _, block in pairs])
-    return Lease(uuid.uuid4().hex, holder, dp_rank, time.monotonic() + lease_s)
+    return Lease(uuid.uuid4().hex, holder, dp_rank, time.monotonic() + lease_s, time.time() + lease_s)
 
 
 def close_lease(pool: BlockPool, states: StatePool | None, lease: Lease) -> None:
@@ -60,8 +62,14 @@ def close_lease(pool: BlockPool, states: StatePool | None, lease: Lease) -> None
         states.done_reading(lease.holder)
 
 
-def check_offer(offer: Offer, prompt_ids: list[int], block_size: int, salt: str | None) -> None:
-    """InputError unless the offer's blocks are this prompt's first blocks, in this server's block size."""
+def check_offer(offer: Offer, prompt_ids: list[int], block_size: int, salt: str | None, key: AuthKey) -> None:
+    """InputError unless a producer holding our key signed the offer, its lease has not ended, and its blocks are
+    this prompt's first blocks, in this server's block size."""
+    if not key.verify(offer.payload(), offer.signature):
+        raise InputError("kv_transfer_params are not signed by a producer sharing this server's auth key: pass the "
+                         "producer's kv_transfer_params on unaltered (as `dsrun router` does)")
+    if offer.expires_at <= time.time():
+        raise InputError(f"kv_transfer_params: the producer's lease on transfer {offer.transfer_id} has ended")
     if offer.block_size != block_size:
         raise InputError(f"the producer's blocks are {offer.block_size} tokens, this server's {block_size}: run "
                          f"both with the same --block-size")

@@ -19,11 +19,19 @@ another model's is reported (`OffloadReport`), counted and removed; the request 
 computes what was not found. The ops of a step (`OffloadOps`) run on every rank of the DP index in the order the
 scheduler decided them, before anything else of the step: a slot a hit loads from and then gives to an evicted block
 is read before it is written; a slot a hit reads, or a disk read fills, is given to nobody else in that step
-(`busy`), nor, while the read is unchecked, is its hash a hit for anyone (`pending`).
+(`busy`), nor, while the read is unchecked, is its hash a hit for anyone (`pending`). The files a hit reads are
+pinned before any of their slots is taken, so the spills those slots cause never drop one of them.
+
+A file on disk counts only when every rank of its DP index has one (a block is read on all of them); a failed read
+removes it on all of them. Any error the filesystem gives the tier stops the spills for the life of the process
+(one log line, `OffloadCounts.disk_stopped`, the metrics and /health say why); reads go on, and one that fails is a
+miss. A graceful stop writes what the host tier holds to disk (`Offloader.flush`), so a restart finds it.
 """
 
 from __future__ import annotations
 
+import errno
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,18 +83,19 @@ class TierShape:
     unit_bytes: dict[str, int]
 
     @classmethod
-    def of(cls, config: OffloadConfig, world_size: int, device_units: dict[str, int], unit_bytes: dict[str, int]
-           ) -> TierShape:
+    def of(cls, config: OffloadConfig, world_size: int, device_units: dict[str, int], unit_bytes: dict[str, int],
+           file_bytes: dict[str, int]) -> TierShape:
         """Each rank's share of the sizes (bytes / world_size), split between the kinds as the device pool splits
-        its bytes. device_units: the device pool's blocks and state blocks; unit_bytes: one of each on this rank."""
+        its bytes. device_units: the device pool's blocks and state blocks; unit_bytes: one of each on this rank;
+        file_bytes: one of each's file, header included (offload_store.file_bytes)."""
         pool = {kind: device_units[kind] * unit_bytes[kind] for kind in KINDS}
         total = sum(pool.values())
 
-        def split(budget: int) -> dict[str, int]:
-            return {kind: budget * pool[kind] // total // unit_bytes[kind] if unit_bytes[kind] else 0
-                    for kind in KINDS}
+        def split(budget: int, each: dict[str, int]) -> dict[str, int]:
+            return {kind: budget * pool[kind] // total // each[kind] if unit_bytes[kind] else 0 for kind in KINDS}
 
-        return cls(split(config.host_bytes // world_size), split(config.disk_bytes // world_size), unit_bytes)
+        return cls(split(config.host_bytes // world_size, unit_bytes),
+                   split(config.disk_bytes // world_size, file_bytes), unit_bytes)
 
     def summary(self, config: OffloadConfig) -> str:
         """The ready line's part."""
@@ -115,13 +124,19 @@ class OffloadOps:
 @dataclass
 class OffloadReport:
     """One rank's outcome of a step's ops: the fetches and spills that failed ((kind, hash, why)), the files found
-    corrupt (torn, checksum, foreign; removed), whether the disk refused a write for room, and the bytes moved."""
+    corrupt (torn, checksum, foreign; removed), the errors the filesystem gave ((errno name, what failed)), and the
+    bytes moved."""
     dp_index: int
+    rank: int = 0
     failed_fetches: list[tuple[str, bytes, str]] = field(default_factory=list)
     failed_spills: list[tuple[str, bytes, str]] = field(default_factory=list)
     corrupt: int = 0
-    disk_full: bool = False
+    disk_errors: list[tuple[str, str]] = field(default_factory=list)
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+
+    def failed(self, exc: OSError, what: str) -> None:
+        """A filesystem error of the tier (the spills stop when rank 0 hears of it)."""
+        self.disk_errors.append((errno.errorcode.get(exc.errno, "OSError"), f"{what}: {exc}"))
 
 
 class HostTier:
@@ -164,7 +179,6 @@ class DiskTier:
     def __init__(self, entries: int, known: list[bytes] = ()):
         self.entries = entries
         self.index: OrderedDict[bytes, None] = OrderedDict((digest, None) for digest in known[-entries:] if entries)
-        self.full = False  # a rank's disk refused a write for room: no more spills
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.index
@@ -174,8 +188,8 @@ class DiskTier:
 
     def put(self, digest: bytes, keep: set[bytes] = frozenset()) -> list[bytes] | None:
         """Room for `digest`'s file -> the hashes whose files go for it (least recently used, none of `keep`: files
-        being read); None when the disk tier takes no more (no room at all, a full disk, or only files in `keep`)."""
-        if self.full or not self.entries:
+        being read); None when the disk tier takes no more (no room at all, or only files in `keep`)."""
+        if not self.entries:
             return None
         candidates = [old for old in self.index if old not in keep][:max(0, len(self.index) - self.entries + 1)]
         if len(self.index) - len(candidates) >= self.entries:
@@ -196,12 +210,17 @@ class OffloadCounts:
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     corrupt_files: int = 0
+    disk_errors: dict[str, int] = field(default_factory=dict)  # errno name -> errors the filesystem gave the tier
+    disk_stopped: str | None = None  # why the disk tier takes no more files (the first error); None: it does
 
 
 class Offloader:
     """One DP index's host and disk tiers and the ops its next step runs."""
 
-    def __init__(self, shape: TierShape, disk_known: dict[str, list[bytes]] | None, counts: OffloadCounts):
+    def __init__(self, shape: TierShape, disk_known: dict[str, list[bytes]] | None, counts: OffloadCounts,
+                 strays: dict[str, list[bytes]] | None = None):
+        """disk_known: per kind, the hashes every rank of the DP index has a file for, oldest first (None: no disk
+        tier); strays: those only some ranks have, whose files go in the first step."""
         self.host = {kind: HostTier(shape.host[kind]) for kind in KINDS}
         self.disk = {kind: DiskTier(shape.disk[kind], (disk_known or {}).get(kind, [])) for kind in KINDS} \
             if disk_known is not None else None
@@ -212,6 +231,7 @@ class Offloader:
         for kind in KINDS if self.disk is not None else ():  # files found past the size (a smaller one now) go
             self._ops.extend((DROP, kind, digest) for digest in disk_known.get(kind, [])
                              if digest not in self.disk[kind])
+            self._ops.extend((DROP, kind, digest) for digest in (strays or {}).get(kind, []))
 
     def where(self, kind: str, digest: bytes) -> str | None:
         """The tier below the device that holds `digest`: "host", "disk", "pending" (a read from disk not yet
@@ -234,18 +254,23 @@ class Offloader:
         if slot is not None:
             self._ops.append((SAVE, kind, block, slot))
 
-    def fetch(self, kind: str, digest: bytes) -> bool:
-        """`digest`'s file read into a host slot by the next step (False: no slot free this step)."""
-        self.disk[kind].touch(digest)
-        self.pending.add((kind, digest))  # first: the spill the slot may cause keeps its file
-        slot = self._slot(kind, digest)
-        if slot is None:
-            self.pending.discard((kind, digest))
-            return False
-        self.host[kind].busy.add(slot)
-        self._ops.append((FETCH, kind, digest, slot))
-        self.from_disk.add((kind, digest))
-        return True
+    def fetch(self, wanted: list[tuple[str, bytes]]) -> bool:
+        """The files of `wanted` ((kind, hash) pairs, on disk) read into host slots by the next step -> False when
+        some found no slot free this step (those read stay in the host tier)."""
+        for kind, digest in wanted:  # pinned first: the spill a slot causes drops none of them
+            self.disk[kind].touch(digest)
+            self.pending.add((kind, digest))
+        fetched = True
+        for kind, digest in wanted:
+            slot = self._slot(kind, digest)
+            if slot is None:
+                self.pending.discard((kind, digest))
+                fetched = False
+                continue
+            self.host[kind].busy.add(slot)
+            self._ops.append((FETCH, kind, digest, slot))
+            self.from_disk.add((kind, digest))
+        return fetched
 
     def load(self, kind: str, digest: bytes, block: int) -> str:
         """The host slot holding `digest` copied into device `block` by the next step -> the tier it came from
@@ -275,7 +300,7 @@ class Offloader:
 
     def _spill(self, kind: str, slot: int, digest: bytes) -> None:
         """A hash falling out of the host tier: written to its file, unless the disk tier has it or takes none."""
-        if self.disk is None:
+        if self.disk is None or self.counts.disk_stopped is not None:
             return
         disk = self.disk[kind]
         if digest in disk:
@@ -287,6 +312,14 @@ class Offloader:
         self.counts.evictions["disk"] += len(dropped)
         self._ops.extend((DROP, kind, old) for old in dropped)
         self._ops.append((SPILL, kind, slot, digest))
+
+    def flush(self) -> OffloadOps | None:
+        """A graceful stop: every hash of the host tier not on disk yet written to its file (least recently used
+        first, so the disk tier keeps the most recent if it is smaller), after the ops not yet run."""
+        for kind in KINDS:
+            for digest, slot in list(self.host[kind].index.items()):
+                self._spill(kind, slot, digest)
+        return self.take_ops()
 
     def take_ops(self) -> OffloadOps | None:
         """The ops built since the last step's (None when there are none)."""
@@ -300,20 +333,22 @@ class Offloader:
         self.pending.clear()
 
     def reported(self, report: OffloadReport) -> None:
-        """A rank's outcome: a hash whose file failed to read is in neither tier any more; one whose file failed to
-        write is not on disk (its other ranks' files are dropped); a full disk takes no more."""
+        """A rank's outcome: a hash whose file failed to read is in neither tier any more, and one whose file failed
+        to write is not on disk (either way its files go on every rank of the DP index); an error of the filesystem
+        stops the spills."""
         for kind, digest, _ in report.failed_fetches:
             self.host[kind].forget(digest)
             self.from_disk.discard((kind, digest))
-            if self.disk is not None:
-                self.disk[kind].forget(digest)
-        for kind, digest, _ in report.failed_spills:
+        for kind, digest, _ in report.failed_fetches + report.failed_spills:
             if self.disk is not None and digest in self.disk[kind]:
                 self.disk[kind].forget(digest)
                 self._ops.append((DROP, kind, digest))
-        if report.disk_full and self.disk is not None:
-            for disk in self.disk.values():
-                disk.full = True
+        for name, why in report.disk_errors:
+            self.counts.disk_errors[name] = self.counts.disk_errors.get(name, 0) + 1
+            if self.counts.disk_stopped is None:
+                self.counts.disk_stopped = f"{name} on rank {report.rank}: {why}"
+                print(f"dsrun: KV offload: the disk tier takes no more blocks ({self.counts.disk_stopped}); requests "
+                      f"go on, and the files already written are still read", file=sys.stderr, flush=True)
         self.counts.corrupt_files += report.corrupt
         for direction, count in report.moved.items():
             self.counts.moved[direction] += count

@@ -8,15 +8,18 @@ The hand-over, as vLLM's P/D connectors do it, driven by a router (`dsrun router
    prompt's full blocks for a lease (`Offer`: their hashes, block ids, for DeepSeek-V4 the state blocks of the
    boundary, and the sessions and memory regions of the P ranks that hold them), returned in its response's
    `kv_transfer_params`.
-2. The router sends the request to D with those params (and P's URL, to confirm to). D's scheduler places the
+2. The router sends the request to D with those params (P's URL among them). D's scheduler places the
    request on an attention-DP rank, looks its blocks up in D's own prefix cache, gives the missing ones fresh
    blocks, and the next step's batch tells that DP index's ranks to read them (`Load`): each rank reads from one
    P rank of the group that holds them (the latent cache is the same on every attention-TP rank of a group, so
    any may send), through the Mooncake transfer engine (comm/kv_transfer.py).
-3. Once read, the blocks are published in D's pool under P's hashes, and the request starts as a prefix hit: D
-   computes the prompt's tail (its last partial block, and always its last token, whose logits draw the first
-   token), restoring a DeepSeek-V4 slot from the transferred state blocks as any hit does. D confirms to P, which
-   lets the blocks go (or lets them go when the lease ends).
+3. Once read, D ends the lease at P (POST {remote_url}/kv_transfer/release), and P answers whether the lease was
+   still held: only then were the blocks P's prompt's for the whole read (P lets a lease's blocks go only when it
+   ends), and D publishes them in its pool under P's hashes; the request starts as a prefix hit: D computes the
+   prompt's tail (its last partial block, and always its last token, whose logits draw the first token), restoring
+   a DeepSeek-V4 slot from the transferred state blocks as any hit does. A lease that had ended is a failed load.
+
+P signs each offer with the key both sides are given (engine/kv_auth.py); D reads nothing it has not verified.
 
 Only full blocks travel: P and D may run different world sizes and parallel layouts, but not a different model,
 cache dtype or block size (the regions must match unit for unit, which the read checks).
@@ -27,22 +30,23 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dsconv.comm.kv_transfer import Region, TransferAgent, TransferError, engine_class
 from dsconv.errors import InputError
+from dsconv.runner.engine.kv_auth import KEY_SOURCES, AuthKey
 
 CONNECTORS = ("MooncakeConnector", "MooncakeConnectorV1")  # vLLM's name, and vllm-ascend's
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy
 DEFAULT_LEASE_S = 30.0  # how long P keeps a request's blocks for D (vLLM's NIXL lease)
 DEFAULT_TIMEOUT_S = 30.0  # a read's limit when MC_TRANSFER_TIMEOUT (the Mooncake engine's, seconds) is not set
-EXTRA_KEYS = ("host", "lease_s", "transfer_timeout_s", "kv_load_failure_policy")
+EXTRA_KEYS = ("host", "lease_s", "transfer_timeout_s", "kv_load_failure_policy", *KEY_SOURCES)
 STAGING_BYTES = 64 * 2**20  # the most a consumer's rank reads into host memory at once (one part of a hand-over)
 PARAM_KEYS = ("remote_engine_id", "transfer_id", "remote_block_size", "remote_hashes", "remote_blocks",
-              "remote_state_blocks", "remote_ranks")
+              "remote_state_blocks", "remote_ranks", "remote_url", "expires_at", "signature")
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,16 @@ class KVTransferConfig:
     transfer engines listen on (the node's own, reachable from the other instance's nodes); `lease_s`, how long a
     producer keeps blocks nobody confirmed; `transfer_timeout_s`, a consumer's limit on one read (default
     MC_TRANSFER_TIMEOUT, else 30); `kv_load_failure_policy`, what a consumer does when a read fails: `fail` the
-    request with an error, or `recompute` its prompt itself."""
+    request with an error, or `recompute` its prompt itself; `auth_key_file`, `auth_key_env` or `auth_key`: the
+    secret P signs its offers with and D verifies them with (engine/kv_auth.py). release_url: a producer's own
+    URL, where consumers end its leases (serve sets it once its HTTP server listens)."""
     role: str
+    key: AuthKey = field(repr=False)
     host: str = "127.0.0.1"
     lease_s: float = DEFAULT_LEASE_S
     transfer_timeout_s: float = DEFAULT_TIMEOUT_S
     load_failure_policy: str = "fail"
+    release_url: str | None = None
 
     @property
     def producer(self) -> bool:
@@ -98,8 +106,8 @@ class KVTransferConfig:
             raise InputError(f"--kv-transfer-config: unknown kv_connector_extra_config key {unknown[0]!r} "
                              f"({', '.join(EXTRA_KEYS)})")
         timeout = extra.get("transfer_timeout_s", float(os.environ.get("MC_TRANSFER_TIMEOUT", DEFAULT_TIMEOUT_S)))
-        config = cls(raw["kv_role"], extra.get("host", cls.host), extra.get("lease_s", DEFAULT_LEASE_S), timeout,
-                     extra.get("kv_load_failure_policy", "fail"))
+        config = cls(raw["kv_role"], AuthKey.of(extra), extra.get("host", cls.host),
+                     extra.get("lease_s", DEFAULT_LEASE_S), timeout, extra.get("kv_load_failure_policy", "fail"))
         if not isinstance(config.host, str) or not config.host:
             raise InputError(f"--kv-transfer-config: host must be a non-empty string, got {config.host!r}")
         for name in ("lease_s", "transfer_timeout_s"):
@@ -157,8 +165,9 @@ def rank_regions(agent: TransferAgent, cache) -> RankRegions:
 class Offer:
     """What a producer hands over for one request, as its response's kv_transfer_params (`params`) carry it: the
     prompt's first full blocks (their hashes and P's block ids), for DeepSeek-V4 the state blocks of that boundary
-    ((block index, state block) pairs), and the ranks of P's attention-DP group that hold them. release_url: where
-    the consumer confirms (the router adds P's URL); None: the lease alone frees them."""
+    ((block index, state block) pairs), the ranks of P's attention-DP group that hold them, P's URL (release_url,
+    where the consumer ends the lease), the lease's end (expires_at, time.time() on P's clock), and P's signature
+    over all of it (engine/kv_auth.py)."""
     engine_id: str
     transfer_id: str
     block_size: int
@@ -166,13 +175,23 @@ class Offer:
     blocks: tuple[int, ...]
     state: tuple[tuple[int, int], ...]
     ranks: tuple[RankRegions, ...]
-    release_url: str | None = None
+    release_url: str
+    expires_at: float
+    signature: str = ""
 
-    def params(self) -> dict:
+    def payload(self) -> dict:
+        """Every field but the signature: what P signs and D verifies."""
         return {"remote_engine_id": self.engine_id, "transfer_id": self.transfer_id,
                 "remote_block_size": self.block_size, "remote_hashes": [h.hex() for h in self.hashes],
                 "remote_blocks": list(self.blocks), "remote_state_blocks": [list(p) for p in self.state],
-                "remote_ranks": [r.params() for r in self.ranks]}
+                "remote_ranks": [r.params() for r in self.ranks], "remote_url": self.release_url,
+                "expires_at": self.expires_at}
+
+    def params(self) -> dict:
+        return {**self.payload(), "signature": self.signature}
+
+    def signed(self, key: AuthKey) -> Offer:
+        return replace(self, signature=key.sign(self.payload()))
 
     @classmethod
     def from_params(cls, raw: dict) -> Offer:
@@ -185,13 +204,28 @@ class Offer:
             offer = cls(str(raw["remote_engine_id"]), str(raw["transfer_id"]), int(raw["remote_block_size"]),
                         tuple(bytes.fromhex(h) for h in raw["remote_hashes"]), tuple(map(int, raw["remote_blocks"])),
                         tuple((int(i), int(b)) for i, b in raw["remote_state_blocks"]),
-                        tuple(RankRegions.from_params(r) for r in raw["remote_ranks"]), raw.get("remote_url"))
+                        tuple(RankRegions.from_params(r) for r in raw["remote_ranks"]), str(raw["remote_url"]),
+                        float(raw["expires_at"]), str(raw["signature"]))
         except (TypeError, ValueError, KeyError) as exc:
             raise InputError(f"kv_transfer_params is malformed: {type(exc).__name__}: {exc}") from None
         if len(offer.hashes) != len(offer.blocks) or not offer.ranks:
             raise InputError(f"kv_transfer_params is malformed: {len(offer.hashes)} hashes for {len(offer.blocks)} "
                              f"blocks, {len(offer.ranks)} ranks")
         return offer
+
+
+@dataclass(frozen=True)
+class Offers:
+    """A consumer's request of several prompts (a batch completion): one producer's offer per prompt, in order, as
+    kv_transfer_params {"prompts": [...]} carry them; the front end gives each prompt's request its own."""
+    each: tuple[Offer, ...]
+
+    @classmethod
+    def from_params(cls, raw: dict) -> Offers:
+        if not isinstance(raw["prompts"], list) or not raw["prompts"]:
+            raise InputError("kv_transfer_params prompts must be a non-empty list of the producer's params, one per "
+                             "prompt")
+        return cls(tuple(Offer.from_params(one) for one in raw["prompts"]))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class ServeMetrics:
         self.zero_token_steps = Counter("dsrun:zero_token_steps", "Steps a DP rank ran with no tokens while another "
                                         "rank had work (it still joins the MoE exchanges)", per_rank, registry=registry)
         self.steps = Counter("dsrun:engine_steps", "Engine steps run", per_model, registry=registry)
+        # a request the engine or the front end failed alone (request.FAILURE_STAGES); the loop went on
+        self.request_failures = Counter("dsrun:request_failures", "Requests failed by an error of their own, by "
+                                        "stage (the server went on)", per_model + ["stage"], registry=registry)
         self.cp_prefills = Counter("dsrun:context_parallel_prefills", "Prompts prefilled by a context-parallel "
                                    "group (--prefill-context-parallel-size)", per_model, registry=registry)
         self.prefix_queries = Counter("dsrun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -110,7 +113,10 @@ class ServeMetrics:
         self.eplb_rebalances = Counter("dsrun:eplb_rebalances", "EPLB rebalances run", per_model,
                                        registry=self.registry)
         self.eplb_rebalances.labels(self.model_name)  # from the start, at 0
-        self._eplb_seen = 0  # the balancer's rebalances already counted
+        self.eplb_skipped = Counter("dsrun:eplb_rebalances_skipped", "EPLB rebalances not run: they fell due while "
+                                    "the last one's experts were still moving", per_model, registry=self.registry)
+        self.eplb_skipped.labels(self.model_name)
+        self._eplb_seen = (0, 0)  # the balancer's rebalances and skipped ones already counted
 
     def rank(self, metric, rank: int):
         return metric.labels(self.model_name, str(rank))
@@ -128,6 +134,12 @@ class ServeMetrics:
                                          per_model + ["tier"], registry=registry)
         self.offload_corrupt = Counter("dsrun:kv_offload_corrupt_files", "Disk tier files found torn, corrupt or "
                                        "another run's (skipped and removed; every rank)", per_model, registry=registry)
+        self.offload_disk_errors = Counter("dsrun:kv_offload_disk_errors", "Errors the filesystem gave the disk tier "
+                                           "(every rank), by errno name; the first stops its writes", per_model
+                                           + ["errno"], registry=registry)
+        self.offload_disk_stopped = Gauge("dsrun:kv_offload_disk_stopped", "1 when the disk tier takes no more blocks "
+                                          "(a filesystem error: /health says which), else 0", per_model,
+                                          registry=registry)
         self._offload_seen = OffloadCounts()
 
     def record_offload(self, scheduler) -> None:
@@ -143,6 +155,10 @@ class ServeMetrics:
                     self.model(metric, label).inc(count - before[label])
         if now.corrupt_files > seen.corrupt_files:
             self.model(self.offload_corrupt).inc(now.corrupt_files - seen.corrupt_files)
+        for name, count in now.disk_errors.items():
+            if count > seen.disk_errors.get(name, 0):
+                self.model(self.offload_disk_errors, name).inc(count - seen.disk_errors.get(name, 0))
+        self.model(self.offload_disk_stopped).set(now.disk_stopped is not None)
         self._offload_seen = copy.deepcopy(now)
 
     def model(self, metric, *labels: str):
@@ -165,10 +181,13 @@ class ServeMetrics:
 
     def record_eplb(self, balancer) -> None:
         """A rebalance since the last call: its figures (balancer: runner.models.eplb.ExpertBalancer or None)."""
-        if balancer is None or balancer.rebalances == self._eplb_seen:
+        if balancer is None or (balancer.rebalances, balancer.skipped) == self._eplb_seen:
             return
-        self.model(self.eplb_rebalances).inc(balancer.rebalances - self._eplb_seen)
-        self._eplb_seen = balancer.rebalances
+        self.model(self.eplb_skipped).inc(balancer.skipped - self._eplb_seen[1])
+        rebalanced, self._eplb_seen = balancer.rebalances - self._eplb_seen[0], (balancer.rebalances, balancer.skipped)
+        if not rebalanced:
+            return
+        self.model(self.eplb_rebalances).inc(rebalanced)
         for stage, figures in (("measured", balancer.figures.measured), ("planned", balancer.figures.planned)):
             for layer, value in figures.items():
                 self.eplb_balancedness.labels(self.model_name, layer, stage).set(value)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dsconv.errors import InputError
 from dsconv.runner.engine.grammar import GrammarSpec
-from dsconv.runner.engine.kv_transfer import Export, Offer
+from dsconv.runner.engine.kv_transfer import Export, Offer, Offers
 
 MAX_TOP_LOGPROBS = 20  # top-logprob entries per token a request may ask for (vLLM's limit for completions)
 MAX_N = 128  # parallel samples a request may ask for (OpenAI's limit for n)
@@ -38,7 +38,7 @@ class SamplingParams:
     priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival
     # P/D disaggregation (engine/kv_transfer.py): Export on a producer (hand the prompt's cache over), the producer's
     # Offer on a consumer (start from its blocks); None: neither
-    kv_transfer: Export | Offer | None = None
+    kv_transfer: Export | Offer | Offers | None = None  # Offers: a batch's, which the front end splits per prompt
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -96,6 +96,15 @@ class SeqResult:
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+def failure_text(stage: str, exc: Exception) -> str:
+    """What a request that failed inside the engine is told (its HTTP 500's message)."""
+    return f"the request failed while it was {FAILURE_STAGES[stage]}: {type(exc).__name__}: {exc}"
+
+
+# where in the engine a request can fail alone (dsrun:request_failures_total's `stage`), and how its error says it
+FAILURE_STAGES = {"add": "admitted", "update": "taking its step's results"}
 
 
 class NotAccepting(RuntimeError):

@@ -43,10 +43,12 @@ from dsconv.runner.engine.config import SchedulerConfig
 from dsconv.runner.engine.block_pool import BlockPool, StatePool, block_hashes
 from dsconv.runner.engine.handoff import (Lease, LoadPlan, check_offer, close_lease, drop_load, finish_load, offered,
                                           open_lease, plan_load)
-from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadCounts, Offloader, OffloadReport, TierShape
+from dsconv.runner.engine.kv_offload import (BLOCK, STATE, OffloadCounts, Offloader, OffloadOps, OffloadReport,
+                                             TierShape)
+from dsconv.runner.engine.kv_auth import ReplayGuard
 from dsconv.runner.engine.kv_transfer import CONSUMER, PRODUCER, Export, Load, LoadReport, Offer, RankRegions
 from dsconv.runner.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams,
-                                          SeqResult, TokenLogprob)
+                                          SeqResult, TokenLogprob, failure_text)
 from dsconv.runner.engine.speculative import SpecCounts
 from dsconv.runner.engine.batch import Batch, CPShare, PromptScores, SampleSpec
 from dsconv.runner.models.kv_cache import Fork, Restore
@@ -163,10 +165,15 @@ class Scheduler:
         # P/D disaggregation (engine/handoff.py): a producer's leases, a consumer's loads (sent with the next step)
         self.kv_transfer = config.kv_transfer
         self.leases: dict[str, Lease] = {}
+        # told of each lease opened (its end) and closed (None): the door answers producers' releases from it
+        self.on_lease: Callable[[str, float | None], None] = lambda transfer_id, expires: None
         self.leases_expired = 0  # in all
         self.load_failures = 0  # loads that failed, in all
         self.received_tokens = 0  # prompt tokens whose entries loads brought, in all
         self.loading: dict[int, Request] = {}  # seq_id -> a request whose prefix its ranks are reading
+        # seq_id -> a request whose prefix arrived, waiting for its producer to say the lease held for the read
+        self.confirming: dict[int, Request] = {}
+        self.replays = ReplayGuard()  # a consumer's: the offers taken, each taken once
         self.sends: list[list[Load]] = [[] for _ in range(dp)]
         self.engine_id = uuid.uuid4().hex
         # a producer's: the ranks of an attention-DP index, with what a consumer needs to read their caches
@@ -174,18 +181,24 @@ class Scheduler:
         # KV offload (engine/kv_offload.py): each DP rank's host and disk tiers below its pool (attach_offload)
         self.offloaders: list[Offloader] | None = None
         self.offload_counts = OffloadCounts()
+        self.failures: list[tuple[str, str, Exception]] = []  # requests failed alone, for the loop to count (fail)
 
-    def attach_offload(self, shape: TierShape, disk_known: list[dict[str, list[bytes]]] | None) -> None:
-        """Host (and disk) tiers under every DP rank's pools; disk_known: per DP index, the hashes the disk tier
-        already has files for, oldest first (None: no disk tier)."""
+    def attach_offload(self, shape: TierShape, disk_found: list[tuple[dict, dict]] | None) -> None:
+        """Host (and disk) tiers under every DP rank's pools; disk_found: per DP index, per kind the hashes every
+        rank of it has a file for, oldest first, and those only some have (offload_store.agree; None: no disk
+        tier)."""
         if not self.prefix_caching:
             raise InputError("KV offload keeps the prefix cache's blocks: it needs prefix caching on")
-        self.offloaders = [Offloader(shape, None if disk_known is None else disk_known[rank], self.offload_counts)
-                           for rank in range(self.dp)]
+        known, strays = zip(*disk_found) if disk_found is not None else ([None] * self.dp, [None] * self.dp)
+        self.offloaders = [Offloader(shape, known[rank], self.offload_counts, strays[rank]) for rank in range(self.dp)]
         for rank, offloader in enumerate(self.offloaders):
             self.pools[rank].on_evict = functools.partial(offloader.evicted, BLOCK)
             if self.states is not None:
                 self.states[rank].on_evict = functools.partial(offloader.evicted, STATE)
+
+    def flush_offload(self) -> list[OffloadOps | None]:
+        """A graceful stop: per DP index, the ops that write its host tier's blocks to disk (Offloader.flush)."""
+        return [offloader.flush() for offloader in self.offloaders]
 
     def offloaded(self, reports: list[OffloadReport]) -> None:
         """Every rank's outcome of the step's offload ops."""
@@ -429,7 +442,7 @@ class Scheduler:
             for kind, i, w in needed:
                 if w == "host":
                     offloader.hold(kind, usable[i])
-            if not all([offloader.fetch(kind, digest) for kind, digest in on_disk]):
+            if not offloader.fetch(on_disk):
                 return self._device_hit(request, blocks)  # no host slot free for them now
             return None
         host_states = [i for i, w in state_where.items() if w == "host"]
@@ -590,14 +603,38 @@ class Scheduler:
                 parts.setdefault(batch.cp.seq_id, []).extend(zip([batch.cp], rank_results, strict=True))
                 continue
             for seq_id, result in zip(batch.seq_ids, rank_results, strict=True):
-                outputs += self._take(seq_id, result, now)
+                outputs += self._take_alone(seq_id, result, now)
         for seq_id, members in parts.items():
             scored = sorted(((p, entry) for share, result in members
                              for p, entry in zip(share.scored_positions, result.prompt_logprobs)),
                             key=lambda pair: pair[0])
             owner = next(result for share, result in members if share.member == 0)
-            outputs += self._take(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]), now)
+            outputs += self._take_alone(seq_id, dataclasses.replace(owner, prompt_logprobs=[e for _, e in scored]),
+                                        now)
         return outputs
+
+    def _take_alone(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
+        """_take, where an error of this one request fails it alone (its blocks freed); an error in freeing them is
+        the pool's, and stops the engine."""
+        try:
+            return self._take(seq_id, result, now)
+        except Exception as exc:  # noqa: BLE001  (a request can fail; the engine cannot)
+            request = self.by_seq.get(seq_id)
+            if request is None:
+                raise
+            return self.fail(request, "update", exc)
+
+    def fail(self, request: Request, stage: str, exc: Exception) -> list[tuple[Request, RequestOutput]]:
+        """Ends a request (every sample not yet forked) with an error -> its final outputs; recorded for
+        take_failures."""
+        self.failures.append((stage, request.request_id, exc))
+        return [(request, dataclasses.replace(out, error=failure_text(stage, exc)))
+                for request, out in self.abort(request.request_id, None if not request.forked else request.index)]
+
+    def take_failures(self) -> list[tuple[str, str, Exception]]:
+        """The (stage, request id, error) of requests failed since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def _settle(self, step: Step, results: list[list[SeqResult]]) -> None:
         """Speculative decoding: each verifying sequence's computed tokens cut back to its last accepted draft (the
@@ -699,6 +736,7 @@ class Scheduler:
     def _remove(self, request: Request) -> None:
         rank = request.dp_rank
         del self.requests[request.key], self.by_seq[request.seq_id]
+        self.confirming.pop(request.seq_id, None)
         if self.loading.pop(request.seq_id, None) is not None:  # its load not sent yet is not sent
             self.sends[rank] = [load for load in self.sends[rank] if load.seq_id != request.seq_id]
         if request in self.running[rank]:
@@ -714,7 +752,8 @@ class Scheduler:
     # -- P/D disaggregation (engine/kv_transfer.py, engine/handoff.py) -------------------------------------------
 
     def check_handoff(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuses kv_transfer_params this instance's role cannot take, or an offer that is not this prompt's."""
+        """Refuses kv_transfer_params this instance's role cannot take, or an offer that is not this prompt's, not
+        signed with our key, expired or taken before (the door's threads call this: ReplayGuard locks)."""
         handoff = params.kv_transfer
         if handoff is None:
             return
@@ -724,7 +763,8 @@ class Scheduler:
             raise InputError(f"kv_transfer_params for a {wanted}: this server is "
                              f"{role or 'not disaggregated'} (--kv-transfer-config)")
         if isinstance(handoff, Offer):
-            check_offer(handoff, prompt_ids, self.pools[0].block_size, params.cache_salt)
+            check_offer(handoff, prompt_ids, self.pools[0].block_size, params.cache_salt, self.kv_transfer.key)
+            self.replays.take(handoff.transfer_id, handoff.expires_at)
 
     def _start_load(self, request: Request, offer: Offer) -> bool:
         """A consumer's request: its prefix's missing blocks taken and their read queued for the next step; False
@@ -739,38 +779,58 @@ class Scheduler:
                                      self.kv_transfer.transfer_timeout_s))
         return True
 
-    def loaded(self, reports: list[LoadReport]) -> tuple[list[tuple[Request, RequestOutput]], list[Request]]:
-        """The ranks' reports of the step's loads -> (outputs of requests that fail, the requests whose loads
-        ended, to confirm to their producers). A request whose every rank read its blocks starts from them as from
-        a prefix hit; one that failed is recomputed here or fails, as kv_load_failure_policy says."""
+    def loaded(self, reports: list[LoadReport]) -> tuple[list[tuple[Request, RequestOutput]], list[Request],
+                                                         list[Request]]:
+        """The ranks' reports of the step's loads -> (outputs of requests that fail, the requests whose blocks
+        arrived: their producers must say the lease held (`confirmed`), the requests whose read failed: their
+        producers may let the blocks go). A failed read is recomputed here or fails, as kv_load_failure_policy
+        says."""
         errors: dict[int, str | None] = {}
         for report in reports:
             errors[report.seq_id] = errors.get(report.seq_id) or report.error
-        outputs, ended = [], []
+        outputs, arrived, failed = [], [], []
         for seq_id, error in errors.items():
             request = self.loading.pop(seq_id, None)
             if request is None:  # aborted while its step ran
                 continue
-            ended.append(request)
-            rank, plan, request.load = request.dp_rank, request.load, None
-            states = self.states[rank] if self.states else None
             if error is None:
-                request.restore = finish_load(self.pools[rank], states, seq_id, request.hashes, plan)
-                request.num_computed, request.published = plan.length, plan.length // self.pools[rank].block_size
-                request.cached_tokens = plan.local * self.pools[rank].block_size
-                self.received_tokens += plan.length - request.cached_tokens
-                self._enqueue(rank, request)
+                self.confirming[seq_id] = request
+                arrived.append(request)
                 continue
-            drop_load(self.pools[rank], states, seq_id)
-            self.load_failures += 1
-            if self.kv_transfer.load_failure_policy == "recompute":
-                self._enqueue(rank, request)
-                continue
-            self._remove(request)
-            outputs += [(request, RequestOutput(request.request_id, len(request.prompt), index=i, finished=True,
-                                                finish_reason=FINISH_ABORT, error=f"the KV cache transfer failed: "
-                                                f"{error}")) for i in range(request.params.n)]
-        return outputs, ended
+            failed.append(request)
+            outputs += self._load_failed(request, error)
+        return outputs, arrived, failed
+
+    def confirmed(self, seq_id: int, held: bool, why: str) -> list[tuple[Request, RequestOutput]]:
+        """The producer's answer for a request whose blocks arrived: held, the lease covered the whole read and the
+        blocks are published (the request starts from them as from a prefix hit); otherwise they may be another
+        prompt's, and the load failed (`why`) -> outputs of a request that fails."""
+        request = self.confirming.pop(seq_id, None)
+        if request is None:  # aborted while its producer was asked
+            return []
+        if not held:
+            return self._load_failed(request, why)
+        rank, plan, request.load = request.dp_rank, request.load, None
+        states = self.states[rank] if self.states else None
+        request.restore = finish_load(self.pools[rank], states, seq_id, request.hashes, plan)
+        request.num_computed, request.published = plan.length, plan.length // self.pools[rank].block_size
+        request.cached_tokens = plan.local * self.pools[rank].block_size
+        self.received_tokens += plan.length - request.cached_tokens
+        self._enqueue(rank, request)
+        return []
+
+    def _load_failed(self, request: Request, error: str) -> list[tuple[Request, RequestOutput]]:
+        """Every block the load took let go; the request recomputed or failed -> its outputs when it fails."""
+        rank, request.load = request.dp_rank, None
+        drop_load(self.pools[rank], self.states[rank] if self.states else None, request.seq_id)
+        self.load_failures += 1
+        if self.kv_transfer.load_failure_policy == "recompute":
+            self._enqueue(rank, request)
+            return []
+        self._remove(request)
+        return [(request, RequestOutput(request.request_id, len(request.prompt), index=i, finished=True,
+                                        finish_reason=FINISH_ABORT, error=f"the KV cache transfer failed: {error}"))
+                for i in range(request.params.n)]
 
     def _lease(self, request: Request) -> dict:
         """A producer's finished request: its prompt's blocks held for the consumer -> its kv_transfer_params."""
@@ -779,21 +839,29 @@ class Scheduler:
         count, blocks, pairs = offered(pool, states, request.hashes, len(request.prompt), self.state_start)
         lease = open_lease(pool, states, next(self._seq_ids), rank, blocks, pairs, self.kv_transfer.lease_s)
         self.leases[lease.transfer_id] = lease
+        self.on_lease(lease.transfer_id, lease.expires)
         return Offer(self.engine_id, lease.transfer_id, pool.block_size, tuple(request.hashes[:count]),
-                     tuple(blocks), tuple(pairs), self.offer_ranks(rank)).params()
+                     tuple(blocks), tuple(pairs), self.offer_ranks(rank), self.kv_transfer.release_url,
+                     lease.expires_at).signed(self.kv_transfer.key).params()
 
-    def release_lease(self, transfer_id: str) -> bool:
-        """The consumer confirmed (or gave up): the lease's blocks go back to the pool -> whether it was held."""
+    def release_lease(self, transfer_id: str, now: float | None = None) -> bool:
+        """The consumer has read the blocks (or given up): the lease's blocks go back to the pool -> whether the
+        lease was still held until now (time.monotonic()), so that no other sequence can have been given its
+        blocks during the consumer's read; a lease past its time that the loop has not closed yet was not."""
         lease = self.leases.pop(transfer_id, None)
-        if lease is not None:
-            close_lease(self.pools[lease.dp_rank], self.states[lease.dp_rank] if self.states else None, lease)
-        return lease is not None
+        if lease is None:
+            return False
+        self.on_lease(transfer_id, None)
+        close_lease(self.pools[lease.dp_rank], self.states[lease.dp_rank] if self.states else None, lease)
+        if lease.expires <= (time.monotonic() if now is None else now):
+            self.leases_expired += 1
+            return False
+        return True
 
     def expire_leases(self, now: float) -> float | None:
         """Closes the leases past their time -> seconds until the next one ends (None: none is held)."""
         for lease in [lease for lease in self.leases.values() if lease.expires <= now]:
-            self.release_lease(lease.transfer_id)
-            self.leases_expired += 1
+            self.release_lease(lease.transfer_id, now)
         return min((lease.expires - now for lease in self.leases.values()), default=None)
 
 

@@ -15,7 +15,7 @@ import torch
 from dsconv.kernels.attention import causal_mask
 from dsconv.comm.kv_transfer import TransferAgent
 from dsconv.runner.engine.grammar import Grammars
-from dsconv.runner.engine.kv_offload import OffloadReport
+from dsconv.runner.engine.kv_offload import OffloadOps, OffloadReport
 from dsconv.runner.engine.kv_transfer import LoadReport, run_load
 from dsconv.runner.engine.offload_store import OffloadStore
 from dsconv.runner.engine.request import SeqResult
@@ -277,8 +277,13 @@ class Worker:
             result.drafts.extend(proposed)
         return results
 
-    def finish(self) -> None:
-        """The end of the run, on every rank at once (the expert-load record is summed and written)."""
+    def finish(self, offload: OffloadOps | None = None) -> None:
+        """The end of the run, on every rank at once (the expert-load record is summed and written; offload: after
+        a graceful end, the ops that write this DP index's host tier to disk)."""
+        if offload is not None:
+            if self.offload is None:
+                raise ValueError("invalid stop: KV offload ops on a rank without KV offload")
+            self.offload.flush(offload)
         if self.balancer is not None:
             self.balancer.finish()
 

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from dsconv.comm.launch import launch
 from dsconv.console import console
@@ -282,7 +283,7 @@ def _report(result: Generated, prompts: list[list[int]], tokenizer: TextTokenize
         print(json.dumps(report, ensure_ascii=False), flush=True)
         return
     for i, out in list(enumerate(result.generated))[1:]:  # the first prompt was streamed; show the rest
-        console.print(f"[bold]prompt {i}:[/] {tokenizer.decode(out)}", highlight=False)
+        console.print(f"[bold]prompt {i}:[/] {escape(tokenizer.decode(out))}", highlight=False)
     console.print(f"[dim]{sum(map(len, prompts))} prompt tokens ({sum(result.cached_tokens)} cached), "
                   f"{sum(map(len, result.generated))} new tokens; "
                   f"rank 0: prefill {prefill_tps:.1f} tok/s, decode {decode_tps:.1f} tok/s; {seconds:.1f} s wall; "

@@ -3,14 +3,21 @@
 
 Each chat or completion request goes first to a prefill instance (P) as the same body with max_tokens 1, no stream,
 n 1 and `kv_transfer_params: {"do_remote_decode": true}`; P's response carries its hand-over in
-`kv_transfer_params`. Then the client's own body goes to a decode instance (D) with those params (and P's URL, to
-confirm to), and D's reply, streamed or whole, is relayed to the client as it comes: its status, its body, its
-errors. A request whose prompt must be scored (prompt_logprobs, echo with logprobs) goes to D alone, which computes
-it; so does every request while no P answers. P is picked by cached prefix and load: the instance that last served
-the request's prefix (the conversation before its last message, or a completion prompt's start), unless it runs
-more than PREFIX_SLACK requests above the least-loaded one; D by load (requests in flight through this router).
-An instance that refuses connections is skipped for the request and tried again on the next; with no D answering
-the router answers 503 in OpenAI's error shape.
+`kv_transfer_params`, signed by P (engine/kv_auth.py), which the router passes on whole. Then the client's own body
+goes to a decode instance (D) with those params, and D's reply, streamed or whole, is relayed to the client as it
+comes: its status, its body, its errors. A batch completion (several prompts) gets one hand-over per prompt from P
+(`{"prompts": [...]}`), and D gives each prompt its own. A request whose prompt must be scored (prompt_logprobs,
+echo with logprobs) goes to D alone, which computes it; so does a request no P answers: a P that refuses the
+connection or answers 5xx (503 while draining) is skipped for the next, and with none left D computes the prompt
+itself (counted in dsrun:router_prefill_fallbacks). A P's 4xx (the client's mistake) is the client's answer. P is
+picked by cached prefix and load: the instance that last served the request's prefix (the conversation before its
+last message, or a completion prompt's start), unless it runs more than PREFIX_SLACK requests above the
+least-loaded one; D by load (requests in flight through this router). An instance that refuses connections is
+skipped for the request and tried again on the next; with no D answering the router answers 503 in OpenAI's error
+shape.
+
+At start the router asks every instance that answers for GET /v1/models and refuses to start unless they serve one
+model name (clients name it, and P and D must serve the same model).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (a decode instance's), GET /health (200 when
 a decode instance is healthy), GET /metrics (the router's own).
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import threading
 from collections import OrderedDict
@@ -32,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from dsconv.errors import InputError
-from dsconv.runner.entrypoints.openai.protocol import APIError
+from dsconv.runner.entrypoints.openai.protocol import APIError, load_body
 
 PREFIX_SLACK = 2  # requests in flight a P may run above the least-loaded one and still get its cached prefix
 PREFIX_KEYS = 4096  # prefixes remembered (least recently used forgotten)
@@ -40,6 +48,7 @@ PREFIX_CHARS = 1024  # of a completion prompt, the start that keys its P
 HEALTH_TIMEOUT_S = 5.0
 FORWARDED_HEADERS = ("authorization",)  # the client's API key goes on to the instances
 PORTS = 65536
+SERVER_ERROR = 500  # a P's status from here on is its own failure: the request goes on to another P, or D alone
 
 
 @dataclass
@@ -69,6 +78,7 @@ def main(o: RouterOptions) -> int:
             raise InputError(f"{url!r} is not an http:// or https:// URL")
     if not 0 <= o.port < PORTS:
         raise InputError(f"--port {o.port} is not a port number")
+    check_models([*o.prefill, *o.decode])
     server = uvicorn.Server(uvicorn.Config(create_app(o.prefill, o.decode, o.timeout), host=o.host, port=o.port,
                                            log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, name="http", daemon=True)  # signals stay the main thread's
@@ -90,6 +100,28 @@ def main(o: RouterOptions) -> int:
     return 0
 
 
+def check_models(urls: list[str]) -> None:
+    """InputError (one line) unless every instance that answers GET /v1/models serves one model name; one that does
+    not answer is skipped now and tried per request (DSRUN_API_KEY, when set, is the instances' --api-key)."""
+    headers = {"Authorization": f"Bearer {os.environ['DSRUN_API_KEY']}"} if os.environ.get("DSRUN_API_KEY") else {}
+    served: dict[str, str] = {}
+    for url in urls:
+        try:
+            reply = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=HEALTH_TIMEOUT_S)
+        except httpx.TransportError:
+            continue
+        if reply.status_code != 200:
+            continue
+        try:
+            served[url] = ",".join(sorted(str(model["id"]) for model in reply.json()["data"]))
+        except (ValueError, KeyError, TypeError):
+            raise InputError(f"{url} answered GET /v1/models with no list of models: is it a dsrun serve (or "
+                             f"another OpenAI-compatible) instance?") from None
+    if len(set(served.values())) > 1:
+        raise InputError("the instances serve different models (" + "; ".join(f"{url}: {name}" for url, name in
+                         served.items()) + "): give every --prefill and --decode instance one --served-model-name")
+
+
 class Router:
     """The instances, their loads as this router sees them, and the prefixes each P last served."""
 
@@ -103,6 +135,9 @@ class Router:
                                                   ["backend", "role", "outcome"], registry=self.registry)
         self.unrouted = prometheus_client.Counter("dsrun:router_unavailable", "Requests answered 503: no decode "
                                                   "instance answered", registry=self.registry)
+        self.fallbacks = prometheus_client.Counter("dsrun:router_prefill_fallbacks", "Requests a decode instance "
+                                                   "computed alone because no prefill instance answered",
+                                                   registry=self.registry)
 
     def candidates(self, backends: list[Backend], key: str | None = None) -> list[Backend]:
         """The order to try them in: the least loaded first; with a prefix key, the instance that last served it
@@ -124,12 +159,7 @@ class Router:
 
     async def route(self, request: Request, path: str) -> Response:
         """A chat or completion request: P's hand-over, then D's reply (or D alone: `scores_prompt`)."""
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = load_body(await request.body())  # a body no instance would take is refused here (400)
         if body.get("kv_transfer_params") is not None:
             raise APIError(400, "kv_transfer_params are the router's to set: send the request without them")
         headers = forwarded(request)
@@ -142,8 +172,8 @@ class Router:
         return await self.decode_reply(path, body, headers)
 
     async def prefill_params(self, path: str, body: dict, headers: dict) -> dict | Response | None:
-        """P's hand-over for the request -> its kv_transfer_params (with P's URL); P's own error response; or None
-        when no P answers (D then computes the prompt)."""
+        """P's hand-over for the request -> its kv_transfer_params (one per prompt for a batch: `{"prompts": ...}`);
+        P's own 4xx response; or None when no P answers (D then computes the prompt)."""
         key = prefix_key(body)
         sent = {**{k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")},
                 "max_tokens": 1, "min_tokens": 0, "stream": False, "n": 1,
@@ -151,25 +181,32 @@ class Router:
         for backend in self.candidates(self.prefill, key):
             backend.in_flight += 1
             try:
-                reply = await self.client.post(f"{backend.url}{path}", json=sent, headers=headers)
+                reply = await self.client.post(f"{backend.url}{path}", content=as_json(sent),
+                                               headers={**headers, "content-type": "application/json"})
             except httpx.TransportError:
                 self.requests.labels(backend.url, "prefill", "unreachable").inc()
                 continue
             finally:
                 backend.in_flight -= 1
+            if reply.status_code >= SERVER_ERROR:
+                self.requests.labels(backend.url, "prefill", "failed").inc()
+                continue
             if reply.status_code != 200:
                 self.requests.labels(backend.url, "prefill", "error").inc()
                 return Response(reply.content, reply.status_code, media_type="application/json")
             self.requests.labels(backend.url, "prefill", "ok").inc()
             self.remember(key, backend)
-            return {**reply.json()["kv_transfer_params"], "do_remote_prefill": True, "remote_url": backend.url}
+            return {**reply.json()["kv_transfer_params"], "do_remote_prefill": True}  # P signed it: passed whole
+        if self.prefill:
+            self.fallbacks.inc()
         return None
 
     async def decode_reply(self, path: str, body: dict, headers: dict) -> Response:
         """D's reply to the request, relayed as it comes; 503 when no D answers."""
         for backend in self.candidates(self.decode):
             backend.in_flight += 1
-            request = self.client.build_request("POST", f"{backend.url}{path}", json=body, headers=headers)
+            request = self.client.build_request("POST", f"{backend.url}{path}", content=as_json(body),
+                                                headers={**headers, "content-type": "application/json"})
             try:
                 reply = await self.client.send(request, stream=True)
             except httpx.TransportError:
@@ -186,6 +223,11 @@ class Router:
                                      media_type=reply.headers.get("content-type"), background=BackgroundTask(done))
         self.unrouted.inc()
         raise APIError(503, "no decode instance answered: every --decode URL refused the connection")
+
+
+def as_json(body: dict) -> bytes:
+    """A body as the instances read it: ASCII JSON (every character escaped past ASCII, as the client may have)."""
+    return json.dumps(body).encode()
 
 
 def forwarded(request: Request) -> dict:

@@ -134,6 +134,7 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
     front = Front(door, TextTokenizer.load(run.shards, run.model_config), run.family, model_name, run.vocab_size,
                   resolve_max_model_len(run.max_model_len, run.max_position_embeddings, run.cache_tokens), grammars)
     server, port, thread = _start_http(create_app(front, metrics.registry, api_key), host, port)
+    run = _with_release_url(run, host, port)
     if api_key is None and not _loopback(host):
         print(f"dsrun serve: WARNING: listening on {host} without --api-key: anyone who can reach the port can use "
               f"the model", file=sys.stderr, flush=True)
@@ -156,6 +157,31 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
         server.should_exit = True
         thread.join(timeout=SERVER_START_S)
     print("dsrun serve: stopped", flush=True)
+
+
+def _with_release_url(run: RunConfig, host: str, port: int) -> RunConfig:
+    """A P/D producer's own URL in its offers, where consumers end its leases (engine/kv_release.py): the address
+    it listens on, or, listening on every address, its kv_connector_extra_config host (the one its peers reach)."""
+    kv_transfer = run.scheduler.kv_transfer
+    if kv_transfer is None or not kv_transfer.producer:
+        return run
+    unspecified = _is_address(host) and ipaddress.ip_address(host).is_unspecified  # 0.0.0.0, ::
+    reachable = kv_transfer.host if unspecified else host
+    address = f"[{reachable}]" if ":" in reachable else reachable  # an IPv6 address in a URL
+    if unspecified and _loopback(reachable):
+        print(f"dsrun serve: WARNING: a P/D producer listening on {host} tells consumers to end its leases at "
+              f"http://{address}:{port}, its kv_connector_extra_config host: a consumer on another node cannot reach "
+              f"it (set host to this node's address)", file=sys.stderr, flush=True)
+    return replace(run, scheduler=replace(run.scheduler,
+                                          kv_transfer=replace(kv_transfer, release_url=f"http://{address}:{port}")))
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _loopback(host: str) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -46,6 +47,10 @@ from dsconv.family.eplb import Placement, balancedness, place
 from dsconv.family.expert_map import ModelKey, load_record
 from dsconv.kernels.moe import ExpertWeights
 from dsconv.runner.models.dist import Dist
+
+# Rebalances whose figures a balancer keeps (dsrun generate --json lists them): a server rebalancing every
+# step_interval steps for months must not grow; the count of all of them is kept apart (rebalances)
+HISTORY = 64
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,9 @@ class ExpertBalancer:
                                         device=device)
         self.steps = 0
         self.pending: list[tuple[int, tuple[int, ...]]] = []  # (layer index, new physical) still to move
-        self.history: list[Figures] = []  # every rebalance's figures
-
-    @property
-    def rebalances(self) -> int:
-        return len(self.history)
+        self.history: deque[Figures] = deque(maxlen=HISTORY)  # the last rebalances' figures
+        self.rebalances = 0  # in all
+        self.skipped = 0  # rebalances that fell due while an earlier one's moves were still pending, in all
 
     @property
     def figures(self) -> Figures | None:
@@ -202,10 +205,19 @@ class ExpertBalancer:
         self.window[at] = logical.to(torch.int32)
         self.window_slots[at] = physical.to(torch.int32)
         self.steps += 1
+        due = self.steps % self.config.step_interval == 0
         if self.pending:
             self._move_some()
-        elif self.steps % self.config.step_interval == 0:
+            if due:  # the window is summed again at the next due step, once every layer has moved
+                self.skipped += 1
+                self._log(f"eplb rebalance skipped after {self.steps} steps: the last one's moves were pending "
+                          f"({len(self.pending)} layers still to move)")
+        elif due:
             self._rebalance()
+
+    def _log(self, message: str) -> None:
+        if self.config.log_balancedness and self.dist.rank == 0:
+            print(f"dsrun: {message}", file=sys.stderr, flush=True)
 
     def _rebalance(self) -> None:
         """Every layer's new placement from the window's loads summed over the world; the changed ones queued."""
@@ -228,11 +240,10 @@ class ExpertBalancer:
                 self.pending.append((index, placement.physical))
         measured["all"], planned["all"] = overall(before), overall(after)
         self.history.append(Figures(self.steps, measured, planned, len(self.pending)))
-        if self.config.log_balancedness and self.dist.rank == 0:
-            print(f"dsrun: eplb rebalance {self.rebalances} after {self.steps} steps: balancedness "
-                  f"{measured['all']:.3f} measured over the last {min(self.steps, self.config.window_size)} steps, "
-                  f"{planned['all']:.3f} planned; {len(self.pending)} of {len(self.layers)} layers move",
-                  file=sys.stderr, flush=True)
+        self.rebalances += 1
+        self._log(f"eplb rebalance {self.rebalances} after {self.steps} steps: balancedness {measured['all']:.3f} "
+                  f"measured over the last {min(self.steps, self.config.window_size)} steps, {planned['all']:.3f} "
+                  f"planned; {len(self.pending)} of {len(self.layers)} layers move")
         if self.pending:
             self._move_some()
 

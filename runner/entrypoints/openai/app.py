@@ -27,7 +27,7 @@ from dsconv.runner.entrypoints.openai.protocol import (APIError, CompletionReque
                                                        ReleaseRequest, TokenizeRequest, check_token_id,
                                                        model_not_found, parse_body, parse_chat,
                                                        thinking_flag)
-from dsconv.runner.engine.core import RELEASE_PATH
+from dsconv.runner.engine.kv_release import RELEASE_PATH
 from dsconv.runner.engine.request import NotAccepting
 from dsconv.runner.entrypoints.openai.streaming import Front
 
@@ -50,7 +50,8 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
     async def health() -> Response:
         if not engine.is_ready():
             raise APIError(503, "the model is still loading")
-        return JSONResponse({})
+        disk = engine.offload_disk()  # KV offload's disk tier: "ok" or "disabled: why"; None without one
+        return JSONResponse({} if disk is None else {"kv_offload_disk": disk})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -86,8 +87,7 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
     @app.post(RELEASE_PATH)
     async def release_transfer(request: Request) -> Response:
         body = parse_body(await read_body(request), ReleaseRequest)
-        engine.door.release_transfer(body.transfer_id)
-        return JSONResponse({})
+        return JSONResponse({"held": engine.door.release_transfer(body.transfer_id)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

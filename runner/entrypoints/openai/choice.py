@@ -194,9 +194,12 @@ class Envelope:
 
     def handoff(self) -> dict:
         """A P/D producer's response: vLLM's top-level kv_transfer_params, which the router passes to the consumer
-        (engine/kv_transfer.py); nothing otherwise."""
-        params = next((c.kv_transfer_params for c in self.choices if c.kv_transfer_params is not None), None)
-        return {} if params is None else {"kv_transfer_params": params}
+        (engine/kv_transfer.py); for several prompts (one choice each: a producer runs n 1), {"prompts": [each
+        prompt's]} (kv_transfer.Offers); nothing otherwise."""
+        params = [c.kv_transfer_params for c in self.choices if c.kv_transfer_params is not None]
+        if not params:
+            return {}
+        return {"kv_transfer_params": params[0] if len(self.choices) == 1 else {"prompts": params}}
 
     def usage(self) -> dict:
         """As OpenAI counts: each prompt once however many samples it has, every sample's tokens; the prompt tokens

@@ -9,6 +9,7 @@ ignored (IGNORED_FIELDS); those asking for what this server cannot do (audio out
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,11 +18,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dsconv.errors import InputError
 from dsconv.family.dsml import Dialect
 from dsconv.family.text import check_tools
-from dsconv.runner.engine.kv_transfer import Export, Offer
+from dsconv.runner.engine.kv_transfer import Export, Offer, Offers
 from dsconv.runner.engine.grammar import GrammarSpec, json_spec, tool_call_spec
 from dsconv.runner.engine.request import SamplingParams
 
 SEED_LIMIT = 2**63  # seeds are int64, as in OpenAI's API
+TOKEN_ID_TEXT = re.compile(rf"-?[0-9]{{1,{len(str(2**63))}}}")  # a logit_bias key: an int64 as text
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat defaults to what the context leaves)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default; SamplingParams' own default (greedy) is for dsrun generate
 THINKING_KEYS = ("thinking", "enable_thinking")  # DeepSeek-V3.1's template reads the first, Qwen's the second
@@ -31,6 +33,14 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: -100 (ban) to
 # OpenAI parameters that do not apply to a self-hosted server: accepted and ignored (docs/serve.md lists them)
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
                   "safety_identifier", "user", "prediction", "verbosity")
+
+# The deepest nesting a body may have: a tool's JSON schema is the deepest part of a real request, and schemas
+# nest a few levels per object; past this it is an attack on the parsers' recursion (json, pydantic, xgrammar)
+MAX_JSON_DEPTH = 64
+SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads makes of an unpaired \\uD800 to \\uDFFF escape
+# fields that name things (the model, a role, a message's author, a tool, a salt): NUL is refused there
+NUL_FREE = ("model", "role", "name", "cache_salt", "user", "type")
+CONTAINERS = (str, dict, list)  # what check_text looks into
 
 # The error `type` OpenAI's API writes for a status (its SDKs pick the exception class by status); any other 4xx is
 # an invalid request, any 5xx a server error
@@ -160,21 +170,78 @@ Body = TypeVar("Body", bound=_Body)
 
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    data = load_body(raw)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         fields = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
         raise APIError(400, describe(exc), param=fields.pop() if len(fields) == 1 else None) from None
+
+
+def load_body(raw: bytes) -> dict:
+    """A body as JSON text holding an object whose every string is Unicode text (check_text), else a 400."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's decoder recurses once per level: past Python's stack, far past MAX_JSON_DEPTH
+        raise APIError(400, "the request body nests too deeply to parse") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    check_text(data)
+    return data
+
+
+def _no_constant(name: str):
+    """Python's json reads NaN, Infinity and -Infinity, which JSON (RFC 8259) has no place for."""
+    raise APIError(400, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def check_text(data: dict) -> None:
+    """Every string of a parsed body (object keys too) as Unicode text the engine can hold, else a 400 naming the
+    field: JSON's \\u escapes can spell a lone surrogate (U+D800-U+DFFF), which no UTF-8 encoder (the tokenizer,
+    the prefix cache's hashes) accepts; NUL is refused in the fields that name things (NUL_FREE), where no name
+    holds it and C libraries would cut the name there; nesting is bounded (MAX_JSON_DEPTH). Iterative, so a deep
+    body cannot exhaust the stack here."""
+    for key in data:
+        _check_string("a field's name", key, None)
+    stack: list[tuple[str, object, int]] = [(key, value, 1) for key, value in data.items()]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{path} nests deeper than {MAX_JSON_DEPTH} levels", _field(path))
+        if isinstance(value, str):
+            _check_string(path, value, _field(path))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(f"{path} key", key, _field(path))
+                if isinstance(item, CONTAINERS):
+                    stack.append((f"{path}.{key}", item, depth + 1))
+        elif isinstance(value, list):  # a prompt of token ids is a long list of ints: no path made for those
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, CONTAINERS))
+
+
+def _check_string(path: str, text: str, param: str | None) -> None:
+    surrogate = SURROGATE.search(text)
+    if surrogate is not None:
+        raise APIError(400, f"{path} holds a lone surrogate (U+{ord(surrogate.group()):04X} at character "
+                            f"{surrogate.start()}): not Unicode text", param)
+    if "\0" in text and _leaf(path) in NUL_FREE:
+        raise APIError(400, f"{path} holds a NUL character, which a name cannot hold", param)
+
+
+def _field(path: str) -> str:
+    """The top-level request field a path is in (OpenAI's `param`)."""
+    return re.split(r"[.\[ ]", path, maxsplit=1)[0]
+
+
+def _leaf(path: str) -> str:
+    return re.split(r"[.\]]", path.removesuffix(" key"))[-1]
 
 
 def describe(exc: ValidationError) -> str:
@@ -230,7 +297,8 @@ def logit_bias(body: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...
     text), values in [-100, 100]."""
     pairs = []
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isascii() or not key.lstrip("-").isdigit():
+        # int() refuses texts of over 4,300 digits with a ValueError: an id is an int64, at most 19 digits
+        if not TOKEN_ID_TEXT.fullmatch(key):
             raise APIError(400, f"logit_bias keys are token ids, got {key!r}", "logit_bias")
         check_token_id(int(key), vocab_size, "logit_bias")
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
@@ -280,7 +348,7 @@ def sampling_fields(body: _Sampling, logprobs: int | None, vocab_size: int, prom
     )
 
 
-def handoff(body: _Sampling) -> Export | Offer | None:
+def handoff(body: _Sampling) -> Export | Offer | Offers | None:
     """kv_transfer_params -> what the engine does with the request's cache (InputError when malformed)."""
     raw = body.kv_transfer_params
     if not raw:
@@ -291,7 +359,7 @@ def handoff(body: _Sampling) -> Export | Offer | None:
                              "it cannot be streamed (stream false)")
         return Export()
     if raw.get("do_remote_prefill"):
-        return Offer.from_params(raw)
+        return Offers.from_params(raw) if "prompts" in raw else Offer.from_params(raw)
     raise InputError("kv_transfer_params must hold do_remote_decode (to a producer) or do_remote_prefill with the "
                      "producer's params (to a consumer)")
 

@@ -8,6 +8,7 @@ in `finally`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import weakref
@@ -18,7 +19,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsconv.runner.entrypoints.openai.choice import Choice, EngineError
+from dsconv.errors import InputError
 from dsconv.family.text import TextTokenizer
+from dsconv.runner.engine.kv_transfer import Offers
 from dsconv.runner.engine.request import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +58,9 @@ class Front:
 
     def accepting(self) -> bool:
         return self.door.accepting()
+
+    def offload_disk(self) -> str | None:
+        return self.door.offload_disk()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                dp_rank: int | None = None) -> str:
@@ -180,6 +186,16 @@ async def updates(requests: RequestGroup, choices: list[Choice]) -> AsyncIterato
         yield choice
 
 
+def prompt_params(params: SamplingParams, k: int, prompts: int) -> SamplingParams:
+    """Prompt k's params: for a P/D consumer's batch, its own producer's offer (kv_transfer.Offers)."""
+    if not isinstance(params.kv_transfer, Offers):
+        return params
+    if len(params.kv_transfer.each) != prompts:
+        raise InputError(f"kv_transfer_params holds {len(params.kv_transfer.each)} offers for {prompts} prompts: "
+                         f"one per prompt")
+    return dataclasses.replace(params, kv_transfer=params.kv_transfer.each[k])
+
+
 async def answer(requests: RequestGroup, response, choices: list[Choice], stream: bool,
                  params: SamplingParams) -> Response:
     """Submits each prompt once for its params.n choices (in order, sample 0 first), then returns the SSE stream
@@ -187,8 +203,9 @@ async def answer(requests: RequestGroup, response, choices: list[Choice], stream
     `chunks`, `response`). The requests are closed on every path out: by the stream when it ends, else here."""
     made = None
     try:
-        for first in choices[::params.n]:
-            request_id = requests.submit(first.index, first.prompt_ids, params)
+        firsts = choices[::params.n]
+        for k, first in enumerate(firsts):
+            request_id = requests.submit(first.index, first.prompt_ids, prompt_params(params, k, len(firsts)))
             for choice in choices[first.index:first.index + params.n]:
                 choice.request_id = request_id
         if stream:
