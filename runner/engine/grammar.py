@@ -56,6 +56,9 @@ class Grammars:
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # rank 0 compiles for the HTTP front end (a 400 for a bad schema) and the engine
         self._matchers: dict[int, tuple[object, int]] = {}  # seq_id -> (matcher, tokens it has accepted)
+        # seq_id -> why its grammar failed (a matcher that raised): its rows are left unmasked and its result says so,
+        # and the scheduler fails that request alone; every rank meets the same failure (the same matchers, tokens)
+        self.failed: dict[int, str] = {}
 
     def _xgr(self):
         import xgrammar
@@ -115,25 +118,17 @@ class Grammars:
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         masked, done = [], []
         for i, (row, seq_id, spec, output, after) in enumerate(rows):
-            matcher = self._matcher(seq_id, spec, output)
-            taken, follows = 0, True  # tokens the matcher took (to roll back); whether all of `after` fits
-            for token in after:
-                if matcher.is_terminated():  # done: only end-of-sentence again (ignore_eos), which it does not take
-                    follows = token == self.eos_token_id
-                elif matcher.accept_token(token):
-                    taken += 1
-                else:
-                    follows = False
-                if not follows:
-                    break
-            if follows:
+            if seq_id in self.failed:
+                continue
+            try:
+                complete = self._mask(i, seq_id, spec, output, after, bitmask)
+            except Exception as exc:  # noqa: BLE001  (one sequence's grammar fails that request alone)
+                self._fail(seq_id, exc)
+                continue
+            if complete is not None:  # the row is masked (and, complete, held to end-of-sentence below)
                 masked.append(i)
-                if matcher.is_terminated():
+                if complete:
                     done.append(row)
-                else:
-                    matcher.fill_next_token_bitmask(bitmask, i)
-            if taken:
-                matcher.rollback(taken)
         picked_rows = [rows[i][0] for i in masked]
         if picked_rows:
             picked = logits[picked_rows]
@@ -144,14 +139,48 @@ class Grammars:
             logits[row] = float("-inf")
             logits[row, self.eos_token_id] = eos
 
+    def _mask(self, i: int, seq_id: int, spec: GrammarSpec, output: tuple[int, ...], after: tuple[int, ...],
+              bitmask) -> bool | None:
+        """Row i of the bitmask filled as the sequence's grammar stands after `output` and `after` -> None when
+        `after` leaves the grammar (the row is left as it is), True when the grammar is complete there (only
+        end-of-sentence may follow), False when the bitmask row holds what may follow."""
+        matcher = self._matcher(seq_id, spec, output)
+        taken, follows = 0, True  # tokens the matcher took (to roll back); whether all of `after` fits
+        for token in after:
+            if matcher.is_terminated():  # done: only end-of-sentence again (ignore_eos), which it does not take
+                follows = token == self.eos_token_id
+            elif matcher.accept_token(token):
+                taken += 1
+            else:
+                follows = False
+            if not follows:
+                break
+        complete = matcher.is_terminated()
+        if follows and not complete:
+            matcher.fill_next_token_bitmask(bitmask, i)
+        if taken:
+            matcher.rollback(taken)
+        return complete if follows else None
+
     def accept(self, seq_id: int, token: int) -> None:
-        matcher, count = self._matchers[seq_id]
-        if not matcher.is_terminated() and not matcher.accept_token(token):
-            raise RuntimeError(f"sequence {seq_id}: token {token} is outside the grammar that masked it")
+        if seq_id in self.failed:
+            return
+        try:
+            matcher, count = self._matchers[seq_id]
+            if not matcher.is_terminated() and not matcher.accept_token(token):
+                raise RuntimeError(f"sequence {seq_id}: token {token} is outside the grammar that masked it")
+        except Exception as exc:  # noqa: BLE001  (one sequence's grammar fails that request alone)
+            self._fail(seq_id, exc)
+            return
         self._matchers[seq_id] = (matcher, count + 1)
+
+    def _fail(self, seq_id: int, exc: Exception) -> None:
+        self.failed[seq_id] = f"its grammar failed: {type(exc).__name__}: {exc}"
+        self._matchers.pop(seq_id, None)
 
     def release(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
+        self.failed.pop(seq_id, None)
 
     def _matcher(self, seq_id: int, spec: GrammarSpec, output: tuple[int, ...]):
         known = self._matchers.get(seq_id)

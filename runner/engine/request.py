@@ -93,6 +93,7 @@ class SeqResult:
     # last, which is the target's own), and the drafts the MTP layer proposes for the next step
     extra: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
+    error: str | None = None  # this sequence failed alone on the ranks (its grammar): the scheduler fails its request
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
@@ -104,7 +105,7 @@ def failure_text(stage: str, exc: Exception) -> str:
 
 
 # where in the engine a request can fail alone (dsrun:request_failures_total's `stage`), and how its error says it
-FAILURE_STAGES = {"add": "admitted", "update": "taking its step's results"}
+FAILURE_STAGES = {"add": "admitted", "sample": "sampled", "update": "taking its step's results"}
 
 
 class NotAccepting(RuntimeError):

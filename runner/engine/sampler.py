@@ -132,7 +132,10 @@ def step_results(batch: Batch, logits: torch.Tensor, grammars: Grammars | None =
     asked += [(row, token, spec.logprobs) for row, token, spec in zip(drawn_rows[len(specs):], tokens[len(specs):],
                                                                       all_specs[len(specs):])
               if spec.logprobs is not None]
-    return _results(batch, specs, logits, rows, asked, emitted, tokens[len(specs):])
+    results = _results(batch, specs, logits, rows, asked, emitted, tokens[len(specs):])
+    for seq_id, result in zip(batch.seq_ids, results) if grammars is not None and grammars.failed else ():
+        result.error = grammars.failed.get(seq_id)
+    return results
 
 
 def _results(batch: Batch, specs: list[SampleSpec], logits: torch.Tensor, rows: _Rows,

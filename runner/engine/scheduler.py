@@ -616,10 +616,12 @@ class Scheduler:
     def _take_alone(self, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
         """_take, where an error of this one request fails it alone (its blocks freed); an error in freeing them is
         the pool's, and stops the engine."""
+        request = self.by_seq.get(seq_id)
+        if result.error is not None and request is not None:  # failed on the ranks (its grammar)
+            return self.fail(request, "sample", RuntimeError(result.error))
         try:
             return self._take(seq_id, result, now)
         except Exception as exc:  # noqa: BLE001  (a request can fail; the engine cannot)
-            request = self.by_seq.get(seq_id)
             if request is None:
                 raise
             return self.fail(request, "update", exc)
