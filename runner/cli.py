@@ -271,10 +271,8 @@ def serve(
         help='Prefill/decode disaggregation, vLLM\'s JSON: {"kv_connector": "MooncakeConnector", "kv_role": '
              '"kv_producer" | "kv_consumer", "kv_connector_extra_config": {"host": ADDRESS, "lease_s": 30, '
              '"transfer_timeout_s": 30, "kv_load_failure_policy": "fail" | "recompute", "auth_key_file": PATH}}. A '
-             'producer prefills and hands the prompt\'s KV cache over, signed with the key both are given '
-             '(auth_key_file, auth_key_env or auth_key; required); a consumer reads it (Mooncake transfer engine) '
-             'and decodes. '
-             '`dsrun router` sends requests to both (docs/pd.md).')] = None,
+             'producer prefills and hands the KV cache over, signed with the key both are given (required); a '
+             'consumer reads it (Mooncake) and decodes. `dsrun router` sends requests to both (docs/pd.md).')] = None,
     kv_offloading_size: Annotated[Optional[float], typer.Option(
         help="KV cache offload (vLLM's flag): GiB of host memory, over every rank, that keeps the prefix cache's "
              "blocks the KV cache gives up; a later request finds them there and copies them back instead of "

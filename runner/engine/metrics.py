@@ -40,10 +40,7 @@ class ServeMetrics:
                                    per_rank, registry=registry)
         self.zero_token_steps = Counter("dsrun:zero_token_steps", "Steps a DP rank ran with no tokens while another "
                                         "rank had work (it still joins the MoE exchanges)", per_rank, registry=registry)
-        self.steps = Counter("dsrun:engine_steps", "Engine steps run", per_model, registry=registry)
-        # a request the engine or the front end failed alone (request.FAILURE_STAGES); the loop went on
-        self.request_failures = Counter("dsrun:request_failures", "Requests failed by an error of their own, by "
-                                        "stage (the server went on)", per_model + ["stage"], registry=registry)
+        self._engine_metrics(per_model)
         self.cp_prefills = Counter("dsrun:context_parallel_prefills", "Prompts prefilled by a context-parallel "
                                    "group (--prefill-context-parallel-size)", per_model, registry=registry)
         self.prefix_queries = Counter("dsrun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -103,6 +100,12 @@ class ServeMetrics:
                                           registry=registry)
         self.kv_transfer_seconds = Histogram("dsrun:kv_transfer_seconds", "One rank's read of one hand-over",
                                              per_model, buckets=LATENCY_BUCKETS, registry=registry)
+
+    def _engine_metrics(self, per_model: list[str]) -> None:
+        """The loop's steps, and the requests it failed alone (request.FAILURE_STAGES) while it went on."""
+        self.steps = Counter("dsrun:engine_steps", "Engine steps run", per_model, registry=self.registry)
+        self.request_failures = Counter("dsrun:request_failures", "Requests failed by an error of their own, by "
+                                        "stage (the server went on)", per_model + ["stage"], registry=self.registry)
 
     def _eplb_metrics(self, per_model: list[str]) -> None:
         """EPLB (runner/models/eplb.py): each rebalance's balancedness, per layer (label `layer`, "all" overall),
