@@ -1,9 +1,12 @@
 import json
+import os
 import shutil
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `tests` is a folder of the repo, not an installed package
@@ -100,3 +103,34 @@ def pypto_deferred_checks():
 
     with deferred_checks():
         yield
+
+
+# Where a run's time went, per test module (setup, call and teardown summed; a module-scoped server's start charged
+# to the test that first asked for it), printed after pytest's own slowest-15 report (`--durations=15` in
+# pyproject.toml): what each change adds to the suite shows at the end of every run. Modules under this share of the
+# run's test time are left out of the table.
+MODULE_SHARE_SHOWN = 0.01
+# The AVX2 stand-in's settings (docs/testing.md, "The AVX2 stand-in"): named in the summary when a run has them
+STAND_IN = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+_module_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own report of the slowest tests
+def pytest_terminal_summary(terminalreporter):
+    total = sum(_module_seconds.values())
+    if total <= 0:
+        return
+    shown = sorted(((s, m) for m, s in _module_seconds.items() if s >= MODULE_SHARE_SHOWN * total), reverse=True)
+    terminalreporter.write_sep("=", f"seconds per test module, those over {MODULE_SHARE_SHOWN:.0%} of {total:.0f} s")
+    for seconds, module in shown:
+        terminalreporter.write_line(f"{seconds:9.1f} s {seconds / total:6.1%}  {module}")
+    # every figure goes with its CPU: the model and flags, and what the AVX2 stand-in (docs/testing.md) would cap
+    from tests.trained import cpu_description  # (the trained models' module, imported once the run is over)
+
+    caps = " ".join(f"{name}={os.environ[name]}" for name in STAND_IN if name in os.environ)
+    terminalreporter.write_line(f"on {cpu_description()}; ATen's kernels {torch.backends.cpu.get_cpu_capability()}"
+                                f"{'; ' + caps if caps else ''}")

@@ -131,9 +131,19 @@ def test_repetition_penalty_equals_transformers_generate(case, reference):
     assert got == want and want != [expected_tokens(reference(family), p) for p in ps[:2]]
 
 
-def test_staggered_requests_each_give_their_tokens_alone(case):
-    _, _, server, ps = case
-    alone = [complete(server, p)[0] for p in ps]
+def world_1_twin(servers, case_name: str) -> Server:
+    """The family's world-1 server, for a world-16 test's requests served alone: sharded results equal unsharded ones
+    in float32 (tests/test_runner_dist.py holds every layout to it, and test_greedy_completions_equal_transformers_
+    generate both worlds to transformers), so the reference costs world 1's steps, a fraction of 16 ranks' on 2
+    cores, and the world-16 server serves only the requests under test."""
+    twin = servers(case_name.replace("-w16", "-w1"))
+    twin.model = twin.openai().models.list().data[0].id
+    return twin
+
+
+def test_staggered_requests_each_give_their_tokens_alone(case, servers):
+    name, _, server, ps = case
+    alone = [complete(world_1_twin(servers, name), p)[0] for p in ps]
     got: dict[int, list[int]] = {}
 
     def run(i):
@@ -184,21 +194,29 @@ def test_echo_prompt_logprobs_equal_transformers(case, reference):
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "extra_body": {"top_k": 40}}
 
 
-def test_seeded_sampling_repeats_whatever_shares_the_batch(case):
-    _, _, server, ps = case
-    first = complete(server, ps[1], max_tokens=12, **SAMPLED)
-    others = [threading.Thread(target=complete, args=(server, p), kwargs={"max_tokens": 20}) for p in ps[3:]]
-    for thread in others:
+def test_seeded_sampling_repeats_whatever_shares_the_batch(case, servers):
+    """A seeded request alone, then again while other requests share the steps: the same tokens; another seed other
+    tokens; n samples of one prefill draw as requests with seed + j. The requests served alone run on the family's
+    world-1 server (world_1_twin); the server under test serves the rest side by side, each beside the others."""
+    name, _, server, ps = case
+    alone = world_1_twin(servers, name)
+    first = complete(alone, ps[1], max_tokens=12, **SAMPLED)
+    singles = [complete(alone, ps[1], max_tokens=12, **{**SAMPLED, "seed": 1234 + j})[0] for j in (1, 2)]
+    runs = {"again": (ps[1], 12, SAMPLED), "other seed": (ps[1], 12, {**SAMPLED, "seed": 4321}),
+            "samples": (ps[1], 12, {**SAMPLED, "n": 3}), **{i: (p, 20, {}) for i, p in enumerate(ps[3:])}}
+    got = {}
+
+    def run(key):
+        prompt, max_tokens, extra = runs[key]
+        got[key] = complete(server, prompt, max_tokens=max_tokens, **extra)
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in runs]
+    for thread in threads:
         thread.start()
-    again = complete(server, ps[1], max_tokens=12, **SAMPLED)
-    for thread in others:
+    for thread in threads:
         thread.join()
-    other_seed = complete(server, ps[1], max_tokens=12, **{**SAMPLED, "seed": 4321})
-    assert again == first and other_seed != first
-    # n samples of one prefill: sample j draws as a request with seed + j would, in one response
-    samples = complete(server, ps[1], max_tokens=12, n=3, **SAMPLED)
-    assert samples == first + [complete(server, ps[1], max_tokens=12, **{**SAMPLED, "seed": 1234 + j})[0]
-                               for j in (1, 2)]
+    assert got["again"] == first and got["other seed"] != first
+    assert got["samples"] == first + singles  # sample j draws as a request with seed + j would, in one response
 
 
 @pytest.mark.parametrize("case_name", ["v32-w1", "v4-w1"])
