@@ -143,7 +143,8 @@ def world_1_twin(servers, case_name: str) -> Server:
 
 def test_staggered_requests_each_give_their_tokens_alone(case, servers):
     name, _, server, ps = case
-    alone = [complete(world_1_twin(servers, name), p)[0] for p in ps]
+    twin = world_1_twin(servers, name)
+    alone = [complete(twin, p)[0] for p in ps]
     got: dict[int, list[int]] = {}
 
     def run(i):
