@@ -118,7 +118,7 @@ def build(work: Path, family: str, hidden: int, inter: int) -> Path:
     return quantized
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="deepseek_v32", choices=sorted(EXPERTS))
     parser.add_argument("--rounds", type=int, default=3)
@@ -128,7 +128,25 @@ def main() -> None:
     parser.add_argument("--redundant", type=int, default=16)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _print(figures: dict, args: argparse.Namespace) -> None:
+    print(f"{args.family} at world {WORLD}, hidden {args.hidden}, expert intermediate {args.moe_intermediate}, "
+          f"{EXPERTS[args.family]} experts (+{args.redundant} redundant with EPLB), 16 prompts, "
+          f"{args.new_tokens} new tokens, fastest of {args.rounds} rounds:")
+    print(f"  balancedness without EPLB {figures['balancedness_without']:.3f}, with "
+          f"{figures['balancedness_with']:.3f}")
+    for phase, step in (("prefill", f"the prefill step ({WORLD} x {PROMPT_TOKENS} rows)"),
+                        ("decode", "a decode step (16 rows)")):
+        for what, label in ((phase, "MoE wall ms, mean over ranks"),
+                            (f"experts_cpu_{phase}", "experts' CPU ms on the busiest rank")):
+            print(f"  {label}, {step}: without {figures[f'ms_{what}_without']:.1f}, with "
+                  f"{figures[f'ms_{what}_with']:.1f}; ratio {figures[f'ratio_{what}']:.2f}x")
+
+
+def main() -> None:
+    args = _arguments()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-eplb-"))
     info = machine(WORLD)
     print_machine(info, WORLD)
@@ -170,17 +188,7 @@ def main() -> None:
                **{f"ms_{what}_{side}": seconds * 1e3 for (side, what), seconds in timings.items()},
                **{f"ratio_{what}": timings["without", what] / timings["with", what]
                   for what in (*phases, *(f"experts_cpu_{phase}" for phase in phases))}}
-    print(f"{args.family} at world {WORLD}, hidden {args.hidden}, expert intermediate {args.moe_intermediate}, "
-          f"{EXPERTS[args.family]} experts (+{args.redundant} redundant with EPLB), 16 prompts, "
-          f"{args.new_tokens} new tokens, fastest of {args.rounds} rounds:")
-    print(f"  balancedness without EPLB {figures['balancedness_without']:.3f}, with "
-          f"{figures['balancedness_with']:.3f}")
-    for phase, step in (("prefill", f"the prefill step ({WORLD} x {PROMPT_TOKENS} rows)"),
-                        ("decode", "a decode step (16 rows)")):
-        for what, label in ((phase, "MoE wall ms, mean over ranks"),
-                            (f"experts_cpu_{phase}", "experts' CPU ms on the busiest rank")):
-            print(f"  {label}, {step}: without {figures[f'ms_{what}_without']:.1f}, with "
-                  f"{figures[f'ms_{what}_with']:.1f}; ratio {figures[f'ratio_{what}']:.2f}x")
+    _print(figures, args)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
 

@@ -149,6 +149,19 @@ def _norm_call(hidden: int, eps: float):
     return call
 
 
+def _v3_gate_call(c: dict):
+    """V3 / V3.2's MoE gate on one token, as the model calls it."""
+    def call():
+        import torch
+
+        from dsconv.kernels.pypto.moe_gate import v3_gate
+
+        v3_gate(_rand(1, c["hidden_size"], dtype=torch.bfloat16), _rand(c["n_routed_experts"], c["hidden_size"]) * 0.02,
+                torch.zeros(c["n_routed_experts"]), c["n_group"], c["topk_group"], c["num_experts_per_tok"],
+                c["norm_topk_prob"], c["routed_scaling_factor"])
+    return call
+
+
 def v32_cases(args) -> list[Case]:
     """V3.2's decode-step kernels, as runner/models/deepseek_v3.py calls them under --kernels pypto."""
     c = config("V3.2")
@@ -157,15 +170,6 @@ def v32_cases(args) -> list[Case]:
     local, inter, topk = c["n_routed_experts"] // EP, c["moe_intermediate_size"], c["num_experts_per_tok"]
     int8 = args.kv_cache == "int8"
     idx_heads, idx_dim, keys_n = c["index_n_heads"], c["index_head_dim"], min(c["index_topk"], args.context)
-
-    def gate():
-        import torch
-
-        from dsconv.kernels.pypto.moe_gate import v3_gate
-
-        v3_gate(_rand(1, hidden, dtype=torch.bfloat16), _rand(c["n_routed_experts"], hidden) * 0.02,
-                torch.zeros(c["n_routed_experts"]), c["n_group"], c["topk_group"], topk, c["norm_topk_prob"],
-                c["routed_scaling_factor"])
 
     def indexer():
         import torch
@@ -206,7 +210,7 @@ def v32_cases(args) -> list[Case]:
              unread=() if int8 else (2, 3), rows_read={1: keys_n, 2: keys_n, 3: keys_n}),
         Case("v32.gate", "V3.2", "v3_gate", f"1 x {hidden}, {c['n_routed_experts']} experts, {c['n_group']} groups "
              f"(keep {c['topk_group']}), top-{topk}", moe, f"MoE layers ({layers} - {c['first_k_dense_replace']} "
-             "dense)", gate),
+             "dense)", _v3_gate_call(c)),
         Case("v32.experts", "V3.2", "grouped_w8a8_mlp", f"{local} experts {hidden} x {inter} W8A8, "
              f"{rows_text(args.expert_tokens, topk, local)}", moe,
              "MoE layers", _expert_call(args.expert_tokens, topk, local, hidden, inter, None), unread=(1,)),

@@ -87,13 +87,23 @@ def shard(
         experts = ExpertRequest(num_redundant_experts, expert_load, expert_placement, num_nodes)
         plan = make_shard_plan(src, layout, parse_size(max_file_size), experts)
         if dry_run:
-            console.print(rank_table(plan))
-            console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
-                          f"directories; {layout_line(layout, plan.experts)}; groups {layout.to_json()['groups']}",
-                          highlight=False)
+            _planned(plan, layout)
             return
         with byte_progress("shard", plan.nbytes) as update:
             result = run_shard(plan, out, n_workers, update)
+    _wrote(plan, result, out, layout)
+
+
+def _planned(plan, layout: Layout) -> None:
+    """--dry-run's report: per-rank bytes, the files and directories, the layout."""
+    console.print(rank_table(plan))
+    console.print(f"{len(plan.files)} files in {len({f.part.name.split('/')[0] for f in plan.files})} "
+                  f"directories; {layout_line(layout, plan.experts)}; groups {layout.to_json()['groups']}",
+                  highlight=False)
+
+
+def _wrote(plan, result, out: Path, layout: Layout) -> None:
+    """A shard run's report: per-rank bytes, then what was written, how fast."""
     console.print(rank_table(plan))
     kept = f", {result.resumed_files} kept from an earlier run" if result.resumed_files else ""
     console.print(f"wrote {len(plan.files)} files ({result.bytes_out / 1e9:.3f} GB{kept}) and manifest.json to "

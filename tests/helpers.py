@@ -218,7 +218,7 @@ def greedy(model, cache, prompts: list[list[int]], max_new_tokens: int, eos_id: 
         door.submit(prompt, SamplingParams(max_tokens=max_new_tokens),
                     lambda out, index=index: outputs[index].extend(out.new_token_ids))
     engine.run(door, until_idle=True)
-    for seq_id in engine.scheduler.releases[0]:  # freed by the scheduler, to free on the rank with a next step
+    for seq_id in engine.scheduler.ranks[0].releases:  # freed by the scheduler, to free on the rank with a next step
         cache.release(seq_id)
     return outputs
 

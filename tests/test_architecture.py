@@ -3,6 +3,8 @@ dsconv.family imports no stage, nothing below the runner imports it, and the run
 engine > models."""
 
 import ast
+import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -97,3 +99,68 @@ def test_no_deferred_import_breaks_a_cycle():
     cycles = [f"{modules[name].relative_to(ROOT)}:{line} imports {target} late, which imports {name} as it loads"
               for name, late in deferred.items() for line, target in late if reaches(target, name)]
     assert not cycles, "\n".join(cycles)
+
+
+ENGINE = ROOT / "runner" / "engine"
+CONNECTOR_WORDS = re.compile(r"(^|_)(offload\w*|transfer\w*|leases?|lease_\w*|handoffs?)(_|$)", re.IGNORECASE)
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """Every name a module's code uses or defines: names, attributes, functions, classes, arguments, keywords."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[-1])
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+    return names
+
+
+def test_the_scheduler_worker_and_loop_know_only_the_connector_seam():
+    """Issue 73: P/D and KV offload are connectors (runner/engine/kv_connector/); scheduler.py, worker.py and core.py
+    name no offload, transfer, lease or hand-over type or field (pyproject's contract keeps their modules out)."""
+    words = "offload, transfer, lease, handoff"
+    assert CONNECTOR_WORDS.search("kv_offload") and not CONNECTOR_WORDS.search("releases"), words
+    for module in ("scheduler.py", "worker.py", "core.py"):
+        named = sorted(n for n in _identifiers(ast.parse((ENGINE / module).read_text())) if CONNECTOR_WORDS.search(n))
+        assert not named, f"{module} names {named}"
+
+
+def test_the_scheduler_is_small_and_no_engine_class_is_large():
+    """Issue 73: scheduler.py at most 450 lines, no class of runner/engine over 300."""
+    assert len((ENGINE / "scheduler.py").read_text().splitlines()) <= 450
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno + 1 <= 300, f"{path.name}: {node.name}"
+
+
+def test_every_engine_flag_is_declared_once():
+    """Issue 73: the engine's flags are EngineOptions' fields (runner/entrypoints/options.py) and nowhere else: no
+    dsrun command that runs the engine declares one as a parameter of its own, no command's options dataclass as a
+    field (`dsrun router`, which runs no engine, has options of its own)."""
+    from dsconv.runner.entrypoints.options import EngineOptions
+
+    flags = {field.name for field in dataclasses.fields(EngineOptions)}
+    assert "enable_eplb" in flags and len(flags) > 20
+    cli = ast.parse((ROOT / "runner" / "cli.py").read_text())
+    for node in ast.walk(cli):
+        engine_command = any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "engine_command"
+                             for d in getattr(node, "decorator_list", ()))
+        if isinstance(node, ast.FunctionDef) and engine_command:  # a command that runs the engine
+            own = {arg.arg for arg in node.args.args + node.args.kwonlyargs}
+            assert not own & flags, f"dsrun {node.name} declares {sorted(own & flags)} itself"
+    for path in (ROOT / "runner" / "entrypoints").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Options") and \
+                    node.name not in ("EngineOptions", "RouterOptions"):
+                fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+                assert not fields & flags, f"{path.name}: {node.name} declares {sorted(fields & flags)}"

@@ -9,6 +9,7 @@ failing filesystem, files on some ranks only; a graceful stop writes the host ti
 
 import errno
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,8 @@ from dsconv.errors import InputError
 from dsconv.family.layout import Layout
 from dsconv.runner.engine.block_pool import block_hashes
 from dsconv.runner.engine.core import EngineClient
+from dsconv.runner.engine.kv_connector import factory
+from dsconv.runner.engine.kv_connector.offload import OffloadConnector
 from dsconv.runner.engine.kv_offload import (BLOCK, DROP, FETCH, SAVE, SPILL, STATE, HostTier, OffloadConfig,
                                              OffloadCounts, Offloader, OffloadOps, OffloadReport, TierShape)
 from dsconv.runner.engine.offload_store import (DIRECTORY_META, LENGTH_BYTES, MAGIC, TEMPORARY, OffloadStore, agree,
@@ -143,8 +146,8 @@ def test_the_first_filesystem_error_stops_the_spills_once_and_says_why(capsys):
     from dsconv.runner.entrypoints.openai.app import create_app
 
     shape = TierShape({BLOCK: 1, STATE: 0}, {BLOCK: 4, STATE: 0}, {BLOCK: 8, STATE: 0})
-    counts = OffloadCounts()
-    offloader = Offloader(shape, {BLOCK: [b"on disk"], STATE: []}, counts)
+    connector = OffloadConnector(OffloadConfig(1), shape, [({BLOCK: [b"on disk"], STATE: []}, {})], 1)
+    offloader, counts = connector.offloaders[0], connector.counts
     offloader.reported(OffloadReport(0, 3, failed_spills=[(BLOCK, b"on disk", "quota")],
                                      disk_errors=[("EDQUOT", "writing x: quota exceeded")]))
     offloader.reported(OffloadReport(0, 4, disk_errors=[("EDQUOT", "writing y: quota exceeded")]))
@@ -155,11 +158,11 @@ def test_the_first_filesystem_error_stops_the_spills_once_and_says_why(capsys):
     offloader.evicted(BLOCK, 1, b"b")  # a falls out of the host tier: not written
     assert offloader.take_ops().ops == ((SAVE, BLOCK, 0, 0), (SAVE, BLOCK, 1, 0))
     metrics = ServeMetrics("m", 1)
-    metrics.record_offload(SimpleNamespace(offloaders=[offloader], offload_counts=counts))
+    metrics.record_offload(connector)
     value = metrics.registry.get_sample_value
     assert value("dsrun:kv_offload_disk_errors_total", {"model_name": "m", "errno": "EDQUOT"}) == 2
     assert value("dsrun:kv_offload_disk_stopped", {"model_name": "m"}) == 1
-    front = SimpleNamespace(is_ready=lambda: True, offload_disk=lambda: f"disabled: {counts.disk_stopped}")
+    front = SimpleNamespace(is_ready=lambda: True, connector_health=connector.health)
     health = TestClient(create_app(front, prometheus_client.CollectorRegistry())).get("/health")
     assert health.json() == {"kv_offload_disk": "disabled: EDQUOT on rank 3: writing x: quota exceeded"}
 
@@ -216,11 +219,12 @@ def offload_engine(model, new_cache, kv_cache_dtype, cache_tokens, host=0.0, pat
     """An engine on one rank with a device pool of `cache_tokens` and, when `host` > 0, tiers of `host` (and `disk`)
     times the pool's bytes (so each holds about that many times its blocks and state blocks)."""
     cache = new_cache(cache_tokens, kv_cache_dtype, block_size=block_size, max_seqs=max_seqs, prefix_caching=caching)
-    core = engine(model, cache, max_seqs, 4096, caching)
-    if host:
-        size = pool_bytes(cache)
-        core.attach_offload(cache, OffloadConfig(int(host * size), path, int(disk * size), fingerprint))
-    return core
+    if not host:
+        return engine(model, cache, max_seqs, 4096, caching)
+    size = pool_bytes(cache)
+    connector, worker = factory.build(cache, Dist(), OffloadConfig(int(host * size), path, int(disk * size),
+                                                                   fingerprint))
+    return engine(model, cache, max_seqs, 4096, caching, connector=connector, connector_worker=worker)
 
 
 def identity(kv_cache_dtype: str) -> dict:
@@ -296,14 +300,14 @@ def test_hits_from_host_and_after_a_restart_from_disk_give_the_tokens_computed_f
     fingerprint = open_directory(tmp_path / "tier", identity(kv_cache_dtype))
     first = offload_engine(model, new_cache, kv_cache_dtype, pool, HOST[family], tmp_path / "tier", DISK, fingerprint)
     got, cached = one_by_one(first, prompts)
-    counts = first.scheduler.offload_counts
+    counts = first.connector.find(OffloadConnector).counts
     assert got == fresh
     assert counts.hit_tokens["host"] > 0 and counts.moved["host_to_disk"] > 0
     assert sum(cached) == sum(counts.hit_tokens.values())
     restarted = offload_engine(model, new_cache, kv_cache_dtype, pool, HOST[family], tmp_path / "tier", DISK,
                                fingerprint)
     again, cached_again = one_by_one(restarted, prompts)
-    counts = restarted.scheduler.offload_counts
+    counts = restarted.connector.find(OffloadConnector).counts
     assert again == fresh
     assert cached_again[1] > 0 and counts.hit_tokens["disk"] > 0 and counts.corrupt_files == 0
     assert sum(cached_again) == sum(counts.hit_tokens.values())
@@ -323,14 +327,15 @@ def test_a_graceful_stop_writes_the_host_tier_for_the_next_start(families, famil
     fingerprint = open_directory(tmp_path / "tier", identity("auto"))
     first = offload_engine(model, new_cache, "auto", pool, 8, tmp_path / "tier", DISK, fingerprint, max_seqs=1)
     fresh, _ = one_by_one(first, prompts)  # the first prompt's tokens computed from scratch (nothing was cached)
-    assert first.scheduler.offload_counts.moved["host_to_disk"] == 0
+    assert first.connector.find(OffloadConnector).counts.moved["host_to_disk"] == 0
     first.run(EngineClient(), until_idle=True)  # nothing to run: the loop ends as a drained server's does
     written = scan(tmp_path / "tier", 0)
     assert written[BLOCK] and (family == "deepseek_v32") == (not written[STATE])
     restarted = offload_engine(model, new_cache, "auto", pool, 8, tmp_path / "tier", DISK, fingerprint, max_seqs=1)
     again, cached = one_by_one(restarted, prompts[:1])
     full = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert again == fresh[:1] and cached == [full] and restarted.scheduler.offload_counts.hit_tokens["disk"] == full
+    disk_hits = restarted.connector.find(OffloadConnector).counts.hit_tokens["disk"]
+    assert again == fresh[:1] and cached == [full] and disk_hits == full
 
 
 @pytest.mark.slow
@@ -416,7 +421,7 @@ def test_bad_files_are_skipped_counted_and_removed_and_the_tokens_stay_right(fam
     a, b = (files / file_name(BLOCK, h) for h in block_hashes(prompts[0], BLOCK_SIZE))
     later = next(i for i in range(1, len(prompts))  # a later prompt whose first block is on disk
                  if (files / file_name(BLOCK, block_hashes(prompts[i], BLOCK_SIZE)[0])).exists())
-    digest, size = block_hashes(prompts[later], BLOCK_SIZE)[0], first.worker.offload.unit_bytes[BLOCK]
+    digest, size = block_hashes(prompts[later], BLOCK_SIZE)[0], first.worker.connector.store.unit_bytes[BLOCK]
     c = files / file_name(BLOCK, digest)
     assert a.exists() and b.exists()
     a.write_bytes(a.read_bytes()[:-100])
@@ -430,7 +435,7 @@ def test_bad_files_are_skipped_counted_and_removed_and_the_tokens_stay_right(fam
     assert not torn.exists()
     got, cached = one_by_one(restarted, [prompts[0], prompts[later]])
     assert got == [fresh[0], fresh[later]]
-    assert restarted.scheduler.offload_counts.corrupt_files == 3
+    assert restarted.connector.find(OffloadConnector).counts.corrupt_files == 3
     assert not a.exists() and not b.exists() and not c.exists()
     assert cached == [0, 0]
 
@@ -450,11 +455,12 @@ def test_a_full_disk_stops_writing_and_requests_go_on(families, tmp_path):
         tries.append(path)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    core.worker.offload.write = full
+    core.worker.connector.store.write = full
     got, _ = one_by_one(core, prompts)
     assert got == fresh
-    assert len(tries) == 1 and core.scheduler.offload_counts.disk_stopped.startswith("ENOSPC on rank 0: writing")
-    assert core.offload_disk().startswith("disabled: ENOSPC")
+    stopped = core.connector.find(OffloadConnector).counts.disk_stopped
+    assert len(tries) == 1 and stopped.startswith("ENOSPC on rank 0: writing")
+    assert core.connector.health()["kv_offload_disk"].startswith("disabled: ENOSPC")
     assert not list(rank_directory(tmp_path / "tier", 0).iterdir())
 
 
@@ -498,7 +504,7 @@ def test_metrics_count_what_grew_per_tier_and_direction():
     from dsconv.runner.engine.metrics import ServeMetrics
 
     metrics, counts = ServeMetrics("m", 1), OffloadCounts()
-    scheduler = SimpleNamespace(offloaders=[None], offload_counts=counts)
+    scheduler = SimpleNamespace(counts=counts)
     counts.hit_tokens["disk"] += 32
     counts.moved["host_to_device"] += 4096
     counts.evictions["host"] += 2
@@ -547,3 +553,71 @@ def test_a_block_is_on_disk_only_where_every_rank_of_its_dp_index_has_its_file(t
     offloader = Offloader(shape, known, OffloadCounts(), strays)
     assert sorted(op[2] for op in offloader.take_ops().ops if op[0] == DROP) == [b"a", b"d"]
     assert [offloader.where(BLOCK, h) for h in (b"a", b"b", b"c", b"d")] == [None, "disk", "disk", None]
+
+
+# -- the KV connector seam (issue 73) ------------------------------------------------------------------------------
+
+def test_a_connector_written_in_the_tests_plugs_in_through_the_seam(families):
+    """tests/dict_connector.py, written against runner/engine/kv_connector/base.py alone, saves every block the
+    device pool gives up into a dict on the rank and serves prefixes from it: on V3.2's workload it finds every shared
+    full block the device pool alone loses (as a large host tier does), the tokens are those computed from scratch,
+    and its calls come in the order docs/architecture.md gives for a step."""
+    from tests.dict_connector import DictConnector, DictWorker
+
+    model, new_cache = families["deepseek_v32"]
+    prompts, pool = workload("deepseek_v32", 3)
+    fresh, _ = one_by_one(offload_engine(model, new_cache, "auto", pool, caching=False), prompts)
+    cache = new_cache(pool, "auto", block_size=BLOCK_SIZE, max_seqs=2, prefix_caching=True)
+    connector = DictConnector()
+    got, cached = one_by_one(engine(model, cache, 2, 4096, True, connector=connector,
+                                    connector_worker=DictWorker(cache)), prompts)
+    assert got == fresh and cached == [0, 0, 0, 0, 32, 0, 0, 0, 32] and connector.hit_tokens >= BLOCK_SIZE
+    calls = " ".join(connector.calls) + " "
+    assert re.fullmatch(r"((hit |evicted )*step_meta reported (finished removed )*)+", calls), calls[:300]
+    assert "evicted" in calls
+
+
+def test_nothing_is_set_on_an_engine_from_outside_its_parts(family_shards, tmp_path, monkeypatch):
+    """start_engine hands every optional part (KV offload's connector, the expert-load balancer, the shape recorder,
+    the metrics) to new_engine: from start_engine on, through requests to a graceful stop, every assignment to an
+    attribute of the engine or one of its parts comes from a method of that part's own class (a recorder on each
+    class hears each assignment and who made it). Before issue 73 start_engine set worker.balancer, worker.offload
+    and the scheduler's offloaders on the built engine, and the loop set scheduler.on_lease."""
+    import sys
+
+    from dsconv.runner.engine import core, dp_rank, sample_plan, scheduler, shapes, worker
+    from dsconv.runner.engine.block_pool import BlockPool, StatePool
+    from dsconv.runner.engine.kv_connector.offload import OffloadConnector, OffloadWorker
+    from dsconv.runner.engine.kv_offload import Offloader
+    from dsconv.runner.engine.metrics import ServeMetrics
+    from dsconv.runner.engine.request import SamplingParams
+    from dsconv.runner.models.eplb import ExpertBalancer
+
+    parts = (core.EngineCore, worker.Worker, worker.InputBuilder, scheduler.Scheduler, dp_rank.DPRank, BlockPool,
+             StatePool, sample_plan.SamplePlan, OffloadConnector, OffloadWorker, Offloader, OffloadStore,
+             ExpertBalancer, shapes.ShapeRecorder, ServeMetrics)
+    outside = []
+
+    def recorded(self, name, value):
+        caller = sys._getframe(1)  # a method of the part's own (a dataclass's generated __init__ included)
+        own = caller.f_locals.get("self") is self or any(caller.f_code.co_qualname.startswith(f"{cls.__name__}.")
+                                                           for cls in type(self).__mro__)
+        if not own:
+            outside.append(f"{caller.f_code.co_qualname} set {type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
+
+    for part in parts:
+        monkeypatch.setattr(part, "__setattr__", recorded)
+    run = run_config(family_shards["deepseek_v32"], "float32", 8 * BLOCK_SIZE, block_size=BLOCK_SIZE,
+                     max_num_seqs=2, expert_load_record=tmp_path / "load.json")
+    run = replace(run, record_shapes=tmp_path / "shapes.jsonl").with_offload(
+        OffloadConfig(4 * run.cache_bytes[0] * run.cache_blocks))
+    built = core.start_engine(run, metrics=ServeMetrics("tiny", 1))
+    door, finished = EngineClient(), []
+    door.open(built)
+    for prompt in workload("deepseek_v32", 5)[0]:
+        door.submit(prompt, SamplingParams(max_tokens=4), lambda out: finished.append(out) if out.finished else None)
+    built.run(door, until_idle=True)
+    assert len(finished) == 9 and all(out.error is None for out in finished)
+    assert built.connector.find(OffloadConnector) is not None and built.worker.balancer is not None
+    assert not outside, outside

@@ -565,14 +565,22 @@ def test_bad_kv_transfer_config_is_one_line_and_exit_2(fault_shards, role, needl
 # -- the block pools' side, on rank 0's scheduler alone -------------------------------------------------------------
 
 
-def pd_scheduler(role: str, policy: str = "fail", lease_s: float = 30.0):
+def pd_scheduler(role: str, policy: str = "fail", lease_s: float = 30.0, ended: list | None = None):
+    """A scheduler of two DP ranks with a P/D connector of `role`; ended: where a consumer records the leases it
+    ends ((transfer id, the answer's callback or None)) instead of asking a producer over HTTP."""
     from dsconv.runner.engine.config import SchedulerConfig
+    from dsconv.runner.engine.kv_connector.pd import ConsumerConnector, ProducerConnector
     from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 
     config = KVTransferConfig(role, KEY, lease_s=lease_s, load_failure_policy=policy, release_url="http://p")
-    scheduler = Scheduler(SchedulerConfig(kv_transfer=config), PoolShape(2, 16, 4, prefix_caching=True))
-    scheduler.offer_ranks = lambda dp_index: (RankRegions(f"host:{dp_index}", (), ()),)
-    return scheduler
+    if role == "kv_producer":
+        connector = ProducerConnector(config, [(RankRegions(f"host:{index}", (), ()),) for index in range(2)])
+    else:
+        record = ended if ended is not None else []
+        connector = ConsumerConnector(config, 2, end=lambda offer, on_answer=None: record.append(
+            (offer.transfer_id, on_answer)))
+    return Scheduler(SchedulerConfig(kv_transfer=config), PoolShape(2, 16, 4, prefix_caching=True),
+                     connector=connector)
 
 
 def produced(prompt: list[int], lease_s: float = 0.5) -> tuple[object, dict]:
@@ -583,44 +591,54 @@ def produced(prompt: list[int], lease_s: float = 0.5) -> tuple[object, dict]:
     producer.add("r", prompt, SamplingParams(max_tokens=1, kv_transfer=Export()), None)
     while (step := producer.schedule()) is not None:
         outputs = producer.update(step, fake_results(step))
-    return producer, outputs[-1][1].kv_transfer_params
+    return producer, outputs[-1][1].connector_params
+
+
+def closed(producer, transfer_id: str, now: float | None = None) -> bool:
+    """The producer's loop closes a lease a consumer ended (at `now`) -> whether it held until then."""
+    return producer.connector.close(transfer_id, time.monotonic() if now is None else now, producer.ranks)
 
 
 def test_a_producer_leases_the_prompts_full_blocks_until_confirmed_or_expired():
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks handed over (the 4th block holds the last token)
     producer, params = produced(prompt)
-    pool = producer.pools[0]
+    pool = producer.ranks[0].blocks
     assert len(params["remote_blocks"]) == 3 and params["remote_hashes"] == [h.hex() for h in
                                                                              block_hashes(prompt, 4)[:3]]
-    assert pool.num_free == pool.num_blocks - 3 and len(producer.leases) == 1  # held: never given out
-    assert producer.release_lease(params["transfer_id"]) and pool.num_free == pool.num_blocks
-    assert not producer.release_lease(params["transfer_id"])  # a second confirmation changes nothing
+    assert pool.num_free == pool.num_blocks - 3 and len(producer.connector.leases) == 1  # held: never given out
+    assert closed(producer, params["transfer_id"]) and pool.num_free == pool.num_blocks
+    assert not closed(producer, params["transfer_id"])  # a second confirmation changes nothing
     producer, params = produced(prompt)
-    assert producer.expire_leases(time.monotonic()) is not None and producer.pools[0].num_free == 13
-    assert producer.expire_leases(time.monotonic() + 1) is None and producer.leases_expired == 1
-    assert producer.pools[0].num_free == producer.pools[0].num_blocks
+    _, wait, _ = producer.poll(time.monotonic())
+    assert wait is not None and producer.ranks[0].blocks.num_free == 13
+    _, wait, changed = producer.poll(time.monotonic() + 1)
+    assert wait is None and changed and producer.connector.leases_expired == 1
+    assert producer.ranks[0].blocks.num_free == producer.ranks[0].blocks.num_blocks
 
 
 @pytest.mark.parametrize("outcome", ["read", "fail", "recompute"])
 def test_a_consumer_reads_only_what_it_lacks_and_frees_all_on_failure(outcome):
     prompt = list(range(10, 23))
     _, params = produced(prompt)
-    consumer = pd_scheduler("kv_consumer", policy="recompute" if outcome == "recompute" else "fail")
+    ended = []
+    consumer = pd_scheduler("kv_consumer", policy="recompute" if outcome == "recompute" else "fail", ended=ended)
     offer = Offer.from_params({**params, "do_remote_prefill": True})
     outputs = []
     request = consumer.add("d", prompt, SamplingParams(max_tokens=2, kv_transfer=offer), outputs.append, dp_rank=1)
-    (load,) = consumer.sends[1]
-    assert [src for src, _ in load.blocks] == params["remote_blocks"] and not consumer.waiting[1]
+    (load,) = consumer.connector.sends[1]
+    assert [src for src, _ in load.blocks] == params["remote_blocks"] and not consumer.ranks[1].waiting
     step = consumer.schedule()
-    assert step.batches[1].loads == [load] and not step.batches[1].seq_ids  # read first, computed next step
-    consumer.update(step, [[], []])
+    assert step.batches[1].kv.loads == (load,) and not step.batches[1].seq_ids  # read first, computed next step
     error = None if outcome == "read" else "the peer is gone"
-    failed, arrived, gone = consumer.loaded([LoadReport(request.seq_id, error, 0.01, 0 if error else 123)])
-    assert (arrived, gone) == (([request], []) if error is None else ([], [request]))
+    failed = consumer.reported([LoadReport(request.seq_id, error, 0.01, 0 if error else 123)])
+    consumer.update(step, [[], []])
+    (transfer_id, on_answer), = ended  # arrived: P is asked whether the lease held; failed: P just lets go
+    assert transfer_id == offer.transfer_id and (on_answer is not None) == (error is None)
     if error is None:
-        assert consumer.schedule() is None and consumer.confirming  # nothing runs before P's answer
-        assert not consumer.confirmed(request.seq_id, True, "")
-    pool = consumer.pools[1]
+        assert consumer.schedule() is None and consumer.connector.confirming  # nothing runs before P's answer
+        on_answer(True, "")
+        assert not consumer.poll(time.monotonic())[0]
+    pool = consumer.ranks[1].blocks
     if outcome == "fail":
         assert failed[0][1].finished and "the KV cache transfer failed: the peer is gone" in failed[0][1].error
         assert pool.num_free == pool.num_blocks and not consumer.has_work
@@ -628,11 +646,11 @@ def test_a_consumer_reads_only_what_it_lacks_and_frees_all_on_failure(outcome):
     assert not failed
     step = consumer.schedule()  # the request starts: a hit of 12 tokens when read, its whole prompt otherwise
     assert step.batches[1].context_lens == [13] and step.batches[1].num_tokens == (1 if outcome == "read" else 13)
-    assert consumer.received_tokens == (12 if outcome == "read" else 0)
+    assert consumer.connector.received_tokens == (12 if outcome == "read" else 0)
     # a second request of the same prompt reads nothing: the blocks are the pool's (read or computed)
     consumer.update(step, [[], [SeqResult(5, None)]])
     again = consumer.add("e", prompt, SamplingParams(max_tokens=1, kv_transfer=offer), outputs.append, dp_rank=1)
-    assert again.load is None and not consumer.sends[1]
+    assert again.seq_id not in consumer.connector.plans and not consumer.connector.sends[1]
 
 
 def test_an_offer_of_other_tokens_or_block_size_is_refused():
@@ -641,12 +659,12 @@ def test_an_offer_of_other_tokens_or_block_size_is_refused():
     consumer = pd_scheduler("kv_consumer")
     offer = Offer.from_params({**params, "do_remote_prefill": True})
     with pytest.raises(InputError, match="not this prompt's"):
-        consumer.check_handoff([1, *prompt[1:]], SamplingParams(max_tokens=1, kv_transfer=offer))
+        consumer.check_kv([1, *prompt[1:]], SamplingParams(max_tokens=1, kv_transfer=offer))
     with pytest.raises(InputError, match="the producer's blocks are 8 tokens, this server's 4"):
-        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=dataclasses.replace(
+        consumer.check_kv(prompt, SamplingParams(max_tokens=1, kv_transfer=dataclasses.replace(
             offer, block_size=8).signed(KEY)))
     with pytest.raises(InputError, match="kv_transfer_params for a kv_producer: this server is kv_consumer"):
-        consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=Export()))
+        consumer.check_kv(prompt, SamplingParams(max_tokens=1, kv_transfer=Export()))
     with pytest.raises(InputError, match="lacks 'remote_blocks'"):
         Offer.from_params({k: v for k, v in params.items() if k != "remote_blocks"})
 
@@ -661,7 +679,7 @@ def test_a_consumer_refuses_forged_expired_or_replayed_offers():
     def check(raw: dict, needle: str) -> None:
         offer = Offer.from_params(raw)
         with pytest.raises(InputError, match=re.escape(needle)):
-            consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=offer))
+            consumer.check_kv(prompt, SamplingParams(max_tokens=1, kv_transfer=offer))
 
     for forged in ({**params, "remote_ranks": [{**first, "session": "evil:1"}]},
                    {**params, "remote_blocks": [b + 1 for b in params["remote_blocks"]]},
@@ -670,9 +688,9 @@ def test_a_consumer_refuses_forged_expired_or_replayed_offers():
                    {**params, "signature": "0" * 64}, resigned(params, AuthKey(b"not-the-shared-key-0123"))):
         check(forged, "not signed by a producer sharing this server's auth key")
     check(resigned(params, expires_at=time.time() - 1), "has ended")
-    consumer.check_handoff(prompt, SamplingParams(max_tokens=1, kv_transfer=Offer.from_params(params)))
+    consumer.check_kv(prompt, SamplingParams(max_tokens=1, kv_transfer=Offer.from_params(params)))
     check(params, f"transfer {params['transfer_id']} was already taken")
-    assert not consumer.sends[0] and not consumer.sends[1] and not consumer.has_work
+    assert not consumer.connector.sends[0] and not consumer.connector.sends[1] and not consumer.has_work
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -681,19 +699,23 @@ def test_a_lease_that_ends_during_the_read_is_never_published(policy):
     ends the request with the transfer's error, `recompute` computes the whole prompt."""
     prompt = list(range(10, 23))
     producer, params = produced(prompt, lease_s=30)
-    consumer = pd_scheduler("kv_consumer", policy=policy)
+    ended = []
+    consumer = pd_scheduler("kv_consumer", policy=policy, ended=ended)
     offer = Offer.from_params(params)
     request = consumer.add("d", prompt, SamplingParams(max_tokens=2, kv_transfer=offer), None, dp_rank=1)
-    consumer.update(consumer.schedule(), [[], []])
-    _, arrived, _ = consumer.loaded([LoadReport(request.seq_id, None, 0.01, 123)])
-    assert arrived == [request]
-    held = producer.release_lease(offer.transfer_id, now=time.monotonic() + 31)  # the read outlived the lease
-    assert not held and producer.leases_expired == 1
-    assert producer.pools[0].num_free == producer.pools[0].num_blocks  # P may give the blocks to anyone now
-    outputs = consumer.confirmed(request.seq_id, held, "the producer's lease ended before the read did")
-    pool = consumer.pools[1]
+    step = consumer.schedule()
+    assert not consumer.reported([LoadReport(request.seq_id, None, 0.01, 123)])
+    consumer.update(step, [[], []])
+    (_, on_answer), = ended
+    assert on_answer is not None  # arrived: P is asked
+    held = closed(producer, offer.transfer_id, now=time.monotonic() + 31)  # the read outlived the lease
+    assert not held and producer.connector.leases_expired == 1
+    assert producer.ranks[0].blocks.num_free == producer.ranks[0].blocks.num_blocks  # P may give them to anyone now
+    on_answer(held, "the producer's lease ended before the read did")
+    outputs, _, _ = consumer.poll(time.monotonic())
+    pool = consumer.ranks[1].blocks
     assert pool.match(block_hashes(prompt, 4)[:3]) == []  # never published under the prompt's hashes
-    assert consumer.load_failures == 1 and consumer.received_tokens == 0
+    assert consumer.connector.load_failures == 1 and consumer.connector.received_tokens == 0
     if policy == "fail":
         assert [out.error for _, out in outputs] == ["the KV cache transfer failed: the producer's lease ended "
                                                      "before the read did"]
@@ -707,28 +729,32 @@ def test_a_lease_that_ends_during_the_read_is_never_published(policy):
 def test_a_producer_answers_held_only_while_the_lease_runs():
     prompt = list(range(10, 23))
     producer, params = produced(prompt, lease_s=30)
-    assert producer.release_lease(params["transfer_id"])  # in time: held for the whole read
-    assert not producer.release_lease(params["transfer_id"])  # ended: nothing held any more
+    assert closed(producer, params["transfer_id"])  # in time: held for the whole read
+    assert not closed(producer, params["transfer_id"])  # ended: nothing held any more
     producer, params = produced(prompt, lease_s=30)
-    expires = producer.leases[params["transfer_id"]].expires
-    assert not producer.release_lease(params["transfer_id"], now=expires)  # ended, not yet closed by the loop
+    expires = producer.connector.leases[params["transfer_id"]].expires
+    assert not closed(producer, params["transfer_id"], now=expires)  # ended, not yet closed by the loop
 
 
-def test_a_producer_answers_from_its_door_while_its_loop_is_busy():
-    """The release is answered on P's HTTP thread from the leases the loop recorded (EngineClient.track_lease), so a
-    long step of P's never makes a lease that held look ended; the loop frees the blocks after."""
-    from dsconv.runner.engine.core import EngineClient
-
-    door = EngineClient()
-    door.track_lease("held", time.monotonic() + 30)
-    door.track_lease("ended", time.monotonic() - 1)  # past its end, not closed by the loop yet
-    assert door.release_transfer("held") and not door.release_transfer("held")  # once only
-    assert not door.release_transfer("ended") and not door.release_transfer("unknown")
-    door.track_lease("closed", time.monotonic() + 30)
-    door.track_lease("closed", None)  # the loop closed it at its end
-    assert not door.release_transfer("closed")
-    assert [command for command in door.pending()] == [("release", name) for name in
-                                                        ("held", "held", "ended", "unknown", "closed")]
+def test_a_producer_answers_from_any_thread_while_its_loop_is_busy():
+    """The release is answered on P's HTTP thread from the leases' ends the connector recorded when it opened them,
+    so a long step of P's never makes a lease that held look ended; the loop frees the blocks at its next turn."""
+    prompt = list(range(10, 23))
+    producer, held = produced(prompt, lease_s=30)
+    release = producer.connector.release
+    assert release(held["transfer_id"]) and not release(held["transfer_id"])  # once only
+    assert not release("unknown")
+    pool = producer.ranks[0].blocks
+    assert pool.num_free == pool.num_blocks - 3  # the loop has not turned yet
+    producer.poll(time.monotonic())
+    assert pool.num_free == pool.num_blocks and not producer.connector.leases
+    ended, params = produced(prompt, lease_s=0.01)
+    time.sleep(0.02)
+    assert not ended.connector.release(params["transfer_id"])  # past its end, not closed by the loop yet
+    ended, params = produced(prompt, lease_s=0.01)
+    time.sleep(0.02)
+    ended.poll(time.monotonic())
+    assert not ended.connector.leases and not ended.connector.release(params["transfer_id"])  # closed at its end
 
 
 # -- the read, between two transfer engines of this process ---------------------------------------------------------

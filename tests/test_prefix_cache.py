@@ -25,12 +25,12 @@ from dsconv.runner.models.v4_cache import V4Cache, entry_slots
 NEW_TOKENS = 6
 
 
-def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True):
-    """dsrun's engine on one rank, stepped by the test through its scheduler."""
+def engine(model, cache, max_num_seqs: int, budget: int, prefix_caching: bool = True, **parts):
+    """dsrun's engine on one rank, stepped by the test through its scheduler (parts: new_engine's optional ones)."""
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 enable_prefix_caching=prefix_caching)
     return new_engine(model, cache, Dist(), EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
-                                                         scheduler=scheduler))
+                                                         scheduler=scheduler), **parts)
 
 
 def fake_results(step):
@@ -192,7 +192,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(v32):
                       EngineConfig(vocab_size=model.cfg.vocab_size, max_model_len=4096,
                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096)),
                       metrics=metrics)
-    take = core.scheduler._finish_reason
+    take = core.scheduler.plan.finish_reason
     doomed = set()
 
     def finish_reason(request, token):  # a fault of one request's own, after its first step
@@ -200,7 +200,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(v32):
             raise RuntimeError("this request's own fault")
         return take(request, token)
 
-    core.scheduler._finish_reason = finish_reason
+    core.scheduler.plan.finish_reason = finish_reason
     door, outputs = EngineClient(), {}
     door.open(core)
     for name, salt in (("salt", "\ud800"), ("update", None), ("good", None)):
@@ -213,7 +213,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(v32):
         (out,) = outputs[name]
         assert out.finished and out.finish_reason == "abort" and error in out.error, out
     assert [t for out in outputs["good"] for t in out.new_token_ids] == alone
-    assert not core.scheduler.has_work and not core.scheduler.pools[0].tables  # every block freed
+    assert not core.scheduler.has_work and not core.scheduler.ranks[0].blocks.tables  # every block freed
     text = prometheus_client.generate_latest(metrics.registry).decode()
     for stage in ("add", "update"):
         assert f'dsrun:request_failures_total{{model_name="tiny",stage="{stage}"}} 1.0' in text, text
@@ -291,7 +291,7 @@ def test_shared_blocks_are_never_written_while_held(v32):
     s.add("first", prefix, SamplingParams(max_tokens=2), None)
     while s.has_work:
         core.step()
-    shared = s.pools[0].match(block_hashes(prefix, 16)[:2])
+    shared = s.ranks[0].blocks.match(block_hashes(prefix, 16)[:2])
     assert len(shared) == 2
     slots = torch.tensor([b * 16 + i for b in shared for i in range(16)])
     cache = core.worker.cache
@@ -310,7 +310,7 @@ def test_shared_blocks_are_never_written_while_held(v32):
             cached[request.request_id] = out.cached_tokens
     assert cached == {"share0": 32, "share1": 32, "other": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
-    assert s.pools[0].num_free == s.pools[0].num_blocks
+    assert s.ranks[0].blocks.num_free == s.ranks[0].blocks.num_blocks
 
 
 def test_a_pool_smaller_than_the_working_set_evicts_and_recomputes(v32):
@@ -325,7 +325,7 @@ def test_a_pool_smaller_than_the_working_set_evicts_and_recomputes(v32):
     got, cached, s = run_engine(model, new_cache, prompts, 16, "auto", prefix_caching=True, cache_tokens=8 * 16)
     assert got == fresh
     assert cached[:5] == [0] * 5 and cached[5] < 32  # prompt 0's 2 full blocks: evicted, at least in part
-    assert s.pools[0].num_free == 8
+    assert s.ranks[0].blocks.num_free == 8
 
 
 # -- DeepSeek-V4 ---------------------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_v4_hits_give_the_tokens_computed_from_scratch(v4, block_size, kv_cache_
     assert all(len(t) == NEW_TOKENS for t in fresh) and not any(none_cached)
     assert got == fresh
     assert cached == [want for _, want in cases]
-    states = s.states[0]
+    states = s.ranks[0].states
     assert not states.held and not states.reading and states.num_free == states.num_blocks
 
 
@@ -402,7 +402,7 @@ def test_v4_hit_is_cut_back_to_the_boundary_whose_state_is_kept(v4):
             runs[caching].append(([t for out in outs for t in out.new_token_ids], outs[-1].cached_tokens))
     assert runs[False] == [(runs[False][0][0], 0)] * 2
     assert runs[True] == [(runs[False][0][0], 0), (runs[False][0][0], 192)]
-    assert len(core.scheduler.pools[0].match(block_hashes(prompt, 64))) == 4
+    assert len(core.scheduler.ranks[0].blocks.match(block_hashes(prompt, 64))) == 4
 
 
 @pytest.mark.slow
@@ -437,7 +437,7 @@ def test_v4_shared_blocks_and_state_are_never_written_while_held(v4):
     while s.has_work:
         core.step()
     hashes = block_hashes(prefix, 16)[:8]
-    shared, published = s.pools[0].match(hashes), [block for _, block in s.states[0].find(hashes, 0)]
+    shared, published = s.ranks[0].blocks.match(hashes), [block for _, block in s.ranks[0].states.find(hashes, 0)]
     assert len(shared) == len(published) == 8
     cache = core.worker.cache
 
@@ -460,7 +460,7 @@ def test_v4_shared_blocks_and_state_are_never_written_while_held(v4):
             cached[request.request_id] = out.cached_tokens
     assert cached == {"share0": 128, "share1": 128, "other": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
-    assert s.pools[0].num_free == s.pools[0].num_blocks
+    assert s.ranks[0].blocks.num_free == s.ranks[0].blocks.num_blocks
 
 
 @pytest.mark.slow

@@ -322,11 +322,11 @@ def test_cache_storage_is_allocated_once_and_the_pool_empties(pair):
         live = _tensors(cache)
         assert {i: t.data_ptr() for i, t in live.items()} == allocated
     assert finished == 4 and s.preemptions > 0
-    pool = s.pools[0]
+    pool = s.ranks[0].blocks
     assert pool.num_free == pool.num_blocks == cache.num_blocks and not pool.tables
     # the rank's cache forgets the last finished sequences with the next step's batch, as it does every release
-    assert set(cache.slots) == set(s.releases[0])
-    core.worker.inputs(Batch(releases=s.releases[0]))
+    assert set(cache.slots) == set(s.ranks[0].releases)
+    core.worker.inputs(Batch(releases=s.ranks[0].releases))
     assert not cache.slots and not cache.lengths and len(cache.free_slots) == cache.max_seqs
 
 

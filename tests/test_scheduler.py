@@ -127,7 +127,7 @@ def test_preempted_request_is_recomputed_and_gives_the_same_tokens():
     alone = run_pair(scheduler(num_blocks=64), expect_preemption=False)
     tight = scheduler(num_blocks=6)
     assert run_pair(tight, expect_preemption=True) == alone
-    assert all(not table for table in tight.pools[0].tables.values()) and tight.pools[0].num_free == 6
+    assert all(not table for table in tight.ranks[0].blocks.tables.values()) and tight.ranks[0].blocks.num_free == 6
 
 
 def run_pair(s, expect_preemption):
@@ -142,7 +142,7 @@ def run_pair(s, expect_preemption):
     outputs = run(s, watch)
     assert (sum(preempted) > 0) == expect_preemption
     if expect_preemption:
-        assert s.pools[0].num_blocks == 6 and released  # the victim's cache is freed on the rank
+        assert s.ranks[0].blocks.num_blocks == 6 and released  # the victim's cache is freed on the rank
     return outputs
 
 
@@ -187,8 +187,8 @@ def test_abort_frees_the_cache_and_tells_the_rank():
     s.add("a", list(range(10)), greedy(5), None)
     s.update(step := s.schedule(), fake_results(step))
     [(request, out)] = s.abort("a")
-    assert out.finished and out.finish_reason == "abort" and s.pools[0].num_free == 64
-    assert s.schedule() is None and s.releases[0] == [request.seq_id]
+    assert out.finished and out.finish_reason == "abort" and s.ranks[0].blocks.num_free == 64
+    assert s.schedule() is None and s.ranks[0].releases == [request.seq_id]
     assert s.abort("a") == []  # aborting twice is harmless
 
 
@@ -216,7 +216,7 @@ def test_samples_prefill_once_and_share_the_prompts_full_blocks():
     parent = s.requests["r", 0]
     children = [s.requests["r", i] for i in (1, 2)]
     assert [c.seed for c in children] == [41, 42]
-    pool = s.pools[0]
+    pool = s.ranks[0].blocks
     table = pool.tables[parent.seq_id]
     for child in children:  # 10 tokens: blocks 0 and 1 are full and shared, block 2 is copied
         assert pool.tables[child.seq_id][:2] == table[:2] and pool.tables[child.seq_id][2] != table[2]
@@ -227,7 +227,7 @@ def test_samples_prefill_once_and_share_the_prompts_full_blocks():
     assert batch.input_ids == [11, 12, 13]  # one token per sample: the prompt is not fed again
     assert [(f.parent, f.child, f.copies) for f in batch.forks] == \
         [(parent.seq_id, c.seq_id, ((table[2], pool.tables[c.seq_id][2]),)) for c in children]
-    assert not s.forks[0]  # a fork goes to the ranks once
+    assert not s.ranks[0].forks  # a fork goes to the ranks once
     for _, out in s.update(step, fake_results(step)):
         pass
     outputs = run_samples(s)
@@ -242,7 +242,7 @@ def test_samples_without_room_to_fork_recompute_and_give_the_same_tokens():
         s.add("b", list(range(20, 27)), SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=9), None)
         forks = []
         outputs = run_samples(s, lambda step: forks.extend(step.batches[0].forks))
-        pool = s.pools[0]
+        pool = s.ranks[0].blocks
         assert pool.num_free == num_blocks and not any(pool.holders)
         return outputs, len(forks), s.preemptions
 
@@ -541,7 +541,7 @@ def test_samples_not_yet_forked_count_against_max_num_seqs():
 
     def seen(step):
         nonlocal most
-        most = max(most, sum(r.seqs for r in s.running[0]))
+        most = max(most, sum(r.seqs for r in s.ranks[0].running))
 
     outputs = run(s, seen)
     assert most <= 4 and set(outputs) == {"p", "q", "r"}

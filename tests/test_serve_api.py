@@ -72,8 +72,9 @@ class FakeEngine:
     def accepting(self):
         return not self.draining
 
-    def offload_disk(self):
-        return None  # no KV offload disk tier
+    def connector_health(self):
+        return {}  # no KV connector
+
 
     def submit(self, prompt_ids, params, on_output, dp_rank=None):
         assert isinstance(params, SamplingParams)

@@ -90,7 +90,7 @@ def run(model, new_cache, prompts, k, budget=4096, cache_tokens=1024, kv_cache_d
         while s.has_work:
             for request, out in core.step():
                 tokens.setdefault(request.request_id, []).extend(out.new_token_ids)
-            for request in s.running[0]:
+            for request in s.ranks[0].running:
                 if request.drafts:
                     drafts[request.request_id, len(request.tokens)] = tuple(request.drafts)
     return [tokens[f"{r}-{i}"] for r in range(repeat) for i in range(len(prompts))], drafts, s

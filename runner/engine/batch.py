@@ -19,10 +19,12 @@ start from published blocks with their slot filled from published state blocks, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dsconv.runner.engine.kv_offload import OffloadOps
-from dsconv.runner.engine.kv_transfer import Load
 from dsconv.runner.models.kv_cache import Fork, Restore
+
+if TYPE_CHECKING:
+    from dsconv.runner.engine.kv_connector.base import StepMeta
 
 # An idle attention-DP rank on an accelerator runs a throwaway one-token sequence in each step instead of zero rows
 # (runner/engine/worker.py, InputBuilder), as vllm-ascend's idle ranks run a dummy batch: no device kernel sees
@@ -120,10 +122,8 @@ class Batch:
     # [S] speculative decoding: the token after a sequence's chunk when it is known (a prompt fed in chunks), the
     # MTP layer's input at the chunk's last row; None where the step draws it
     follow: list[int | None] = field(default_factory=list)
-    # P/D disaggregation (engine/kv_transfer.py): blocks this DP index's ranks read from a producer before the step
-    loads: list[Load] = field(default_factory=list)
-    # KV offload (engine/kv_offload.py): copies between the cache and the host and disk tiers, before anything else
-    offload: OffloadOps | None = None
+    # the KV connector's work on this DP index's ranks before anything else of the step (engine/kv_connector/)
+    kv: StepMeta | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -172,9 +172,8 @@ class Batch:
 
     def validate(self, block_size: int, num_blocks: int) -> None:
         """Raises ValueError naming the first broken invariant (a scheduler bug, never a user's)."""
-        for load in self.loads:
-            _check(all(0 <= ours < num_blocks for _, ours in load.blocks),
-                   f"sequence {load.seq_id} loads into a block outside 0..{num_blocks - 1}")
+        if self.kv is not None:
+            self.kv.validate(block_size, num_blocks)
         if self.cp is not None:
             self._validate_cp(block_size, num_blocks)
             return

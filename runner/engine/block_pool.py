@@ -50,26 +50,66 @@ def block_hashes(tokens: list[int], block_size: int, salt: str | None = None, kn
     return hashes
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+class CachedBlocks:
+    """What BlockPool and StatePool share: blocks that are free, held (by how many), or published under a hash and
+    kept while nobody holds them (`evictable`, least recently let go first) until given out again, their hash
+    forgotten, only when no never-used or forgotten block is left. on_evict(block, hash) is called just before a
+    published block is given out again (KV offload saves it first)."""
+
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int, bytes], None] | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # never used or forgotten; popped from the end: 0, 1, ...
-        self.tables: dict[int, list[int]] = {}
-        self.holders = [0] * num_blocks  # how many tables hold each block
+        self.holders = [0] * num_blocks  # how many holders (tables, restores) each block has
         self.cached: dict[bytes, int] = {}  # a published block by its hash
         self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest release first
-        # called as on_evict(block, hash) when a published block is given out again (KV offload saves it first)
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest first
+        self.on_evict = on_evict
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be taken: the free ones and the published ones nobody holds."""
+        return len(self.free) + len(self.evictable)
+
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.pop()
+        else:  # the least recently let go published block: its entries are given up
+            block, _ = self.evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self.hash_of[block])
+            del self.cached[self.hash_of[block]]
+            self.hash_of[block] = None
+        self.holders[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        """One more holder of a block (published or held already): it is not given out while held."""
+        self.holders[block] += 1
+        self.evictable.pop(block, None)
+
+    def _let_go(self, block: int) -> None:
+        self.holders[block] -= 1
+        if not self.holders[block]:
+            if self.hash_of[block] is None:
+                self.free.append(block)
+            else:
+                self.evictable[block] = None  # the most recently let go last
+
+    def _publish_one(self, block: int, digest: bytes) -> None:
+        """A filled block published under its hash, unless it stands for one already or another block stands for
+        this hash (that block is kept)."""
+        if self.hash_of[block] is None and digest not in self.cached:
+            self.cached[digest], self.hash_of[block] = block, digest
+
+
+class BlockPool(CachedBlocks):
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int, bytes], None] | None = None):
+        super().__init__(num_blocks, block_size, on_evict)
+        self.tables: dict[int, list[int]] = {}
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-    @property
-    def num_free(self) -> int:
-        """Blocks a sequence can take: the free ones and the published ones nobody holds."""
-        return len(self.free) + len(self.evictable)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -95,18 +135,6 @@ class BlockPool:
         self.tables[seq_id].append(block)
         return block
 
-    def _take(self) -> int:
-        if self.free:
-            block = self.free.pop()
-        else:  # the least recently released published block: its entries are given up
-            block, _ = self.evictable.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(block, self.hash_of[block])
-            del self.cached[self.hash_of[block]]
-            self.hash_of[block] = None
-        self.holders[block] = 1
-        return block
-
     def match(self, hashes: list[bytes]) -> list[int]:
         """The published blocks of the longest prefix of `hashes`."""
         blocks = []
@@ -122,8 +150,7 @@ class BlockPool:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         for block in blocks:
-            self.holders[block] += 1
-            self.evictable.pop(block, None)
+            self._hold(block)
         self.tables[seq_id] = list(blocks)
 
     def adopt_with(self, seq_id: int, blocks: list[int | None]) -> list[int] | None:
@@ -141,8 +168,7 @@ class BlockPool:
         """seq_id's first len(hashes) blocks are full and computed: each is published under its hash (a hash that
         another block already stands for keeps that block)."""
         for block, digest in zip(self.tables[seq_id], hashes):
-            if self.hash_of[block] is None and digest not in self.cached:
-                self.cached[digest], self.hash_of[block] = block, digest
+            self._publish_one(block, digest)
 
     def fork(self, parent: int, child: int, tokens: int) -> list[tuple[int, int]] | None:
         """child's table for the first `tokens` tokens of parent's -> the (parent block, child block) pairs
@@ -161,19 +187,14 @@ class BlockPool:
 
     def release(self, seq_id: int) -> None:
         for block in reversed(self.tables.pop(seq_id, [])):
-            self.holders[block] -= 1
-            if not self.holders[block]:
-                if self.hash_of[block] is None:
-                    self.free.append(block)
-                else:
-                    self.evictable[block] = None
+            self._let_go(block)
 
     @property
     def used_fraction(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
 
-class StatePool:
+class StatePool(CachedBlocks):
     """DeepSeek-V4's state blocks (runner/models/v4_cache.py): per block of a sequence's tokens, the rows a
     sequence slot holds of them (window keys, compressor rows), which a prefix hit copies into a new sequence's slot.
     A running sequence holds the state blocks its steps write (`hold`), only for blocks it writes from their first
@@ -182,40 +203,10 @@ class StatePool:
     state blocks of the positions it restores (`find`), held from the lookup until the step that restores them
     has run (`read` .. `done_reading`)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.holders = [0] * num_blocks
-        self.cached: dict[bytes, int] = {}
-        self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int, bytes], None] | None = None):
+        super().__init__(num_blocks, block_size, on_evict)
         self.held: dict[int, dict[int, int]] = {}  # seq_id -> block index -> the state block it writes
         self.reading: dict[int, list[int]] = {}  # seq_id -> the published state blocks its restore copies
-        self.on_evict: Callable[[int, bytes], None] | None = None  # as BlockPool's
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free) + len(self.evictable)
-
-    def _take(self) -> int:
-        if self.free:
-            block = self.free.pop()
-        else:
-            block, _ = self.evictable.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(block, self.hash_of[block])
-            del self.cached[self.hash_of[block]]
-            self.hash_of[block] = None
-        self.holders[block] = 1
-        return block
-
-    def _let_go(self, block: int) -> None:
-        self.holders[block] -= 1
-        if not self.holders[block]:
-            if self.hash_of[block] is None:
-                self.free.append(block)
-            else:
-                self.evictable[block] = None  # the most recently used last
 
     def hold(self, seq_id: int, start: int, stop: int) -> tuple[tuple[int, int], ...]:
         """The state blocks seq_id writes feeding positions start .. stop - 1: those it holds, and new ones for
@@ -233,8 +224,7 @@ class StatePool:
         held = self.held.get(seq_id, {})
         for index in [i for i in held if i < len(hashes)]:
             block = held.pop(index)
-            if hashes[index] not in self.cached:
-                self.cached[hashes[index]], self.hash_of[block] = block, hashes[index]
+            self._publish_one(block, hashes[index])
             self._let_go(block)
 
     def find(self, hashes: list[bytes], first: int) -> list[tuple[int, int]] | None:
@@ -252,8 +242,7 @@ class StatePool:
         """seq_id's restore copies these published blocks (besides any it reads already): none is given out until
         `done_reading`."""
         for block in blocks:
-            self.holders[block] += 1
-            self.evictable.pop(block, None)
+            self._hold(block)
         self.reading.setdefault(seq_id, []).extend(blocks)
 
     def take_for(self, seq_id: int) -> int:
@@ -265,8 +254,7 @@ class StatePool:
 
     def put(self, digest: bytes, block: int) -> None:
         """A filled state block published under its block's hash (unless another stands for it)."""
-        if self.hash_of[block] is None and digest not in self.cached:
-            self.cached[digest], self.hash_of[block] = block, digest
+        self._publish_one(block, digest)
 
     def done_reading(self, seq_id: int) -> None:
         for block in self.reading.pop(seq_id, []):

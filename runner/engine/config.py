@@ -146,7 +146,7 @@ class RunConfig:
                              f"{run.layout.world_size}")
         run._check_speculative()
         run._check_experts()
-        run._check_kernels()
+        _check_kernels(run)
         if "max_position_embeddings" not in run.model_config:
             raise InputError(f"{shards}/config.json has no max_position_embeddings (the longest context to accept)")
         return run
@@ -209,22 +209,6 @@ class RunConfig:
         record = self.expert_load_record
         if record is not None and not Path(record).parent.is_dir():
             raise InputError(f"--expert-load-record {record}: {Path(record).parent} is not a directory")
-
-    def _check_kernels(self) -> None:
-        """--kernels: one of KERNELS; pypto installed (at the version its host shim is written for), on CPU or CUDA,
-        without speculative decoding: each refusal one line."""
-        if self.kernels not in KERNELS:
-            raise InputError(f"--kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
-        if self.kernels == "torch":
-            return
-        if self.device == NPU_DEVICE_TYPE:
-            raise InputError("--kernels pypto: the compiled PyPTO kernels (CANN) are not wired in yet; on --device npu "
-                             "run --kernels torch")
-        if self.speculative is not None:
-            raise InputError("--kernels pypto runs decode steps of one token each: not with --speculative-config")
-        from dsconv.kernels.pypto.host import check
-
-        check()
 
     @property
     def experts_summary(self) -> str:
@@ -406,6 +390,23 @@ class RunConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.model_config.get("eos_token_id")
+
+
+def _check_kernels(run: RunConfig) -> None:
+    """--kernels: one of KERNELS; pypto installed (at the version its host shim is written for), on CPU or CUDA,
+    without speculative decoding: each refusal one line."""
+    if run.kernels not in KERNELS:
+        raise InputError(f"--kernels {run.kernels!r} is not one of {', '.join(KERNELS)}")
+    if run.kernels == "torch":
+        return
+    if run.device == NPU_DEVICE_TYPE:
+        raise InputError("--kernels pypto: the compiled PyPTO kernels (CANN) are not wired in yet; on --device npu "
+                         "run --kernels torch")
+    if run.speculative is not None:
+        raise InputError("--kernels pypto runs decode steps of one token each: not with --speculative-config")
+    from dsconv.kernels.pypto.host import check
+
+    check()
 
 
 def _record_path(path: Path) -> Path:

@@ -32,17 +32,14 @@ import torch
 from dsconv.comm.collectives import broadcast_bytes, gather_bytes
 from dsconv.runner.engine.config import EngineConfig, RunConfig
 from dsconv.runner.engine.grammar import Grammars
-from dsconv.comm.kv_transfer import TransferAgent
-from dsconv.runner.engine.kv_offload import BLOCK, STATE, OffloadConfig, OffloadOps, OffloadReport, TierShape
-from dsconv.runner.engine.offload_store import OffloadStore, agree, file_bytes, scan
-from dsconv.runner.engine.kv_release import end_lease
-from dsconv.runner.engine.kv_transfer import KVTransferConfig, LoadReport, Offer, rank_regions
+from dsconv.runner.engine.kv_connector import factory
+from dsconv.runner.engine.kv_connector.base import KVConnector, KVConnectorWorker, StepMeta
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import (FINISH_ABORT, NotAccepting, RequestOutput, SamplingParams, SeqResult,
                                           check_prompt, failure_text)
 from dsconv.runner.engine.scheduler import PoolShape, Scheduler
 from dsconv.runner.engine.shapes import ShapeRecorder
-from dsconv.runner.engine.worker import Transfer, Worker
+from dsconv.runner.engine.worker import Worker
 from dsconv.runner.engine.batch import Batch
 from dsconv.family.expert_map import ModelKey
 from dsconv.runner.models.eplb import ExpertBalancer
@@ -59,9 +56,7 @@ class EngineClient:
         self._ready, self._draining = threading.Event(), threading.Event()
         self._check = None  # the engine's admission check, once open
         self.max_model_len: int | None = None  # the engine's, once open
-        self.offload_disk: Callable[[], str | None] = lambda: None  # the engine's (for /health), once open
-        self._leases: dict[str, float] = {}  # a producer's open leases: transfer id -> end (track_lease)
-        self._lease_lock = threading.Lock()
+        self.connector = KVConnector()  # the engine's (rank 0's side), once open: /health and its routes ask it
 
     # -- any thread ------------------------------------------------------------------------------------------
 
@@ -86,27 +81,9 @@ class EngineClient:
         """Ends sample `index` of the request, or all of its samples."""
         self._commands.put(("abort", request_id, index))
 
-    def release_transfer(self, transfer_id: str) -> bool:
-        """A producer's lease ends: the consumer has read its blocks (or given up on them) -> whether the lease was
-        still held (engine/kv_release.py). Answered here, not by the loop (whose step may be long): the loop frees a
-        lease's blocks only at its end (`expires`, on the same clock) or on the "release" put here, so an entry
-        still here before its end has held them until now."""
-        with self._lease_lock:
-            expires = self._leases.pop(transfer_id, None)
-        self._commands.put(("release", transfer_id))
-        return expires is not None and time.monotonic() < expires
-
-    def track_lease(self, transfer_id: str, expires: float | None) -> None:
-        """The loop's: a producer's lease opened (until `expires`, time.monotonic()) or closed (None)."""
-        with self._lease_lock:
-            if expires is None:
-                self._leases.pop(transfer_id, None)
-            else:
-                self._leases[transfer_id] = expires
-
-    def lease_answer(self, seq_id: int, held: bool, why: str) -> None:
-        """A consumer's: the producer's answer for a request whose blocks arrived (engine/kv_release.py)."""
-        self._commands.put(("confirmed", seq_id, held, why))
+    def wake(self) -> None:
+        """The loop's next turn comes now (something it polls has changed: a KV connector's state, say)."""
+        self._commands.put(("wake",))
 
     def drain(self) -> None:
         """Stop admitting; the loop finishes what is in flight (aborting it after its drain timeout) and ends."""
@@ -117,8 +94,7 @@ class EngineClient:
 
     def open(self, engine: EngineCore) -> None:
         """Admit requests to `engine` (rank 0's, loaded)."""
-        self._check, self.max_model_len = engine.check, engine.max_model_len
-        self.offload_disk = engine.offload_disk
+        self._check, self.max_model_len, self.connector = engine.check, engine.max_model_len, engine.connector
         self._ready.set()
 
     @property
@@ -149,11 +125,10 @@ RESULT_BYTES = 8 * 2**10
 @dataclass(frozen=True)
 class Plan:
     """What rank 0 sends every rank each round: the step's batches (one per DP index), or nothing to run (a
-    keep-alive), or the end of the loop (after a graceful end, with per DP index the ops that write its host tier to
-    disk: KV offload)."""
+    keep-alive), or the end of the loop (after a graceful end, with per DP index the KV connector's last work)."""
     batches: list[Batch] | None = None
     stop: bool = False
-    offload: list[OffloadOps | None] | None = None
+    last: dict[int, StepMeta] | None = None
 
 
 def rank_device(device: str) -> torch.device:
@@ -183,34 +158,34 @@ def start_engine(run: RunConfig, grammars: Grammars | None = None, metrics: Serv
     # every rank: the same blocks, and a sequence slot for each sequence its DP rank may run
     cache = new_cache(run.cache_tokens, run.cache.dtype, run.cache.block_size, run.scheduler.max_num_seqs,
                       run.scheduler.enable_prefix_caching)
-    engine = new_engine(model, cache, dist, run.engine_config(cache.num_blocks * cache.block_size), grammars=grammars,
-                        metrics=metrics)
-    if engine.leads and run.record_shapes is not None:
-        engine.shapes = ShapeRecorder.of(run, run.record_shapes, run.command)
-    if run.scheduler.kv_transfer is not None:
-        engine.attach_transfer(cache, run.scheduler.kv_transfer)
-    if run.offload is not None:
-        engine.attach_offload(cache, run.offload)
+    connector, connector_worker = factory.build_for(cache, dist, run)
+    balancer = None
     if run.eplb is not None or run.expert_load_record is not None:
         experts, arch = run.manifest.get("experts") or {}, run.family.parse_config(run.model_config)
         groups = getattr(arch, "n_group", None) or 1  # V4 routes without groups
         key = ModelKey.of(run.family.name, arch.n_routed_experts, (t["name"] for t in run.manifest["tensors"]))
-        engine.worker.balancer = ExpertBalancer(dist, key, run.eplb, run.expert_load_record, groups,
-                                                experts.get("nodes", 1))
-    return engine
+        balancer = ExpertBalancer(dist, key, run.eplb, run.expert_load_record, groups, experts.get("nodes", 1))
+    shapes = ShapeRecorder.of(run, run.record_shapes, run.command) \
+        if dist.rank == 0 and run.record_shapes is not None else None
+    return new_engine(model, cache, dist, run.engine_config(cache.num_blocks * cache.block_size), grammars=grammars,
+                      metrics=metrics, connector=connector, connector_worker=connector_worker, balancer=balancer,
+                      shapes=shapes)
 
 
 def new_engine(model, cache, dist: Dist, config: EngineConfig, *, grammars: Grammars | None = None,
-               metrics: ServeMetrics | None = None) -> EngineCore:
-    """The one place an engine is assembled: this rank's worker around its model and cache, and on rank 0 the
-    scheduler, whose block pools mirror every DP rank's cache."""
+               metrics: ServeMetrics | None = None, connector: KVConnector | None = None,
+               connector_worker: KVConnectorWorker | None = None, balancer: ExpertBalancer | None = None,
+               shapes: ShapeRecorder | None = None) -> EngineCore:
+    """The one place an engine is assembled, every optional part given: this rank's worker around its model and
+    cache (with its side of the KV connectors and EPLB's balancer), and on rank 0 the scheduler, whose block pools
+    mirror every DP rank's cache (with the connectors' scheduler side), the metrics and the shape recorder."""
     worker = Worker(model, cache, dist, dp_index=dist.rank // dist.attn_tp, grammars=grammars,
-                    speculative=config.speculative)
+                    speculative=config.speculative, connector=connector_worker, balancer=balancer)
     if dist.rank != 0:
         return EngineCore(worker, None, config)
     scheduler = Scheduler(config.scheduler, PoolShape.of(dist.world_size // dist.attn_tp, cache),
-                          config.eos_token_id, config.speculative_tokens)
-    return EngineCore(worker, scheduler, config, metrics)
+                          config.eos_token_id, config.speculative_tokens, connector)
+    return EngineCore(worker, scheduler, config, metrics, shapes)
 
 
 class EngineCore:
@@ -218,61 +193,20 @@ class EngineCore:
     every rank, outputs to each request's callback. On the others `run` follows rank 0's steps."""
 
     def __init__(self, worker: Worker, scheduler: Scheduler | None, config: EngineConfig,
-                 metrics: ServeMetrics | None = None):
+                 metrics: ServeMetrics | None = None, shapes: ShapeRecorder | None = None):
+        """shapes: rank 0's, with --record-shapes: it sees every scheduled step."""
         self.worker, self.scheduler, self.config, self.metrics = worker, scheduler, config, metrics
         self.world_size, self.attn_tp = worker.dist.world_size, worker.dist.attn_tp
-        self.shapes: ShapeRecorder | None = None  # rank 0, with --record-shapes: sees every scheduled step
-        self.offload_shape: TierShape | None = None  # KV offload's tiers, once attached (attach_offload)
-        self.door: EngineClient | None = None  # rank 0's, while `run` serves it: producers' answers come through it
+        self.shapes = shapes
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def attach_transfer(self, cache, config: KVTransferConfig) -> None:
-        """P/D disaggregation, on every rank: this rank's transfer engine; a producer's ranks register their caches,
-        and rank 0 learns every rank's session and regions, which its offers name."""
-        agent = TransferAgent(config.host)
-        self.worker.transfer = Transfer(agent, cache.transfer_views())
-        mine = rank_regions(agent, cache) if config.producer else None
-        if self.world_size == 1:
-            everyone = [mine]
-        else:
-            parts = gather_bytes(pickle.dumps(mine), self._host, 0, RESULT_BYTES)
-            everyone = None if parts is None else [pickle.loads(part) for part in parts]
-        if self.leads and config.producer:
-            if config.release_url is None:  # serve sets it once it listens: an offer must say where to end it
-                raise ValueError("a P/D producer's engine needs its own URL (KVTransferConfig.release_url)")
-            tp = self.attn_tp
-            self.scheduler.offer_ranks = lambda dp_index: tuple(everyone[dp_index * tp:(dp_index + 1) * tp])
-
-    def attach_offload(self, cache, config: OffloadConfig) -> TierShape:
-        """KV offload, on every rank: this rank's host slots (and disk files); on rank 0 the tiers' index, the disk
-        tier's files found at start included (every rank's: a block counts where every rank of its DP index has a
-        file for it) -> the tiers' shape."""
-        dist = self.worker.dist
-        blocks, states = cache.transfer_views()
-        units = {BLOCK: sum(view.shape[1] for view in blocks), STATE: sum(view.shape[1] for view in states)}
-        shape = TierShape.of(config, dist.world_size, {BLOCK: cache.num_blocks, STATE: cache.state_blocks}, units,
-                             file_bytes(config.fingerprint, units))
-        self.worker.offload = OffloadStore(cache, shape, self.worker.dp_index, dist.rank, config.path,
-                                           config.fingerprint)
-        if self.leads:
-            tp = self.attn_tp
-            found = None if config.path is None else \
-                [agree([scan(config.path, rank) for rank in range(index * tp, (index + 1) * tp)])
-                 for index in range(self.world_size // tp)]
-            self.scheduler.attach_offload(shape, found)
-        self.offload_shape = shape
-        return shape
-
-    def offload_disk(self) -> str | None:
-        """KV offload's disk tier, for /health: "ok", "disabled: why" (a filesystem error stopped its writes), or
-        None without one. Any thread may ask: it reads one attribute the loop sets once."""
-        if self.scheduler.offloaders is None or self.scheduler.offloaders[0].disk is None:
-            return None
-        stopped = self.scheduler.offload_counts.disk_stopped
-        return "ok" if stopped is None else f"disabled: {stopped}"
+    @property
+    def connector(self) -> KVConnector:
+        """Rank 0's side of the KV connectors (engine/kv_connector/): its /health parts, its summary."""
+        return self.scheduler.connector
 
     @property
     def _host(self):
@@ -288,7 +222,7 @@ class EngineCore:
         than a DP rank's cache or sequences. Reads only what never changes, so the door calls it from any thread."""
         check_prompt(prompt_ids, params.max_tokens, self.config.vocab_size, self.max_model_len)
         self.scheduler.check(len(prompt_ids), params, dp_rank)
-        self.scheduler.check_handoff(prompt_ids, params)
+        self.scheduler.check_kv(prompt_ids, params)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -299,33 +233,35 @@ class EngineCore:
         if not self.leads:
             self._follow()
             return
-        scheduler, deadline, self.door = self.scheduler, None, door
-        scheduler.on_lease = door.track_lease
-        graceful = True  # the loop ended on its own (drained, or idle): KV offload writes its host tier to disk
+        scheduler, deadline, sent = self.scheduler, None, time.monotonic()  # sent: the last plan the ranks heard
+        graceful = True  # the loop ended on its own (drained, or idle): the KV connector's last work runs
         try:
             while True:
                 for command in door.pending():
                     self._apply(command, door)
-                expired = scheduler.leases_expired
-                next_expiry = scheduler.expire_leases(time.monotonic())
-                if self.metrics is not None and scheduler.leases_expired != expired:
+                outputs, next_poll, changed = scheduler.poll(time.monotonic())
+                for request, out in outputs:
+                    _deliver(request.on_output, out)
+                if self.metrics is not None and (changed or outputs):
                     self.metrics.record_queues(scheduler)
                 if door.draining:
                     deadline = deadline or time.monotonic() + self.config.drain_timeout_s
                     if time.monotonic() > deadline:
                         for request_id, index in list(scheduler.requests):
                             self._apply(("abort", request_id, index), door)
-                    if not scheduler.has_work and not scheduler.confirming:
+                    if not scheduler.has_work and not scheduler.holding:
                         return
                 if not scheduler.has_work:
                     if until_idle:
                         return
-                    wait = self.config.keepalive_s if next_expiry is None else \
-                        min(next_expiry, self.config.keepalive_s or next_expiry)
+                    keepalive = self.config.keepalive_s
+                    wait = keepalive if next_poll is None else min(next_poll, keepalive or next_poll)
                     try:  # idle: no collectives until a request comes, a keep-alive before any could time out
                         self._apply(door.next_command(wait), door)
                     except queue.Empty:
-                        self._send(Plan())
+                        if keepalive is not None and time.monotonic() - sent >= keepalive:
+                            self._send(Plan())
+                            sent = time.monotonic()
                     continue
                 for request, out in self.step():
                     _deliver(request.on_output, out)
@@ -336,17 +272,17 @@ class EngineCore:
             self._stop(graceful)
 
     def _stop(self, graceful: bool) -> None:
-        """Every rank leaves the loop; after a graceful end each first writes its host tier's blocks to disk (KV
-        offload: a restart finds them)."""
-        flush = None
-        if graceful and self.scheduler.offloaders is not None:
+        """Every rank leaves the loop; after a graceful end each first runs the KV connector's last work (one that
+        keeps blocks on disk writes what it holds in memory, where a restart finds it)."""
+        last = None
+        if graceful:
             try:
-                flush = self.scheduler.flush_offload()
-            except Exception as exc:  # noqa: BLE001  (the ranks must hear the stop whatever the flush's plan did)
-                print(f"dsrun: KV offload: the host tier is not written at stop: {type(exc).__name__}: {exc}",
+                last = self.scheduler.connector.stop()
+            except Exception as exc:  # noqa: BLE001  (the ranks must hear the stop whatever the last work's plan did)
+                print(f"dsrun: the KV connector's last work is not done at stop: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
-        self._send(Plan(stop=True, offload=flush))
-        self.worker.finish(None if flush is None else flush[self.worker.dp_index])
+        self._send(Plan(stop=True, last=last))
+        self.worker.finish(None if last is None else last.get(self.worker.dp_index))
         if self.shapes is not None:
             self.shapes.flush()
 
@@ -364,11 +300,6 @@ class EngineCore:
         elif kind == "abort":
             for request, out in self.scheduler.abort(*args):
                 _deliver(request.on_output, out)
-        elif kind == "release":
-            self.scheduler.release_lease(*args)
-        elif kind == "confirmed":
-            for request, out in self.scheduler.confirmed(*args):
-                _deliver(request.on_output, out)
         if self.metrics is not None:
             self.metrics.record_queues(self.scheduler)
 
@@ -376,18 +307,13 @@ class EngineCore:
              ) -> None:
         """Admits a request; one that cannot be added fails alone (its partial state removed) and the loop goes on."""
         try:
-            request = self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
+            self.scheduler.add(request_id, prompt, params, on_output, dp_rank)
         except Exception as exc:  # noqa: BLE001  (a request can fail; the engine cannot)
             self.scheduler.abort(request_id)
             self._count_failure("add", request_id, exc)
-            if isinstance(params.kv_transfer, Offer):  # its producer's lease goes now, not at its end
-                end_lease(params.kv_transfer)
             for index in range(params.n):
                 _deliver(on_output, RequestOutput(request_id, len(prompt), index=index, finished=True,
                                                   finish_reason=FINISH_ABORT, error=failure_text("add", exc)))
-            return
-        if isinstance(params.kv_transfer, Offer) and request.load is None:  # nothing to read: it may go
-            end_lease(params.kv_transfer)
 
     def _count_failure(self, stage: str, request_id: str, exc: Exception) -> None:
         print(f"dsrun: request {request_id} failed at {stage}: {type(exc).__name__}: {exc}", file=sys.stderr,
@@ -402,64 +328,44 @@ class EngineCore:
             return []
         if self.shapes is not None:
             self.shapes.observe(step)
-        results, reports, offload_reports = self._run(step.batches)
-        if self.scheduler.offloaders is not None:  # before update: what failed to read is no hit for anyone
-            self.scheduler.offloaded(offload_reports)
-        outputs = self.scheduler.update(step, results)
+        results, reports = self._run(step.batches)
+        outputs = self.scheduler.reported(reports)  # before update: what failed to arrive is no hit for anyone
+        outputs += self.scheduler.update(step, results)
         for stage, request_id, exc in self.scheduler.take_failures():
             self._count_failure(stage, request_id, exc)
-        if reports:
-            failed, arrived, gone = self.scheduler.loaded(reports)
-            outputs += failed
-            for request in gone:
-                end_lease(request.params.kv_transfer)
-            for request in arrived:  # published only once P says the lease held for the whole read
-                end_lease(request.params.kv_transfer, self._answer_to(request.seq_id))
         if self.metrics is not None:
             self.metrics.record_step(self.scheduler, step, outputs)
-            self.metrics.record_loads(reports)
-            self.metrics.record_offload(self.scheduler)
+            self.metrics.record_connector(self.scheduler.connector, reports)
             self.metrics.record_eplb(self.worker.balancer)
         return outputs
 
-    def _answer_to(self, seq_id: int):
-        """The callback that brings a producer's answer for this sequence's load to the loop."""
-        door = self.door
-        if door is None:
-            raise RuntimeError("a P/D consumer's loads are confirmed through the door: run the engine with one")
-        return lambda held, why: door.lease_answer(seq_id, held, why)
-
-    def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list[LoadReport], list[OffloadReport]]:
-        """-> (per DP index, one result per sequence of its batch; every rank's reports of the step's loads; every
-        rank's outcome of its offload ops)."""
+    def _run(self, batches: list[Batch]) -> tuple[list[list[SeqResult]], list]:
+        """-> (per DP index, one result per sequence of its batch; every rank's KV connector reports, in rank
+        order)."""
         if self.world_size == 1:
-            return [self.worker.execute(batches[0])], *self._reports()
+            return [self.worker.execute(batches[0])], self._reports()
         self._send(Plan(batches))
         everyone = self._gather(self.worker.execute(batches[self.worker.dp_index], batches))
         return ([everyone[dp_index * self.attn_tp][0] for dp_index in range(len(batches))],  # each index's reporter
-                [report for _, reports, _ in everyone for report in reports],
-                [report for _, _, reports in everyone for report in reports])
+                [report for _, reports in everyone for report in reports])
 
-    def _reports(self) -> tuple[list[LoadReport], list[OffloadReport]]:
-        reports, self.worker.load_reports = self.worker.load_reports, []
-        offload, self.worker.offload_reports = self.worker.offload_reports, []
-        return reports, offload
+    def _reports(self) -> list:
+        return self.worker.take_reports()
 
     def _send(self, plan: Plan) -> None:
         if self.world_size > 1:
             broadcast_bytes(pickle.dumps(plan), self._host, 0, PLAN_BYTES)
 
     def _gather(self, mine: list[SeqResult] | None) -> list[tuple] | None:
-        """Every rank's (results, load reports, offload reports) of the step, in rank order, on rank 0 (None on the
-        others)."""
-        parts = gather_bytes(pickle.dumps((mine, *self._reports())), self._host, 0, RESULT_BYTES)
+        """Every rank's (results, KV connector reports) of the step, in rank order, on rank 0 (None on the others)."""
+        parts = gather_bytes(pickle.dumps((mine, self._reports())), self._host, 0, RESULT_BYTES)
         return None if parts is None else [pickle.loads(part) for part in parts]
 
     def _follow(self) -> None:
         while True:
             plan: Plan = pickle.loads(broadcast_bytes(None, self._host, 0, PLAN_BYTES))
             if plan.stop:
-                self.worker.finish(None if plan.offload is None else plan.offload[self.worker.dp_index])
+                self.worker.finish(None if plan.last is None else plan.last.get(self.worker.dp_index))
                 return
             if plan.batches is None:  # keep-alive
                 continue

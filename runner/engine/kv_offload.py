@@ -12,8 +12,9 @@ Two tiers below the device pool (block_pool.py), each keyed by the block hashes 
   renamed whole). Files are dropped least recently used first past the size; a server restarted on DIR with the same
   shards finds them (`DiskTier.scan`).
 
-A request's prefix is looked up device first, then host, then disk (`Scheduler._reuse_offloaded`). Host hits are
-copied into fresh device blocks in the ops of the step that admits the request, before its forward. Disk hits are
+A request's prefix is looked up device first, then host, then disk (`kv_connector.offload.OffloadConnector.hit`).
+Host hits are copied into fresh device blocks in the ops of the step that admits the request, before its forward.
+Disk hits are
 read into host slots first, in a step of their own: each rank checks its file, and a file that is torn, corrupt or
 another model's is reported (`OffloadReport`), counted and removed; the request is looked up again the next step and
 computes what was not found. The ops of a step (`OffloadOps`) run on every rank of the DP index in the order the
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsconv.errors import InputError
+from dsconv.runner.engine.kv_connector.base import StepMeta
 
 GIB = 2**30
 BLOCK, STATE = "block", "state"  # a block's entries; a DeepSeek-V4 state block (block_pool.StatePool)
@@ -116,7 +118,7 @@ LOAD = "load"  # (LOAD, kind, host slot, device block)
 
 
 @dataclass(frozen=True)
-class OffloadOps:
+class OffloadOps(StepMeta):
     """One step's copies on every rank of a DP index, run in order before anything else of the step."""
     ops: tuple[tuple, ...]
 

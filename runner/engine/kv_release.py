@@ -4,9 +4,10 @@ was still held then. P lets a lease's blocks go only when the lease ends, so a l
 ended held them for the whole read; otherwise P may have given them to another sequence during it, and D must not
 publish what it read.
 
-Each request runs in a thread of its own, and its answer comes back through a callback (the engine puts it on its
-door's queue), so the loop never waits on another server. P answers from its HTTP thread (EngineClient.release_transfer:
-the door keeps each open lease's end), so a long step of P's never makes a lease that held look ended.
+Each request runs in a thread of its own, and its answer comes back through a callback (the consumer's connector
+queues it for the loop's next turn: kv_connector/pd.py), so the loop never waits on another server. P answers from
+its HTTP thread (ProducerConnector.release: the connector keeps each open lease's end), so a long step of P's never
+makes a lease that held look ended.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dsconv.runner.engine.kv_transfer import Offer
 # a producer's route where a consumer ends a lease (outside /v1/: a consumer holds no API key; ending a lease early
 # only makes the consumer's own read count as failed)
 RELEASE_PATH = "/kv_transfer/release"
-# how long a consumer waits for the answer (P's HTTP thread answers from its door's record of the leases, without
+# how long a consumer waits for the answer (P's HTTP thread answers from its connector's record of the leases, without
 # waiting for its loop); one that takes longer is taken as not held (the read fails, kv_load_failure_policy decides)
 RELEASE_TIMEOUT_S = 5.0
 

@@ -31,6 +31,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -132,6 +133,7 @@ def check_transfer_engine() -> None:
 class Export:
     """A producer's request (kv_transfer_params {"do_remote_decode": true}): when it ends, its prompt's blocks are
     leased to a consumer and its last output carries the Offer's params."""
+    role: ClassVar[str] = PRODUCER  # the instance that takes it
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class Offer:
     release_url: str
     expires_at: float
     signature: str = ""
+    role: ClassVar[str] = CONSUMER  # the instance that takes it
 
     def payload(self) -> dict:
         """Every field but the signature: what P signs and D verifies."""

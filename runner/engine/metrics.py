@@ -8,7 +8,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dsconv.runner.engine.kv_connector.offload import OffloadConnector
+from dsconv.runner.engine.kv_connector.pd import ConsumerConnector, ProducerConnector
 from dsconv.runner.engine.kv_offload import OffloadCounts
+from dsconv.runner.engine.kv_transfer import LoadReport
 from dsconv.runner.engine.speculative import SpecCounts
 
 # latency buckets in seconds: tiny CPU models answer in milliseconds, real ones in seconds
@@ -49,18 +52,7 @@ class ServeMetrics:
                                    "reused, not computed)", per_model, registry=registry)
         self.cp_prefill_tokens = Counter("dsrun:context_parallel_prefill_tokens", "Prompt tokens prefilled by "
                                          "context-parallel groups", per_model, registry=registry)
-        # speculative decoding, vLLM's meanings: verification steps with drafts, their draft tokens, the accepted
-        # ones, and the accepted ones per draft position (label `position`, from 0)
-        self.spec_drafts = Counter("dsrun:spec_decode_num_drafts", "Verification steps with drafts", per_model,
-                                   registry=registry)
-        self.spec_draft_tokens = Counter("dsrun:spec_decode_num_draft_tokens", "Draft tokens verified", per_model,
-                                         registry=registry)
-        self.spec_accepted = Counter("dsrun:spec_decode_num_accepted_tokens", "Draft tokens accepted", per_model,
-                                     registry=registry)
-        self.spec_accepted_per_pos = Counter("dsrun:spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted at each draft position", per_model + ["position"],
-                                             registry=registry)
-
+        self._speculative_metrics(per_model)
         self._transfer_metrics(per_model)
         self._eplb_metrics(per_model)
         self._offload_metrics(per_model)
@@ -83,6 +75,20 @@ class ServeMetrics:
         for rank in range(dp):  # every rank's series exists from the start, at 0
             for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions, self.zero_token_steps):
                 gauge.labels(model_name, str(rank))
+
+    def _speculative_metrics(self, per_model: list[str]) -> None:
+        """Speculative decoding, vLLM's meanings: verification steps with drafts, their draft tokens, the accepted
+        ones, and the accepted ones per draft position (label `position`, from 0)."""
+        registry = self.registry
+        self.spec_drafts = Counter("dsrun:spec_decode_num_drafts", "Verification steps with drafts", per_model,
+                                   registry=registry)
+        self.spec_draft_tokens = Counter("dsrun:spec_decode_num_draft_tokens", "Draft tokens verified", per_model,
+                                         registry=registry)
+        self.spec_accepted = Counter("dsrun:spec_decode_num_accepted_tokens", "Draft tokens accepted", per_model,
+                                     registry=registry)
+        self.spec_accepted_per_pos = Counter("dsrun:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position", per_model + ["position"],
+                                             registry=registry)
 
     def _transfer_metrics(self, per_model: list[str]) -> None:
         """P/D disaggregation (engine/kv_transfer.py): a consumer's reads, a producer's leases."""
@@ -145,11 +151,17 @@ class ServeMetrics:
                                           registry=registry)
         self._offload_seen = OffloadCounts()
 
-    def record_offload(self, scheduler) -> None:
-        """The scheduler's offload totals (engine/kv_offload.OffloadCounts): what grew since the last step."""
-        if scheduler.offloaders is None:
+    def record_connector(self, connector, reports: list) -> None:
+        """After a step: the KV connectors' figures (connector: the scheduler's; reports: every rank's of the step)."""
+        self.record_loads([report for report in reports if isinstance(report, LoadReport)])
+        self.record_offload(connector.find(OffloadConnector))
+
+    def record_offload(self, offload) -> None:
+        """KV offload's totals (kv_connector.offload.OffloadConnector's counts, kv_offload.OffloadCounts): what
+        grew since the last step. None: no offload."""
+        if offload is None:
             return
-        now, seen = scheduler.offload_counts, self._offload_seen
+        now, seen = offload.counts, self._offload_seen
         for metric, current, before in ((self.offload_hits, now.hit_tokens, seen.hit_tokens),
                                         (self.offload_bytes, now.moved, seen.moved),
                                         (self.offload_evictions, now.evictions, seen.evictions)):
@@ -171,12 +183,16 @@ class ServeMetrics:
 
     def record_queues(self, scheduler) -> None:
         """The running / waiting / KV gauges, after a step and after requests come or go between steps."""
-        for rank in range(scheduler.dp):
-            self.rank(self.running, rank).set(len(scheduler.running[rank]))
-            self.rank(self.waiting, rank).set(len(scheduler.waiting[rank]))
-            self.rank(self.kv_usage, rank).set(scheduler.pools[rank].used_fraction)
-        self.model(self.kv_transfer_leases).set(len(scheduler.leases))
-        now = (scheduler.load_failures, scheduler.leases_expired, scheduler.received_tokens)
+        for rank in scheduler.ranks:
+            self.rank(self.running, rank.index).set(len(rank.running))
+            self.rank(self.waiting, rank.index).set(len(rank.waiting))
+            self.rank(self.kv_usage, rank.index).set(rank.blocks.used_fraction)
+        producer = scheduler.connector.find(ProducerConnector)
+        consumer = scheduler.connector.find(ConsumerConnector)
+        self.model(self.kv_transfer_leases).set(len(producer.leases) if producer is not None else 0)
+        now = (consumer.load_failures if consumer is not None else 0,
+               producer.leases_expired if producer is not None else 0,
+               consumer.received_tokens if consumer is not None else 0)
         for metric, count, seen in zip((self.kv_transfer_failures, self.kv_transfer_expired, self.kv_transfer_tokens),
                                        now, self._transfer_seen):
             self.model(metric).inc(count - seen)

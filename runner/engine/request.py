@@ -128,7 +128,8 @@ class RequestOutput:
     unavailable: bool = False  # the request came as the server began to drain: not run (HTTP 503, not 500)
     index: int = 0  # which of the request's n samples
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
-    kv_transfer_params: dict | None = None  # a producer's last output: what the consumer reads (Offer.params)
+    connector_params: dict | None = None  # what the KV connector says of a finished request (a P/D producer's
+    # Offer.params, its response's kv_transfer_params)
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from dsconv.kernels.attention import causal_mask
-from dsconv.comm.kv_transfer import TransferAgent
 from dsconv.runner.engine.grammar import Grammars
-from dsconv.runner.engine.kv_offload import OffloadOps, OffloadReport
-from dsconv.runner.engine.kv_transfer import LoadReport, run_load
-from dsconv.runner.engine.offload_store import OffloadStore
+from dsconv.runner.engine.kv_connector.base import KVConnectorWorker
+from dsconv.runner.engine.kv_connector.base import StepMeta as ConnectorMeta
 from dsconv.runner.engine.request import SeqResult
 from dsconv.runner.engine.sampler import constrain, drawn_results, plain_draws, step_results, verify
 from dsconv.runner.engine.speculative import SpeculativeConfig
@@ -39,13 +37,6 @@ class StepInputs:
     meta: StepMeta  # positions, slots, each sequence's context
     rows: torch.Tensor | None  # the rows whose logits the step needs (Batch.logit_rows); None: every row
     dummy: bool = False  # an idle rank's throwaway token (batch.DUMMY_SEQ_ID): its results are dropped
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """A rank's part in P/D disaggregation: its transfer engine, and its cache's views (cache.transfer_views())."""
-    agent: TransferAgent
-    views: tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 THROWAWAY_DRAW = Draw(temperature=0.0, top_k=0, seed=0, index=0)  # an idle rank's throwaway logits row
@@ -205,18 +196,18 @@ class Worker:
     decoding the MTP layer's drafts for the next step."""
 
     def __init__(self, model, cache: KVCache, dist: Dist, dp_index: int, grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, connector: KVConnectorWorker | None = None,
+                 balancer: ExpertBalancer | None = None):
+        """connector: this rank's side of the KV connectors (engine/kv_connector/); balancer: EPLB and the
+        expert-load record (runner/models/eplb.py)."""
         self.model, self.cache, self.dist, self.dp_index = model, cache, dist, dp_index
         self.speculative = speculative
         self.inputs = InputBuilder(cache, speculative.num_speculative_tokens if speculative is not None else 0)
         self.grammars = grammars  # constrained decoding on this rank (serve); None: requests carry no grammar
         self.reports = dist.attn_tp_rank == 0  # attention-TP ranks of one DP index compute the same rows
         self.steps = 0  # steps this rank has run
-        self.transfer: Transfer | None = None  # P/D disaggregation: this rank's transfer engine and cache views
-        self.load_reports: list[LoadReport] = []  # the loads run since rank 0 last took them
-        self.offload: OffloadStore | None = None  # KV offload: this rank's host and disk tiers (offload_store.py)
-        self.offload_reports: list[OffloadReport] = []  # the outcomes of the offload ops run since rank 0 took them
-        self.balancer: ExpertBalancer | None = None  # EPLB and the expert-load record (runner/models/eplb.py)
+        self.connector, self.balancer = connector, balancer
+        self.connector_reports: list = []  # the connector's reports since rank 0 last took them
 
     @torch.inference_mode()
     def execute(self, batch: Batch, plan: list[Batch] | None = None) -> list[SeqResult] | None:
@@ -225,16 +216,10 @@ class Worker:
         rows are known without exchanging them."""
         if self.balancer is not None:  # a step boundary, on every rank: the load counted, experts moved when due
             self.balancer.before_step()
-        if batch.offload is not None:  # first: a block saved here may be written, or loaded into, below
-            if self.offload is None:
-                raise ValueError("invalid step batch: KV offload ops on a rank without KV offload")
-            self.offload_reports.append(self.offload.run(batch.offload))
-        for load in batch.loads:  # before anything reads the blocks: a prefix that arrives whole starts next step
-            if self.transfer is None:
-                raise ValueError(f"invalid step batch: sequence {load.seq_id} loads blocks on a rank without a "
-                                 f"transfer engine")
-            self.load_reports.append(run_load(self.transfer.agent, self.transfer.views, load,
-                                              self.dist.attn_tp_rank))
+        if batch.kv is not None:  # first: a block it copies may be written, or read, below
+            if self.connector is None:
+                raise ValueError("invalid step batch: KV connector work on a rank without a KV connector")
+            self.connector_reports += self.connector.run(batch.kv)
         inputs = self.inputs(batch)
         if self.balancer is not None:  # an idle rank's throwaway token is no load
             self.balancer.count(not inputs.dummy)
@@ -277,13 +262,18 @@ class Worker:
             result.drafts.extend(proposed)
         return results
 
-    def finish(self, offload: OffloadOps | None = None) -> None:
-        """The end of the run, on every rank at once (the expert-load record is summed and written; offload: after
-        a graceful end, the ops that write this DP index's host tier to disk)."""
-        if offload is not None:
-            if self.offload is None:
-                raise ValueError("invalid stop: KV offload ops on a rank without KV offload")
-            self.offload.flush(offload)
+    def take_reports(self) -> list:
+        """The KV connector's reports since the last call (rank 0 gathers them after each step)."""
+        reports, self.connector_reports = self.connector_reports, []
+        return reports
+
+    def finish(self, last: ConnectorMeta | None = None) -> None:
+        """The end of the run, on every rank at once (the expert-load record is summed and written; last: after a
+        graceful end, the KV connector's last work on this rank, such as its host tier written to disk)."""
+        if last is not None and self.connector is None:
+            raise ValueError("invalid stop: KV connector work on a rank without a KV connector")
+        if self.connector is not None:
+            self.connector.finish(last)
         if self.balancer is not None:
             self.balancer.finish()
 

@@ -26,9 +26,10 @@ import torch
 from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.family.text import TextTokenizer
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import SamplingParams, check_prompt
+from dsconv.runner.entrypoints.options import EngineOptions
 from dsconv.runner.entrypoints.reference import LOGITS, Reference
 
 # The default prompt: prose and code, so that every layer sees a varied context
@@ -47,13 +48,9 @@ class CompareOptions:
     shards: Path
     reference: Path
     prompt: list[str] | None
-    dtype: str
     min_cosine: float
-    kv_cache_dtype: str
-    device: str
-    world_size: int | None
     json_output: bool
-    timeout: float
+    engine: EngineOptions  # the engine flags compare takes (options.COMPARE)
 
 
 def main(o: CompareOptions) -> int:
@@ -61,9 +58,8 @@ def main(o: CompareOptions) -> int:
     compared layer by layer as it comes -> 0 if every layer holds, 1 if one does not (or the job's exit code)."""
     if not 0 < o.min_cosine <= 1:
         raise InputError(f"--min-cosine {o.min_cosine} must be in (0, 1]")
-    run = RunConfig.open(o.shards, o.world_size, command="compare", dtype=o.dtype, device=o.device,
-                         cache=CacheConfig(dtype=o.kv_cache_dtype), scheduler=SchedulerConfig(max_num_seqs=1))
-    ref = Reference(o.reference, getattr(torch, o.dtype))
+    run = o.engine.run_config(o.shards, "compare", max_num_seqs=1)
+    ref = Reference(o.reference, getattr(torch, run.dtype))
     check_same_model(run, ref)
     prompts = _prompts(run, o.prompt or [COMPARE_PROMPT])
     longest = max(map(len, prompts))
@@ -73,7 +69,7 @@ def main(o: CompareOptions) -> int:
                   scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
     with tempfile.TemporaryDirectory(prefix="dsrun-compare-") as scratch:
         code = launch(rank_main, {"run": run, "prompts": prompts, "out": scratch}, world_size=run.layout.world_size,
-                      device=run.device, timeout_s=o.timeout)
+                      device=run.device, timeout_s=o.engine.timeout)
         if code:
             return code
         report = compare(ref, prompts, Path(scratch)).report(o.min_cosine)

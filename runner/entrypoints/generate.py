@@ -21,11 +21,11 @@ from dsconv.comm.launch import launch
 from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.family.text import Detokenizer, TextTokenizer
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig, eplb_config
+from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, check_prompt, \
     resolve_max_model_len
-from dsconv.runner.engine.speculative import SpeculativeConfig
+from dsconv.runner.entrypoints.options import EngineOptions
 from dsconv.runner.models.kv_cache import cache_blocks
 
 
@@ -35,34 +35,16 @@ class GenerateOptions:
     prompt: list[str]
     shards: Path | None
     max_new_tokens: int
-    device: str
-    world_size: int | None
     json_output: bool
     no_chat: bool
     thinking: bool
     system: str | None
-    dtype: str
-    cache_tokens: int
-    kv_cache_memory_bytes: int | None
-    block_size: int
-    max_model_len: int | None
-    kv_cache_dtype: str
-    prefill_context_parallel_size: int
-    prefill_cp_min_tokens: int
     logprobs: int | None
     temperature: float
     top_k: int
     top_p: float
     seed: int | None
-    timeout: float
-    record_shapes: Path | None
-    overlap_shared_experts: bool
-    kernels: str
-    enable_prefix_caching: bool
-    speculative_config: str | None
-    enable_eplb: bool
-    eplb_config: str | None
-    expert_load_record: Path | None
+    engine: EngineOptions  # the engine flags generate takes (options.GENERATE)
 
     @property
     def sampling(self) -> dict:
@@ -81,7 +63,7 @@ def main(o: GenerateOptions) -> int:
     return launch(rank_main, {"run": run, "prompts": prompts, "max_new_tokens": o.max_new_tokens,
                               "logprobs": o.logprobs, "json_output": o.json_output, "started_at": started,
                               "sampling": o.sampling},
-                  world_size=run.layout.world_size, device=run.device, timeout_s=o.timeout)
+                  world_size=run.layout.world_size, device=run.device, timeout_s=o.engine.timeout)
 
 
 def _check(o: GenerateOptions) -> None:
@@ -104,16 +86,7 @@ def _open(o: GenerateOptions) -> RunConfig:
         from dsconv.shard.demo import announced_demo_shards  # the converter is imported only for the demo
 
         shards = announced_demo_shards("running")
-    run = RunConfig.open(shards, o.world_size, command="generate", dtype=o.dtype,
-                         device=o.device, cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes,
-                                                            o.kv_cache_dtype, o.block_size),
-                         scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
-                                                   cp_min_tokens=o.prefill_cp_min_tokens,
-                                                   enable_prefix_caching=o.enable_prefix_caching),
-                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
-                         kernels=o.kernels,
-                         speculative=SpeculativeConfig.parse(o.speculative_config),
-                         eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
+    run = o.engine.run_config(shards, "generate", max_num_seqs=1, max_model_len=None)
     # every prompt runs at once, prompt i on attention-DP rank i % dp: a byte budget keeps a sequence slot for each
     # of a rank's prompts
     return run.with_max_num_seqs(-(-len(o.prompt) // run.layout.dp))
@@ -131,13 +104,13 @@ def _prompt_ids(text: TextTokenizer, prompt: str, family, o: GenerateOptions) ->
 def _sized(run: RunConfig, prompts: list[list[int]], o: GenerateOptions) -> RunConfig:
     """The run with every prompt admitted at once and prefilled in one step, once the cache is known to hold them
     all (prompt i on attention-DP index i % dp, where rank_main submits it)."""
-    run.check_holds(o.max_model_len)
-    model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)
-    dp = run.layout.dp
-    need = max(sum(cache_blocks(len(p) + o.max_new_tokens, o.block_size) for p in prompts[index::dp])
+    run.check_holds(o.engine.max_model_len)
+    model_len = resolve_max_model_len(o.engine.max_model_len, run.max_position_embeddings, run.cache_tokens)
+    dp, block_size = run.layout.dp, run.cache.block_size
+    need = max(sum(cache_blocks(len(p) + o.max_new_tokens, block_size) for p in prompts[index::dp])
                for index in range(dp))
     if need > run.cache_blocks:
-        raise InputError(f"prompts + --max-new-tokens need {need} blocks of {o.block_size} tokens on one "
+        raise InputError(f"prompts + --max-new-tokens need {need} blocks of {block_size} tokens on one "
                          f"attention-DP rank, which exceed the KV cache's {run.cache_blocks} ({run.cache_flag})")
     for ids in prompts:
         check_prompt(ids, o.max_new_tokens, run.vocab_size, model_len)

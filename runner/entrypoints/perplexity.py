@@ -30,9 +30,10 @@ from dsconv.comm.launch import launch
 from dsconv.console import console
 from dsconv.errors import InputError
 from dsconv.family.text import TextTokenizer
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig
+from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.request import RequestOutput, SamplingParams, check_prompt, resolve_max_model_len
+from dsconv.runner.entrypoints.options import EngineOptions
 
 SCORE = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each prompt token's logprob, no top entries, no output
 
@@ -43,42 +44,24 @@ class PerplexityOptions:
     shards: Path
     file: Path
     context: int
-    dtype: str
-    device: str
-    world_size: int | None
     json_output: bool
-    max_model_len: int | None
-    kv_cache_dtype: str
-    kv_cache_memory_bytes: int | None
-    block_size: int
-    prefill_context_parallel_size: int
-    prefill_cp_min_tokens: int
-    timeout: float
-    record_shapes: Path | None
-    overlap_shared_experts: bool
-    kernels: str
+    engine: EngineOptions  # the engine flags perplexity takes (options.PERPLEXITY)
 
 
 def main(o: PerplexityOptions) -> int:
     """The command: the file read and cut into windows, the run sized for one window per DP rank at a time, the ranks
     launched -> the job's exit code."""
-    started = time.time()
-    run = RunConfig.open(o.shards, o.world_size, command="perplexity", dtype=o.dtype, device=o.device,
-                         cache=CacheConfig(memory_bytes=o.kv_cache_memory_bytes, dtype=o.kv_cache_dtype,
-                                           block_size=o.block_size),
-                         scheduler=SchedulerConfig(max_num_seqs=1, cp_size=o.prefill_context_parallel_size,
-                                                   cp_min_tokens=o.prefill_cp_min_tokens),
-                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
-                         kernels=o.kernels)
+    started, e = time.time(), o.engine
+    run = e.run_config(o.shards, "perplexity", max_num_seqs=1, max_model_len=None)
     text = _read(o.file)
-    run.check_holds(o.max_model_len)
-    model_len = resolve_max_model_len(o.max_model_len, run.max_position_embeddings,
-                                      None if o.kv_cache_memory_bytes is None else run.cache_tokens)
+    run.check_holds(e.max_model_len)
+    model_len = resolve_max_model_len(e.max_model_len, run.max_position_embeddings,
+                                      None if e.kv_cache_memory_bytes is None else run.cache_tokens)
     cut = windows(TextTokenizer.load(run.shards, run.model_config).encode(text), o.context)
     if not cut:
         raise InputError(f"--file {o.file} is one token: nothing to score")
     longest = max(map(len, cut))
-    if o.kv_cache_memory_bytes is not None and longest > run.cache_tokens:
+    if e.kv_cache_memory_bytes is not None and longest > run.cache_tokens:
         raise InputError(f"windows of up to {longest} tokens exceed the KV cache's {run.cache_tokens} tokens "
                          f"({run.cache_flag}): lower --context or raise the budget")
     for window in cut:  # each window is scored as a prompt of the engine
@@ -86,12 +69,12 @@ def main(o: PerplexityOptions) -> int:
     # A DP rank scores one window at a time, with a token budget of one window (and, unless a byte budget says
     # otherwise, a cache of one window): a step's logits are one window's at most, never a [tokens, vocab] tensor of
     # the file.
-    if o.kv_cache_memory_bytes is None:
+    if e.kv_cache_memory_bytes is None:
         run = replace(run, cache=replace(run.cache, tokens=longest))
     run = replace(run, scheduler=replace(run.scheduler, max_num_batched_tokens=longest))
     return launch(rank_main, {"run": run, "windows": cut, "context": o.context, "json_output": o.json_output,
                               "started_at": started}, world_size=run.layout.world_size, device=run.device,
-                  timeout_s=o.timeout)
+                  timeout_s=e.timeout)
 
 
 def _read(file: Path) -> str:

@@ -22,14 +22,12 @@ import torch
 from dsconv.comm.launch import launch
 from dsconv.errors import InputError
 from dsconv.family.text import TOKENIZER_FILE, TextTokenizer, tokenizer_dir
-from dsconv.runner.engine.config import CacheConfig, RunConfig, SchedulerConfig, eplb_config
+from dsconv.runner.engine.config import RunConfig
 from dsconv.runner.engine.core import EngineClient, start_engine
 from dsconv.runner.engine.grammar import Grammars
-from dsconv.runner.engine.kv_offload import OffloadConfig
-from dsconv.runner.engine.kv_transfer import KVTransferConfig, check_transfer_engine
 from dsconv.runner.engine.metrics import ServeMetrics
 from dsconv.runner.engine.request import resolve_max_model_len
-from dsconv.runner.engine.speculative import SpeculativeConfig
+from dsconv.runner.entrypoints.options import EngineOptions
 
 # Idle ranks wait inside a collective for rank 0's next message; rank 0 sends a keep-alive at this fraction of
 # the collective timeout, so an idle server never times out.
@@ -44,36 +42,9 @@ class ServeOptions:
     shards: Path | None
     host: str
     port: int
-    device: str
-    dtype: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    cache_tokens: int
-    max_model_len: int | None
-    kv_cache_dtype: str
-    prefill_context_parallel_size: int
-    prefill_cp_min_tokens: int
-    kv_cache_memory_bytes: int | None
-    block_size: int
-    dp_balancing: str
-    scheduling_policy: str
     served_model_name: str | None
-    world_size: int | None
-    timeout: float
-    record_shapes: Path | None
-    overlap_shared_experts: bool
-    kernels: str
-    enable_prefix_caching: bool
-    speculative_config: str | None
-    enable_eplb: bool
-    eplb_config: str | None
-    expert_load_record: Path | None
-    drain_timeout: float
     api_key: str | None
-    kv_transfer_config: str | None = None
-    kv_offloading_size: float | None = None
-    kv_offloading_path: Path | None = None
-    kv_offloading_disk_size: float | None = None
+    engine: EngineOptions  # the engine flags serve takes (options.SERVE)
 
 
 def main(o: ServeOptions) -> int:
@@ -83,32 +54,20 @@ def main(o: ServeOptions) -> int:
         raise InputError(f"--port {o.port} is not a port number")
     if o.api_key is not None and (not o.api_key.strip() or not o.api_key.isascii() or not o.api_key.isprintable()):
         raise InputError("--api-key (or DSRUN_API_KEY) must be non-empty printable ASCII (HTTP headers carry it)")
-    offload = OffloadConfig.of(o.kv_offloading_size, o.kv_offloading_path, o.kv_offloading_disk_size)
-    kv_transfer = KVTransferConfig.parse(o.kv_transfer_config) if o.kv_transfer_config is not None else None
-    if kv_transfer is not None:
-        check_transfer_engine()
-    scheduler = SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.dp_balancing,
-                                o.prefill_context_parallel_size, o.prefill_cp_min_tokens, o.enable_prefix_caching,
-                                o.scheduling_policy, kv_transfer)
+    o.engine.check()  # before the demo is built for a server that would refuse its flags
     shards = o.shards
     if shards is None:
         from dsconv.shard.demo import announced_demo_shards  # the converter is imported only for the demo
 
         shards = announced_demo_shards("serving")
-    run = RunConfig.open(shards, o.world_size, command="serve", dtype=o.dtype, device=o.device,
-                         cache=CacheConfig(o.cache_tokens, o.kv_cache_memory_bytes, o.kv_cache_dtype, o.block_size),
-                         scheduler=scheduler, max_model_len=o.max_model_len, drain_timeout_s=o.drain_timeout,
-                         record_shapes=o.record_shapes, overlap_shared_experts=o.overlap_shared_experts,
-                         kernels=o.kernels,
-                         speculative=SpeculativeConfig.parse(o.speculative_config),
-                         eplb=eplb_config(o.enable_eplb, o.eplb_config), expert_load_record=o.expert_load_record)
-    run = run.with_offload(offload)
-    run.check_holds(o.max_model_len)
-    resolve_max_model_len(o.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
+    e = o.engine
+    run = e.run_config(shards, "serve")
+    run.check_holds(e.max_model_len)
+    resolve_max_model_len(e.max_model_len, run.max_position_embeddings, run.cache_tokens)  # refused here, not on a rank
     return launch(rank_main, {"run": run, "host": o.host, "port": o.port,
-                              "model_name": o.served_model_name or Path(shards).resolve().name, "timeout_s": o.timeout,
+                              "model_name": o.served_model_name or Path(shards).resolve().name, "timeout_s": e.timeout,
                               "api_key": o.api_key}, world_size=run.layout.world_size, device=run.device,
-                  timeout_s=o.timeout, sigterm_to_rank0=True)
+                  timeout_s=e.timeout, sigterm_to_rank0=True)
 
 
 def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: float,
@@ -149,7 +108,7 @@ def rank_main(run: RunConfig, host: str, port: int, model_name: str, timeout_s: 
               f"{'; ' + run.speculative.summary if run.speculative is not None else ''}"
               f"{'; ' + run.scheduler.kv_transfer.summary if run.scheduler.kv_transfer is not None else ''}"
               f"{'; ' + run.experts_summary if run.experts_summary else ''}"
-              f"{'; ' + engine.offload_shape.summary(run.offload) if engine.offload_shape is not None else ''}",
+              f"{'; ' + engine.connector.summary() if engine.connector.summary() else ''}",
               flush=True)
         door.open(engine)  # after the line above: a client that sees /health 200 finds it in the log
         engine.run(door)

@@ -50,8 +50,8 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
     async def health() -> Response:
         if not engine.is_ready():
             raise APIError(503, "the model is still loading")
-        disk = engine.offload_disk()  # KV offload's disk tier: "ok" or "disabled: why"; None without one
-        return JSONResponse({} if disk is None else {"kv_offload_disk": disk})
+        # the KV connectors' parts: KV offload's disk tier, "ok" or "disabled: why" (kv_offload_disk)
+        return JSONResponse(engine.connector_health())
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -87,7 +87,7 @@ def create_app(engine: Front, metrics_registry: prometheus_client.CollectorRegis
     @app.post(RELEASE_PATH)
     async def release_transfer(request: Request) -> Response:
         body = parse_body(await read_body(request), ReleaseRequest)
-        return JSONResponse({"held": engine.door.release_transfer(body.transfer_id)})
+        return JSONResponse({"held": engine.release_transfer(body.transfer_id)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -84,7 +84,7 @@ class Choice:
 
     def consume(self, out: RequestOutput) -> None:
         self.cached_tokens = out.cached_tokens
-        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
+        self.kv_transfer_params = out.connector_params or self.kv_transfer_params
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.new_token_ids

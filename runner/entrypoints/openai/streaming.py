@@ -59,8 +59,16 @@ class Front:
     def accepting(self) -> bool:
         return self.door.accepting()
 
-    def offload_disk(self) -> str | None:
-        return self.door.offload_disk()
+    def connector_health(self) -> dict[str, str]:
+        """What /health says of the engine's KV connectors (empty without one)."""
+        return self.door.connector.health()
+
+    def release_transfer(self, transfer_id: str) -> bool:
+        """A P/D producer's lease ends (a consumer's POST) -> whether it was still held; its blocks go at the loop's
+        next turn, which this wakes."""
+        held = self.door.connector.release(transfer_id)
+        self.door.wake()
+        return held
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                dp_rank: int | None = None) -> str:
