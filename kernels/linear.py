@@ -8,6 +8,8 @@ W8A8 math, for x [M, k] and an INT8 weight w [n, k] with per-output-channel scal
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -183,7 +185,7 @@ def int8_matmul_reference(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch
 
 def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
     """Same int32 result as the reference. On CUDA, torch._int_mm (`int_mm_padded`) where the shapes allow; on a
-    CPU whose torch._int_mm is exact (`CPU_INT8_GEMM`), torch._int_mm; otherwise float32 GEMMs over K-slices short
+    CPU whose torch._int_mm is exact (`cpu_int8_gemm`), torch._int_mm; otherwise float32 GEMMs over K-slices short
     enough to be exact (an int32 matmul on CPU is a plain loop, several times slower). Every path gives the exact
     integer sums, so the choice changes no value. No rows (an idle rank's step) touch no weight: the slices would
     convert the whole weight to float32 for nothing, which made every W8A8 decode step at world 16 cost seconds."""
@@ -192,7 +194,7 @@ def int8_matmul(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
     if x_q.device.type == "cuda" and not x_q.shape[1] % INT_MM_MULTIPLE \
             and not weight_int8.shape[0] % INT_MM_MULTIPLE:
         return int_mm_padded(x_q, weight_int8)
-    if x_q.device.type == "cpu" and CPU_INT8_GEMM:
+    if x_q.device.type == "cpu" and cpu_int8_gemm():
         return torch._int_mm(x_q.contiguous(), weight_int8.t())
     acc = torch.zeros(x_q.shape[0], weight_int8.shape[0], dtype=torch.int32, device=x_q.device)
     for start in range(0, x_q.shape[1], EXACT_FLOAT32_K):
@@ -214,10 +216,15 @@ def _cpu_int_mm_is_exact() -> bool:
         return False
 
 
-# torch._int_mm on a CPU with VNNI, where the probe finds it exact: 9x-11x less time than the float32 K-slices on a
-# 2-core EPYC with avx512_vnni, from 1 to 512 rows of [2048, 7168] to [24576, 1536] weights (docs/benchmarks.md,
-# "Kernel choices"). Without VNNI it was slower than the slices at more than a few rows (measured on an AVX2 EPYC).
-CPU_INT8_GEMM = torch.cpu._is_vnni_supported() and _cpu_int_mm_is_exact()
+@functools.cache
+def cpu_int8_gemm() -> bool:
+    """Whether CPU INT8 GEMMs run torch._int_mm: on a CPU with VNNI, where the probe finds it exact, 9x-11x less time
+    than the float32 K-slices on a 2-core EPYC with avx512_vnni, from 1 to 512 rows of [2048, 7168] to [24576, 1536]
+    weights (docs/benchmarks.md, "Kernel choices"); without VNNI it was slower than the slices at more than a few
+    rows (measured on an AVX2 EPYC). Probed at the first GEMM, not at import: the rank server imports this module
+    before it forks the ranks, and a oneDNN GEMM run before a fork can leave its threads' locks held in the children
+    (with ONEDNN_MAX_CPU_ISA=AVX2 every rank hung in its first parallel copy)."""
+    return torch.cpu._is_vnni_supported() and _cpu_int_mm_is_exact()
 
 
 def int_mm_padded(x_q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
