@@ -61,7 +61,7 @@ class Scheduler:
         told of every DP rank's evictions."""
         dp = pools.dp
         self.dp, self.max_num_seqs, self.budget = dp, config.max_num_seqs, config.max_num_batched_tokens
-        self.policy, self.eos_token_id, self.balancing = config.scheduling_policy, eos_token_id, config.balancing
+        self.policy, self.balancing = config.scheduling_policy, config.balancing
         self.connector = connector if connector is not None else KVConnector()
         self.ranks = [DPRank(index, pools, config.scheduling_policy, functools.partial(self.connector.evicted, index))
                       for index in range(dp)]
@@ -74,7 +74,7 @@ class Scheduler:
         self.prefix_caching = config.enable_prefix_caching and pools.prefix_caching
         self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found, in all
         self._restored: list[tuple[DPRank, int]] = []  # (DP rank, seq_id) restored in the step being run
-        self.speculative_tokens, self.plan = speculative_tokens, SamplePlan(eos_token_id, speculative_tokens)
+        self.plan = SamplePlan(eos_token_id, speculative_tokens)  # what each step draws; its drafts
         self.spec = SpecCounts()
         self.failures: list[tuple[str, str, Exception]] = []  # requests failed alone, for the loop to count (fail)
 
@@ -245,7 +245,7 @@ class Scheduler:
         drafts = self.plan.usable_drafts(request)[:max(0, stop - known)]  # fed after its last token, when decoding
         table = rank.blocks.grow(request.seq_id, self.plan.room(request, stop - start))
         sample = self.plan.spec(request, drafts) if stop >= known else None
-        follow = request.tokens[stop] if self.speculative_tokens and stop < known else None
+        follow = request.tokens[stop] if self.plan.speculative_tokens and stop < known else None
         params = request.params
         scores = None
         if request.scoring:  # rows start .. predict prompt tokens start + 1 ..

@@ -64,7 +64,7 @@ def _settle(s, step: Step, results: list[list[SeqResult]]) -> None:
             if request is not None and request.verifying:
                 accepted = len(result.extra)
                 request.num_computed -= request.verifying - accepted
-                s.spec.add(request.verifying, accepted, s.speculative_tokens)
+                s.spec.add(request.verifying, accepted, s.plan.speculative_tokens)
                 request.verifying = 0
 
 def _take(s, seq_id: int, result: SeqResult, now: float) -> list[tuple[Request, RequestOutput]]:
